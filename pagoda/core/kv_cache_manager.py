@@ -1,0 +1,229 @@
+"""Per-request block tables over one BlockPool: admission, prefix hits and frees.
+
+The scheduler's view of KV memory. A request's block table is append-only while it
+runs: block i holds the K/V of tokens [i * block_size, (i + 1) * block_size). Prefix
+hits prepend shared, already full blocks; new tokens are only ever written into blocks
+the request owns alone (the hit never covers the last prompt token, and only full blocks
+are shared), so sharing needs no copy-on-write here.
+
+| per request       | meaning                                                          |
+|-------------------|------------------------------------------------------------------|
+| req_to_blocks     | the block table (KVCacheBlock objects)                           |
+| req_to_block_ids  | the same table as ids, kept in step so reading it costs nothing  |
+| num_cached_blocks | leading blocks already offered to the prefix cache (registered,  |
+|                   | or skipped as duplicates); the next registration starts there    |
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from itertools import islice
+from typing import Protocol
+
+from pagoda.core.block_pool import BlockPool, KVCacheBlock, assert_that
+from pagoda.core.hashing import BlockHash
+
+
+class _CacheRequest(Protocol):
+    req_id: str
+    num_computed_tokens: int
+    num_preemptions: int
+    block_hashes: list[BlockHash]
+
+    @property
+    def num_tokens(self) -> int: ...
+
+
+class KVCacheManager:
+    """Block tables of all requests that hold KV, and the prefix-cache statistics.
+
+    `prefix_cache_queries` / `prefix_cache_hits` count tokens: each request counts once,
+    at its first successful allocation if it was never preempted (queries += its token
+    count, hits += its prefix-hit tokens). Counting at commit rather than in
+    `get_computed_blocks` means a request whose admission is retried is not counted twice.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.req_to_block_ids: dict[str, list[int]] = {}
+        self.num_cached_blocks: dict[str, int] = {}
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that can be allocated now (free, including evictable cached ones)."""
+        return self.block_pool.get_num_free_blocks()
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by requests, in [0, 1]."""
+        return self.block_pool.get_usage()
+
+    def get_computed_blocks(self, request: _CacheRequest) -> tuple[list[KVCacheBlock], int]:
+        """The longest run of cached blocks matching `request.block_hashes` from the start,
+        and the number of tokens they cover. Never covers the last token (it must be
+        computed to get logits). ([], 0) when caching is off. Changes no state: pass the
+        result to `allocate_slots` before any other allocation.
+        """
+        if not self.enable_caching:
+            return [], 0
+        max_num_blocks = (request.num_tokens - 1) // self.block_size
+        lookup = self.block_pool.cached_block_hash_to_block.get
+        blocks = []
+        for block_hash in islice(request.block_hashes, max_num_blocks):
+            block = lookup(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks, len(blocks) * self.block_size
+
+    def allocate_slots(
+        self,
+        request: _CacheRequest,
+        num_new_tokens: int,
+        new_computed_blocks: list[KVCacheBlock] | None = None,
+        num_new_computed_tokens: int = 0,
+    ) -> list[KVCacheBlock] | None:
+        """Grow the request's table to cover num_computed_tokens + num_new_computed_tokens +
+        num_new_tokens tokens; return the newly allocated blocks (prefix hits excluded), or
+        None, with no state change, if the pool is short.
+
+        `new_computed_blocks` (from `get_computed_blocks`, only for a request that holds no
+        blocks) are shared and prepended. With caching on, blocks that become full with
+        these tokens and have a hash in `request.block_hashes` are registered.
+        """
+        block_size = self.block_size
+        num_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        blocks = self.req_to_blocks.get(request.req_id)
+        if blocks is not None and not new_computed_blocks:
+            # NOTE: the per-step path of a running request: O(1) unless the table grows.
+            num_new_blocks = -(-num_tokens // block_size) - len(blocks)
+            if num_new_blocks <= 0:
+                new_blocks = []
+            elif num_new_blocks > self.block_pool.get_num_free_blocks():
+                return None
+            else:
+                new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
+                blocks.extend(new_blocks)
+                self.req_to_block_ids[request.req_id].extend(b.block_id for b in new_blocks)
+        else:
+            if blocks:
+                raise ValueError(f"request {request.req_id} already holds blocks")
+            new_blocks = self._allocate_first(
+                request, num_tokens, new_computed_blocks or [], num_new_computed_tokens
+            )
+            if new_blocks is None:
+                return None
+            blocks = self.req_to_blocks[request.req_id]
+        if self.enable_caching:
+            self._cache_full_blocks(request, blocks, num_tokens)
+        return new_blocks
+
+    def _allocate_first(
+        self,
+        request: _CacheRequest,
+        num_tokens: int,
+        computed_blocks: list[KVCacheBlock],
+        num_hit_tokens: int,
+    ) -> list[KVCacheBlock] | None:
+        """Create the table of a request that holds no blocks: share `computed_blocks`,
+        then allocate the rest. None (and no change) if the pool is short.
+        """
+        self._check_still_cached(request, computed_blocks)
+        num_new_blocks = max(0, -(-num_tokens // self.block_size) - len(computed_blocks))
+        # NOTE: hits on freed blocks sit in the free queue; touching them takes them out,
+        # so they are not capacity for the new blocks.
+        num_reused_free = sum(1 for block in computed_blocks if block.ref_cnt == 0)
+        if num_new_blocks > self.block_pool.get_num_free_blocks() - num_reused_free:
+            return None
+        # NOTE: touch before allocating, or get_new_blocks could evict the hits.
+        self.block_pool.touch(computed_blocks)
+        new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
+        blocks = computed_blocks + new_blocks
+        req_id = request.req_id
+        self.req_to_blocks[req_id] = blocks
+        self.req_to_block_ids[req_id] = [block.block_id for block in blocks]
+        self.num_cached_blocks[req_id] = len(computed_blocks)
+        if self.enable_caching and request.num_preemptions == 0:
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += num_hit_tokens
+        return new_blocks
+
+    def _check_still_cached(
+        self, request: _CacheRequest, computed_blocks: Sequence[KVCacheBlock]
+    ) -> None:
+        """Raise if a hit was evicted (or reassigned) since `get_computed_blocks`: using it
+        would silently read another sequence's KV.
+        """
+        if len(computed_blocks) > len(request.block_hashes):
+            raise RuntimeError(f"request {request.req_id}: more hits than block hashes")
+        for block, block_hash in zip(computed_blocks, request.block_hashes, strict=False):
+            if block.block_hash != block_hash:
+                raise RuntimeError(
+                    f"request {request.req_id}: prefix hit {block} was evicted before "
+                    "allocate_slots; call get_computed_blocks right before it"
+                )
+
+    def _cache_full_blocks(
+        self, request: _CacheRequest, blocks: list[KVCacheBlock], num_tokens: int
+    ) -> None:
+        """Register the blocks that `num_tokens` fills and that have a hash."""
+        # NOTE: capping by the hashes keeps tokens scheduled past the hashed ones (draft
+        # tokens, which must not be hashed until accepted) out of the cache.
+        num_full_blocks = min(num_tokens // self.block_size, len(request.block_hashes))
+        num_cached = self.num_cached_blocks[request.req_id]
+        if num_full_blocks > num_cached:
+            self.block_pool.cache_full_blocks(
+                blocks, request.block_hashes, num_cached, num_full_blocks
+            )
+            self.num_cached_blocks[request.req_id] = num_full_blocks
+
+    def free(self, request: _CacheRequest) -> None:
+        """Release the request's blocks (no-op if it holds none). Frees the table in
+        reverse so that a sequence's tail is evicted before its head, which other
+        requests are likelier to share.
+        """
+        req_id = request.req_id
+        blocks = self.req_to_blocks.pop(req_id, None)
+        self.req_to_block_ids.pop(req_id, None)
+        self.num_cached_blocks.pop(req_id, None)
+        if blocks:
+            self.block_pool.free_blocks(reversed(blocks))
+
+    def get_block_ids(self, req_id: str) -> list[int]:
+        """The request's block table as ids ([] if it holds none). The live list, so
+        O(1): do not mutate it, and copy it to keep a snapshot.
+        """
+        return self.req_to_block_ids.get(req_id, [])
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget all cached hashes; False (no change) while any block is in use."""
+        return self.block_pool.reset_prefix_cache()
+
+    def check_integrity(self) -> None:
+        """Assert the pool's invariants plus: each block's ref_cnt equals its number of
+        appearances over all tables, no block is twice in one table, and the id tables
+        match the block tables. Raises AssertionError with a message.
+        """
+        self.block_pool.check_integrity()
+        num_refs: Counter[int] = Counter()
+        for req_id, blocks in self.req_to_blocks.items():
+            block_ids = [block.block_id for block in blocks]
+            assert_that(len(set(block_ids)) == len(block_ids), f"{req_id}: a block twice in table")
+            assert_that(self.req_to_block_ids.get(req_id) == block_ids, f"{req_id}: id table stale")
+            assert_that(self.num_cached_blocks[req_id] <= len(blocks), f"{req_id}: cached > table")
+            num_refs.update(block_ids)
+        assert_that(self.req_to_block_ids.keys() == self.req_to_blocks.keys(), "tables disagree")
+        for block in self.block_pool.blocks:
+            assert_that(
+                block.ref_cnt == num_refs[block.block_id],
+                f"{block}: ref_cnt != {num_refs[block.block_id]} table appearances",
+            )

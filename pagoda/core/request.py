@@ -1,0 +1,102 @@
+"""One request's state inside the engine: the scheduler's only view of a sequence.
+
+There are no prefill/decode phases: `num_computed_tokens` catches up with `num_tokens`
+(prompt + outputs so far). A chunked prefill, a prefix-cache hit and a recompute after
+preemption are all just different values of that counter.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from pagoda.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    """Ordered so that `status > RequestStatus.PREEMPTED` means finished."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6
+
+    @property
+    def is_finished(self) -> bool:
+        return self > RequestStatus.PREEMPTED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+@dataclass(eq=False)
+class Request:
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    priority: int = 0
+    # NOTE: extra keys folded into this request's block hashes (e.g. a cache salt) so that
+    # requests that must not share KV never hit each other's cached blocks.
+    cache_salt: str | None = None
+
+    output_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(init=False)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: int | str | None = None
+    num_preemptions: int = 0
+    # Hashes of this request's full blocks, filled in as blocks fill (prefix caching).
+    block_hashes: list = field(default_factory=list)
+    # Number of prompt tokens served from the prefix cache at first scheduling.
+    num_cached_tokens: int = -1
+    generator: torch.Generator | None = None
+    # Timestamps (time.monotonic) for metrics.
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise ValueError("prompt must contain at least one token")
+        self.all_token_ids = list(self.prompt_token_ids)
+        seed = self.sampling_params.seed
+        if seed is not None and self.generator is None:
+            self.generator = torch.Generator().manual_seed(seed)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token_ids(self, token_ids: int | list[int]) -> None:
+        if isinstance(token_ids, int):
+            token_ids = [token_ids]
+        self.output_token_ids.extend(token_ids)
+        self.all_token_ids.extend(token_ids)

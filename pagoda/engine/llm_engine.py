@@ -1,0 +1,246 @@
+"""The synchronous engine: requests in, one scheduler step at a time, RequestOutputs out.
+
+API -> engine (tokenize, validate, fan out n samples) -> scheduler -> runner -> scheduler
+update -> output processor (detokenize, stop strings, logprobs) -> outputs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from pagoda.config import (
+    EngineConfig,
+    available_memory_bytes,
+    resolve_device,
+    resolve_dtype,
+)
+from pagoda.core.kv_cache_manager import KVCacheManager
+from pagoda.core.request import Request, RequestStatus
+from pagoda.core.scheduler import Scheduler, SchedulerStats
+from pagoda.engine.output_processor import OutputKind, OutputProcessor
+from pagoda.models.factory import build_model
+from pagoda.models.loader import load_checkpoint
+from pagoda.outputs import RequestOutput
+from pagoda.sampling_params import SamplingParams
+from pagoda.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+PromptType = str | list[int] | dict[str, Any]
+MAX_LOGPROBS = 20
+_CPU_KV_DEFAULT_CAP = 4 << 30
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        config.validate()
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.model.dtype, self.device)
+        torch.manual_seed(config.model.seed)
+        ckpt = load_checkpoint(config.model.model)
+        self.model_path = str(ckpt.path)
+        self.tokenizer = ckpt.tokenizer
+        hf = ckpt.hf_config
+        self.hf_config = hf
+        model_max = int(hf.max_position_embeddings)
+        self.max_model_len = config.model.max_model_len or model_max
+        if self.max_model_len > model_max:
+            raise ValueError(
+                f"max_model_len {self.max_model_len} exceeds the model's "
+                f"max_position_embeddings {model_max}"
+            )
+        self.model = build_model(
+            ckpt, self.dtype, self.device, self.max_model_len, config.model.attn_backend
+        )
+        spec = self.model.spec
+        self.vocab_size = spec.vocab_size
+        block_size = config.cache.block_size
+        num_blocks = self._num_kv_blocks(spec)
+        if num_blocks * block_size < self.max_model_len:
+            raise ValueError(
+                f"max_model_len {self.max_model_len} does not fit in the KV cache "
+                f"({num_blocks} blocks of {block_size} tokens); the largest max_model_len "
+                f"that fits is {num_blocks * block_size}: lower max_model_len or give the "
+                f"cache more memory (kv_cache_memory_bytes / gpu_memory_utilization)"
+            )
+        self.num_blocks = num_blocks
+        shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+        kv_caches = [
+            (torch.zeros(shape, dtype=self.dtype, device=self.device),
+             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            for _ in range(spec.num_layers)
+        ]
+        self.eos_token_id = self.tokenizer.eos_token_id
+        self.extra_stop_ids = _generation_eos_ids(ckpt.generation_config) - {self.eos_token_id}
+        eos_ids = {self.eos_token_id} if self.eos_token_id is not None else set()
+        s = config.scheduler
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks, block_size, enable_caching=config.cache.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            self.kv_cache_manager,
+            max_num_seqs=s.max_num_seqs,
+            max_num_batched_tokens=s.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            enable_chunked_prefill=s.enable_chunked_prefill,
+        )
+        self.runner = ModelRunner(
+            self.model, kv_caches, block_size, self.vocab_size,
+            eos_ids | self.extra_stop_ids, self.device,
+        )
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.generation_config = ckpt.generation_config
+
+    def _num_kv_blocks(self, spec) -> int:
+        c = self.config.cache
+        elem = torch.finfo(self.dtype).bits // 8
+        per_block = 2 * spec.num_layers * c.block_size * spec.num_kv_heads * spec.head_dim * elem
+        if c.num_gpu_blocks_override is not None:
+            return c.num_gpu_blocks_override
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = total * c.gpu_memory_utilization - (total - free)
+        elif c.kv_cache_memory_bytes is not None:
+            budget = c.kv_cache_memory_bytes
+        else:
+            # NOTE: more blocks than max_num_seqs full-length sequences can use only hold
+            # prefix cache; don't take RAM for that by default.
+            max_useful = self.config.scheduler.max_num_seqs * self.max_model_len
+            useful = -(-max_useful // c.block_size) * per_block
+            budget = min(_CPU_KV_DEFAULT_CAP, available_memory_bytes() // 4, useful)
+        return max(int(budget // per_block), 0)
+
+    # ---- requests ---------------------------------------------------------------------
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return self.tokenize_prompt(prompt["prompt"])
+            raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise ValueError(f"prompt must be a string, token ids or a dict, got {type(prompt)}")
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        output_kind: OutputKind = OutputKind.CUMULATIVE,
+        cache_salt: str | None = None,
+    ) -> None:
+        """Validates and queues a request; raises ValueError naming the problem."""
+        params = params or SamplingParams()
+        if request_id in self.output_processor.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, token_ids = self.tokenize_prompt(prompt)
+        params = self._validate(token_ids, params)
+        arrival_time = arrival_time if arrival_time is not None else time.monotonic()
+        child_ids = [request_id] if params.n == 1 else [
+            f"{request_id}#{i}" for i in range(params.n)
+        ]
+        self.output_processor.add_request(
+            request_id, text, token_ids, params, child_ids, output_kind, arrival_time
+        )
+        for i, child in enumerate(child_ids):
+            child_params = params
+            if params.n > 1 and params.seed is not None:
+                # NOTE: each sample gets its own stream; seed + i keeps them reproducible.
+                child_params = params.clone()
+                child_params.seed = params.seed + i
+            self.scheduler.add_request(
+                Request(
+                    req_id=child,
+                    prompt_token_ids=token_ids,
+                    sampling_params=child_params,
+                    eos_token_id=self.eos_token_id,
+                    arrival_time=arrival_time,
+                    priority=priority,
+                    cache_salt=cache_salt,
+                )
+            )
+
+    def _validate(self, token_ids: list[int], params: SamplingParams) -> SamplingParams:
+        if not token_ids:
+            raise ValueError("prompt is empty: it must contain at least one token")
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"prompt token id {bad[0]} is outside the vocabulary (size {self.vocab_size})"
+            )
+        n = len(token_ids)
+        if n >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {n} tokens, which leaves no room to generate within "
+                f"max_model_len {self.max_model_len}"
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > MAX_LOGPROBS:
+                raise ValueError(f"{name} must be at most {MAX_LOGPROBS}, got {k}")
+        if params.max_tokens is None or self.extra_stop_ids:
+            params = params.clone()
+            if params.max_tokens is None:
+                params.max_tokens = self.max_model_len - n
+            if self.extra_stop_ids and not params.ignore_eos:
+                params.stop_token_ids = sorted(set(params.stop_token_ids) | self.extra_stop_ids)
+        if n + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({n} tokens) plus max_tokens ({params.max_tokens}) exceeds "
+                f"max_model_len {self.max_model_len}"
+            )
+        return params
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
+        """Aborts requests (unknown ids are ignored); frees their KV blocks at once."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        outputs = []
+        for rid in request_ids:
+            children = [s.req_id for s in self.output_processor.requests[rid].samples] if (
+                rid in self.output_processor.requests) else []
+            self.scheduler.finish_requests(children, RequestStatus.FINISHED_ABORTED)
+            out = self.output_processor.finish_aborted(rid)
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.output_processor.requests)
+
+    # ---- the loop ---------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched_out = self.scheduler.schedule()
+        runner_out = self.runner.execute_model(sched_out)
+        core_outputs = self.scheduler.update_from_output(sched_out, runner_out)
+        outputs, stopped = self.output_processor.process(core_outputs, self.scheduler)
+        if stopped:
+            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        return outputs
+
+    def get_stats(self) -> SchedulerStats:
+        return self.scheduler.get_stats()
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()
+
+
+def _generation_eos_ids(generation_config: dict) -> set[int]:
+    eos = generation_config.get("eos_token_id")
+    if eos is None:
+        return set()
+    return {eos} if isinstance(eos, int) else set(eos)

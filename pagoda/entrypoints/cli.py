@@ -1,0 +1,141 @@
+"""`pagoda` command line: generate, chat, bench (flags mirror vLLM's names)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from pagoda.sampling_params import SamplingParams
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="HF directory or .gguf file "
+                   "(default: the embedded SmolLM2-135M-Instruct GGUF)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    p.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
+                   action="store_false", default=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="auto")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return {
+        "dtype": args.dtype,
+        "max_model_len": args.max_model_len,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "block_size": args.block_size,
+        "gpu_memory_utilization": args.gpu_memory_utilization,
+        "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
+        "num_gpu_blocks_override": args.num_gpu_blocks_override,
+        "enable_prefix_caching": args.enable_prefix_caching,
+        "seed": args.seed,
+        "device": args.device,
+    }
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--sampling-seed", type=int, default=None)
+
+
+def _sampling(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                          top_p=args.top_p, top_k=args.top_k, seed=args.sampling_seed)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from pagoda import LLM
+
+    llm = LLM(args.model, **engine_kwargs(args))
+    params = _sampling(args)
+    if args.chat_template_off:
+        outputs = llm.generate(args.prompt, params, use_tqdm=False)
+    else:
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params,
+                           use_tqdm=False)
+    for out in outputs:
+        print(out.outputs[0].text)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from pagoda import LLM
+
+    llm = LLM(args.model, **engine_kwargs(args))
+    params = _sampling(args)
+    history: list[dict] = []
+    if args.system:
+        history.append({"role": "system", "content": args.system})
+    print("pagoda chat: type a message; /reset clears history, /exit or Ctrl-D quits.")
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            print()
+            return 0
+        if line.strip() in ("/exit", "/quit"):
+            return 0
+        if line.strip() == "/reset":
+            history = history[:1] if args.system else []
+            continue
+        if not line.strip():
+            continue
+        history.append({"role": "user", "content": line})
+        reply = llm.chat(history, params, use_tqdm=False)[0].outputs[0].text
+        print(reply)
+        history.append({"role": "assistant", "content": reply})
+
+
+def cmd_bench_throughput(args: argparse.Namespace) -> int:
+    from pagoda.benchmarks.throughput import run_throughput
+
+    run_throughput(args)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagoda", description="pagoda LLM engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate a reply for each prompt")
+    gen.add_argument("prompt", nargs="+")
+    gen.add_argument("--no-chat-template", dest="chat_template_off", action="store_true",
+                     help="send the prompt as raw text instead of a chat message")
+    add_engine_args(gen)
+    _add_sampling_args(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    chat = sub.add_parser("chat", help="interactive chat with the model")
+    chat.add_argument("--system", default=None)
+    add_engine_args(chat)
+    _add_sampling_args(chat)
+    chat.set_defaults(func=cmd_chat)
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    tp = bench_sub.add_parser("throughput", help="offline throughput vs transformers (and vLLM)")
+    from pagoda.benchmarks.throughput import add_throughput_args
+
+    add_throughput_args(tp)
+    tp.set_defaults(func=cmd_bench_throughput)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

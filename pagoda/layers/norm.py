@@ -1,0 +1,31 @@
+"""RMSNorm, with the residual add fused in the way the decoder layers use it."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """y = x / rms(x) * weight, computed in float32 like transformers, returned in x's dtype."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        # NOTE: transformers normalises in float32 and multiplies by the weight after casting
+        # back; doing the same keeps bf16 outputs close to the oracle.
+        y = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
+        return y * self.weight
+
+    def forward_residual(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (norm(x + residual), x + residual)."""
+        residual = x + residual
+        return self.forward(residual), residual

@@ -1,0 +1,387 @@
+"""Next-token sampling for a batch of rows, with vLLM's semantics.
+
+Order of processing (each stage is skipped when no row in the batch needs it):
+    logit_bias -> min_tokens bans -> penalties -> [greedy rows: argmax]
+    -> temperature -> top-k -> top-p -> min-p -> sample (exponential race).
+Logprobs are taken from the raw logits, before any of these stages (vLLM's default).
+
+A seeded row is sampled with its own `torch.Generator`, drawing exactly one vector of
+vocabulary size per step, so its tokens do not depend on what else is in the batch.
+This module is the plain PyTorch reference; it is also the CPU execution path.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from pagoda.sampling_params import SamplingParams, SamplingType
+
+_TINY = torch.finfo(torch.float32).tiny
+
+
+@dataclass(slots=True)
+class SamplingMetadata:
+    """Per-row sampling state of one batch, on the logits' device.
+
+    Optional tensors are None when no row needs them, so the common cases skip whole
+    stages: an all-greedy batch without penalties, bias or bans costs one argmax.
+    Greedy rows hold neutral values (temperature 1, top-k/top-p/min-p off).
+    """
+
+    all_greedy: bool
+    all_random: bool
+    greedy_mask: torch.Tensor | None  # [B] bool; only when greedy and random rows mix
+    temperature: torch.Tensor | None  # [B] float32; None when all rows are greedy
+    top_k: torch.Tensor | None  # [B] int64 in [1, V], V where off
+    max_top_k: int  # max of top_k (V when None): below V, a top-k replaces the full sort
+    top_p: torch.Tensor | None  # [B] float32, 1.0 where off
+    min_p: torch.Tensor | None  # [B] float32, 0.0 where off
+    generators: dict[int, torch.Generator]  # row -> generator, seeded random rows only
+    repetition_penalty: torch.Tensor | None  # [B, 1] float32
+    seen_token_mask: torch.Tensor | None  # [B, V] bool: token is in the prompt or output
+    frequency_penalty: torch.Tensor | None  # [B, 1] float32
+    presence_penalty: torch.Tensor | None  # [B, 1] float32
+    output_token_counts: torch.Tensor | None  # [B, V] float32: occurrences in the output
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (rows, ids, values)
+    banned_tokens: tuple[torch.Tensor, torch.Tensor] | None  # (rows, ids) set to -inf
+    max_num_logprobs: int | None  # top-K logprobs to return; None when no row asks
+
+    @property
+    def no_penalties(self) -> bool:
+        return self.repetition_penalty is None and self.frequency_penalty is None
+
+    @property
+    def needs_processing(self) -> bool:
+        """Whether any stage besides argmax/sampling touches the logits."""
+        return not (
+            self.no_penalties
+            and self.logit_bias is None
+            and self.banned_tokens is None
+            and self.all_greedy
+        )
+
+    @classmethod
+    def build(
+        cls,
+        params: list[SamplingParams],
+        prompt_token_ids: list[list[int]],
+        output_token_ids: list[list[int]],
+        generators: list[torch.Generator | None],
+        eos_token_ids: set[int],
+        vocab_size: int,
+        device: torch.device,
+    ) -> SamplingMetadata:
+        """Gather the per-row options of `params` (row i = params[i]) into tensors.
+
+        `generators[i]` is used only when row i samples randomly; it may live on the CPU
+        while `device` is an accelerator.
+        """
+        greedy = [p.sampling_type == SamplingType.GREEDY for p in params]
+        all_greedy, all_random = all(greedy), not any(greedy)
+        # Greedy rows get neutral values so that one vectorised pass serves every row.
+        temperature = [1.0 if g else p.temperature for p, g in zip(params, greedy)]
+        top_k = _top_k_column(params, greedy, vocab_size)
+        top_p = [1.0 if g else p.top_p for p, g in zip(params, greedy)]
+        min_p = [0.0 if g else p.min_p for p, g in zip(params, greedy)]
+        max_logprobs = [p.logprobs for p in params if p.logprobs is not None]
+
+        def column(values: list, dtype: torch.dtype, neutral: float) -> torch.Tensor | None:
+            if all(v == neutral for v in values):
+                return None
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        md = cls(
+            all_greedy=all_greedy,
+            all_random=all_random,
+            greedy_mask=None
+            if all_greedy or all_random
+            else torch.tensor(greedy, dtype=torch.bool, device=device),
+            temperature=None
+            if all_greedy
+            else torch.tensor(temperature, dtype=torch.float32, device=device),
+            top_k=column(top_k, torch.int64, vocab_size),
+            max_top_k=max(top_k, default=vocab_size),
+            top_p=column(top_p, torch.float32, 1.0),
+            min_p=column(min_p, torch.float32, 0.0),
+            generators={
+                i: gen
+                for i, (gen, g) in enumerate(zip(generators, greedy))
+                if gen is not None and not g
+            },
+            repetition_penalty=None,
+            seen_token_mask=None,
+            frequency_penalty=None,
+            presence_penalty=None,
+            output_token_counts=None,
+            logit_bias=_build_logit_bias(params, device),
+            banned_tokens=_build_banned_tokens(params, output_token_ids, eos_token_ids, device),
+            max_num_logprobs=max(max_logprobs) if max_logprobs else None,
+        )
+        _fill_penalties(md, params, prompt_token_ids, output_token_ids, vocab_size, device)
+        return md
+
+
+def _top_k_column(params: list[SamplingParams], greedy: list[bool], vocab_size: int) -> list[int]:
+    """Per-row k in [1, V] (V = off); all V when no random row uses top-k."""
+    top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
+    if all(k == vocab_size for k, g in zip(top_k, greedy) if not g):
+        return [vocab_size] * len(params)
+    # NOTE: greedy rows take k = 1 (the same argmax), so that a batch whose random rows
+    # all use top-k still avoids sorting the whole vocabulary.
+    return [1 if g else k for k, g in zip(top_k, greedy)]
+
+
+def _flat_pairs(
+    rows: list[int], token_lists: list[list[int]], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row index, token id) for every token of `token_lists[r]`, r in rows."""
+    ids = torch.tensor(
+        list(itertools.chain.from_iterable(token_lists[r] for r in rows)), dtype=torch.int64
+    )
+    lengths = torch.tensor([len(token_lists[r]) for r in rows], dtype=torch.int64)
+    row_idx = torch.repeat_interleave(torch.tensor(rows, dtype=torch.int64), lengths)
+    return row_idx.to(device), ids.to(device)
+
+
+def _fill_penalties(
+    md: SamplingMetadata,
+    params: list[SamplingParams],
+    prompt_token_ids: list[list[int]],
+    output_token_ids: list[list[int]],
+    vocab_size: int,
+    device: torch.device,
+) -> None:
+    """Set the penalty fields of `md`; only rows that use a penalty pay for its table."""
+    # NOTE: the tables are rebuilt every step from token lists; a persistent input batch
+    # can later keep them on the device and update them incrementally.
+    batch = len(params)
+    rep_rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
+    if rep_rows:
+        all_ids = [prompt_token_ids[i] + output_token_ids[i] for i in range(batch)]
+        mask = torch.zeros(batch, vocab_size, dtype=torch.bool, device=device)
+        mask[_flat_pairs(rep_rows, all_ids, device)] = True
+        md.seen_token_mask = mask
+        md.repetition_penalty = torch.tensor(
+            [[p.repetition_penalty] for p in params], dtype=torch.float32, device=device
+        )
+    freq_rows = [
+        i for i, p in enumerate(params) if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+    ]
+    if freq_rows:
+        counts = torch.zeros(batch, vocab_size, dtype=torch.float32, device=device)
+        rows, ids = _flat_pairs(freq_rows, output_token_ids, device)
+        counts.index_put_((rows, ids), torch.ones_like(ids, dtype=torch.float32), accumulate=True)
+        md.output_token_counts = counts
+        md.frequency_penalty = torch.tensor(
+            [[p.frequency_penalty] for p in params], dtype=torch.float32, device=device
+        )
+        md.presence_penalty = torch.tensor(
+            [[p.presence_penalty] for p in params], dtype=torch.float32, device=device
+        )
+
+
+def _build_logit_bias(
+    params: list[SamplingParams], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    entries = [(i, t, b) for i, p in enumerate(params) for t, b in (p.logit_bias or {}).items()]
+    if not entries:
+        return None
+    rows, ids, values = zip(*entries)
+    return (
+        torch.tensor(rows, dtype=torch.int64, device=device),
+        torch.tensor(ids, dtype=torch.int64, device=device),
+        torch.tensor(values, dtype=torch.float32, device=device),
+    )
+
+
+def _build_banned_tokens(
+    params: list[SamplingParams],
+    output_token_ids: list[list[int]],
+    eos_token_ids: set[int],
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Stop tokens of rows that have not yet produced `min_tokens` tokens."""
+    pairs = [
+        (i, t)
+        for i, (p, out) in enumerate(zip(params, output_token_ids))
+        if len(out) < p.min_tokens
+        for t in sorted(p.all_stop_token_ids(eos_token_ids))
+    ]
+    if not pairs:
+        return None
+    rows, ids = zip(*pairs)
+    return (
+        torch.tensor(rows, dtype=torch.int64, device=device),
+        torch.tensor(ids, dtype=torch.int64, device=device),
+    )
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    """One step's sampled tokens; every tensor is on the CPU.
+
+    The logprob tensors are [B, K+1]: column 0 is the sampled token, columns 1..K the
+    K most likely tokens (K = max_num_logprobs). All three are None when no row asked.
+    """
+
+    sampled_token_ids: torch.Tensor  # [B] int64
+    logprob_token_ids: torch.Tensor | None  # [B, K+1] int64
+    logprobs: torch.Tensor | None  # [B, K+1] float32
+    sampled_token_ranks: torch.Tensor | None  # [B] int64, 1 = most likely
+
+
+class Sampler:
+    """Stateless: all per-request state comes in through `SamplingMetadata`."""
+
+    def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+        """Sample one token per row of `logits` [B, V] (any float dtype; math in float32).
+
+        The caller's `logits` tensor is never modified.
+        """
+        raw_logprobs = None
+        if md.max_num_logprobs is not None:
+            raw_logprobs = torch.log_softmax(logits.float(), dim=-1)
+        if md.needs_processing:
+            logits = logits.to(torch.float32, copy=True)
+            apply_logit_bias_and_bans(logits, md)
+            apply_penalties(logits, md)
+        sampled = self._sample(logits, md)
+        if raw_logprobs is None:
+            return SamplerOutput(sampled.cpu(), None, None, None)
+        ids, lps, ranks = _gather_topk(raw_logprobs, sampled, md.max_num_logprobs)
+        return SamplerOutput(sampled.cpu(), ids.cpu(), lps.cpu(), ranks.cpu())
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        greedy_ids = None if md.all_random else logits.argmax(dim=-1)
+        if md.all_greedy:
+            return greedy_ids
+        if not md.needs_processing:
+            # NOTE: still the caller's tensor; the stages below work in place.
+            logits = logits.to(torch.float32, copy=True)
+        logits.div_(md.temperature.unsqueeze(1))
+        logits = apply_top_k_top_p(logits, md.top_k, md.top_p, md.max_top_k)
+        if md.min_p is not None:
+            apply_min_p(logits, md.min_p)
+        random_ids = random_sample(logits.softmax(dim=-1), md.generators)
+        if greedy_ids is None:
+            return random_ids
+        return torch.where(md.greedy_mask, greedy_ids, random_ids)
+
+
+def apply_logit_bias_and_bans(logits: torch.Tensor, md: SamplingMetadata) -> None:
+    """In place: add logit_bias, then set the min_tokens-banned stop tokens to -inf."""
+    if md.logit_bias is not None:
+        rows, ids, values = md.logit_bias
+        logits.index_put_((rows, ids), values, accumulate=True)
+    if md.banned_tokens is not None:
+        logits[md.banned_tokens] = -float("inf")
+
+
+def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> None:
+    """In place. Repetition (prompt + output tokens): positive logits are divided by the
+    penalty, negative ones multiplied. Frequency and presence (output tokens only, as
+    OpenAI): logit -= frequency * count + presence * (count > 0)."""
+    if md.repetition_penalty is not None:
+        penalty = md.repetition_penalty.expand_as(logits)
+        penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
+        logits.copy_(torch.where(md.seen_token_mask, penalised, logits))
+    if md.frequency_penalty is not None:
+        counts = md.output_token_counts
+        logits.sub_(md.frequency_penalty * counts + md.presence_penalty * (counts > 0))
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+    max_top_k: int | None = None,
+) -> torch.Tensor:
+    """Mask to -inf every token outside each row's top-k and top-p nucleus (one sort).
+
+    top-p acts on the distribution left by top-k: it keeps the smallest set of most
+    likely tokens whose probability reaches p, i.e. a token survives while the mass of
+    the tokens ranked above it is below p. `max_top_k` (if below V, every row's top_k is
+    at most it) lets a partial top-k stand in for the full sort. May work in place.
+    """
+    if top_k is None and top_p is None:
+        return logits
+    vocab_size = logits.shape[-1]
+    if top_k is not None and max_top_k is not None and max_top_k < vocab_size:
+        sorted_logits, sorted_ids = logits.topk(max_top_k, dim=-1)
+        out = torch.full_like(logits, -float("inf"))
+    else:
+        sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)
+        out = logits
+    if top_k is not None:
+        positions = torch.arange(sorted_logits.shape[-1], device=logits.device)
+        sorted_logits.masked_fill_(positions >= top_k.unsqueeze(1), -float("inf"))
+    if top_p is not None:
+        probs = sorted_logits.softmax(dim=-1)
+        mass_above = probs.cumsum(dim=-1) - probs
+        # NOTE: rows with p == 1 are excluded explicitly: rounding can push the running
+        # sum to 1 before the tail and would drop tokens that p == 1 promises to keep.
+        p = top_p.unsqueeze(1)
+        sorted_logits.masked_fill_((mass_above >= p) & (p < 1.0), -float("inf"))
+    return out.scatter_(-1, sorted_ids, sorted_logits)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> None:
+    """In place: mask tokens whose probability is below min_p times the row's maximum."""
+    probs = logits.softmax(dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+    logits.masked_fill_(probs < threshold, -float("inf"))
+
+
+def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """One token per row of `probs` [B, V], by an exponential race: argmax(p / E),
+    E ~ Exp(1) i.i.d., picks token i with probability p_i. Consumes `probs`.
+
+    Rows in `generators` draw their own E from their generator (on its device); the
+    other rows share one unseeded draw.
+    """
+    batch, vocab = probs.shape
+    # NOTE: E = -log(U) from uniform draws; on CPU it is about 4x faster than
+    # Tensor.exponential_.
+    u = torch.empty_like(probs)
+    if len(generators) < batch:
+        u.uniform_()
+    for row, gen in generators.items():
+        # NOTE: a fresh vector per seeded row keeps the draw independent of the batch's
+        # shape and of the logits' device (CPU generators serve accelerator batches).
+        draw = torch.rand(vocab, generator=gen, dtype=torch.float32, device=gen.device)
+        u[row] = draw.to(probs.device)
+    # NOTE: U == 0 gives E = inf (p / E = 0, harmless); U near 1 gives E near 0, clamped
+    # so that p / E never becomes inf, or NaN for a masked token, which argmax prefers.
+    exp = u.log_().neg_().clamp_min_(_TINY)
+    return probs.div_(exp).argmax(dim=-1)
+
+
+def compute_topk_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Log-softmax of the raw `logits` [N, V]; returns (ids [N, k+1] int64, logprobs
+    [N, k+1] float32, ranks [N] int64) on the logits' device. Column 0 is `token_ids`
+    [N], columns 1..k the k most likely tokens. rank = number of tokens at least as
+    likely as the given one (1 = most likely). Used for sample and prompt logprobs."""
+    return _gather_topk(torch.log_softmax(logits.float(), dim=-1), token_ids, k)
+
+
+def _gather_topk(
+    logprobs: torch.Tensor, token_ids: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    token_ids = token_ids.to(device=logprobs.device, dtype=torch.int64).unsqueeze(1)
+    token_logprobs = logprobs.gather(-1, token_ids)
+    ranks = (logprobs >= token_logprobs).sum(dim=-1)
+    k = min(k, logprobs.shape[-1])
+    if k == 0:
+        return token_ids, token_logprobs, ranks
+    top_logprobs, top_ids = logprobs.topk(k, dim=-1)
+    return (
+        torch.cat([token_ids, top_ids], dim=1),
+        torch.cat([token_logprobs, top_logprobs], dim=1),
+        ranks,
+    )

@@ -1,0 +1,151 @@
+"""The offline API, with vLLM's names: `LLM(model=...).generate(prompts, sampling_params)`."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from pagoda.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pagoda.engine.llm_engine import LLMEngine, PromptType
+from pagoda.engine.output_processor import OutputKind
+from pagoda.outputs import RequestOutput
+from pagoda.sampling_params import SamplingParams
+
+Message = dict[str, Any]
+
+
+class LLM:
+    """Loads a model and generates for batches of prompts with continuous batching."""
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        dtype: str = "auto",
+        block_size: int = 16,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        max_model_len: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        kv_cache_memory_bytes: int | None = None,
+        num_gpu_blocks_override: int | None = None,
+        enable_prefix_caching: bool = True,
+        enable_chunked_prefill: bool = True,
+        seed: int = 0,
+        device: str = "auto",
+    ) -> None:
+        config = EngineConfig(
+            model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed),
+            cache=CacheConfig(
+                block_size=block_size,
+                gpu_memory_utilization=gpu_memory_utilization,
+                kv_cache_memory_bytes=kv_cache_memory_bytes,
+                num_gpu_blocks_override=num_gpu_blocks_override,
+                enable_prefix_caching=enable_prefix_caching,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                enable_chunked_prefill=enable_chunked_prefill,
+            ),
+            device=device,
+        )
+        self.llm_engine = LLMEngine(config)
+        self._counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generates for every prompt; returns outputs in input order."""
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(
+                    f"got {len(params_list)} sampling_params for {len(prompts)} prompts"
+                )
+        return self._run(prompts, params_list, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[Message] | list[list[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Applies the model's chat template to one conversation or a list of them."""
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        prompts = [
+            {"prompt_token_ids": apply_chat_template(
+                self.get_tokenizer(), conv, chat_template, add_generation_prompt)}
+            for conv in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(
+        self, prompts: list[PromptType], params_list: list[SamplingParams], use_tqdm: bool
+    ) -> list[RequestOutput]:
+        engine = self.llm_engine
+        order: dict[str, int] = {}
+        try:
+            for i, (prompt, params) in enumerate(zip(prompts, params_list)):
+                req_id = str(next(self._counter))
+                engine.add_request(req_id, prompt, params, output_kind=OutputKind.FINAL_ONLY)
+                order[req_id] = i
+        except Exception:
+            engine.abort_request(list(order))
+            raise
+        results: list[RequestOutput | None] = [None] * len(prompts)
+        bar = tqdm(total=len(prompts), desc="Processed prompts", disable=not use_tqdm)
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        results[order[out.request_id]] = out
+                        bar.update(1)
+        except BaseException:
+            engine.abort_request(list(order))
+            raise
+        finally:
+            bar.close()
+        return results  # type: ignore[return-value]
+
+
+def apply_chat_template(
+    tokenizer,
+    messages: list[Message],
+    chat_template: str | None = None,
+    add_generation_prompt: bool = True,
+) -> list[int]:
+    """Token ids of a templated conversation.
+
+    NOTE: the template is rendered to text and encoded without special tokens, because
+    templates already write the BOS they want; encoding with them would double it.
+    """
+    if chat_template is None and not getattr(tokenizer, "chat_template", None):
+        raise ValueError("the model has no chat template; pass chat_template")
+    text = tokenizer.apply_chat_template(
+        messages,
+        chat_template=chat_template,
+        add_generation_prompt=add_generation_prompt,
+        tokenize=False,
+    )
+    return tokenizer.encode(text, add_special_tokens=False)

@@ -1,0 +1,261 @@
+"""The Llama family: Llama 2/3, SmolLM2, Mistral (sliding window), Qwen2 (qkv bias),
+Qwen3 (q/k norm). One decoder, switched by config fields, not by subclass.
+
+Parameter names follow transformers' (`model.layers.3.self_attn.qkv_proj`), except that
+q/k/v and gate/up are fused; `load_weights` maps the checkpoint's separate tensors in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig
+
+from pagoda.attention.backend import AttentionMetadata, get_backend
+from pagoda.layers.activation import silu_and_mul
+from pagoda.layers.norm import RMSNorm
+from pagoda.layers.rotary import RotaryEmbedding, apply_rotary
+from pagoda.models.registry import register_model
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class LlamaSpec:
+    """The slice of an HF config the decoder needs, with each family's defaults resolved."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    tie_word_embeddings: bool
+    sliding_windows: tuple[int | None, ...]
+    max_position_embeddings: int
+
+    @classmethod
+    def from_hf(cls, c: PretrainedConfig) -> LlamaSpec:
+        arch = (c.architectures or ["LlamaForCausalLM"])[0]
+        heads = c.num_attention_heads
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+        attn_bias = bool(getattr(c, "attention_bias", False))
+        is_qwen2 = arch == "Qwen2ForCausalLM"
+        return cls(
+            vocab_size=c.vocab_size,
+            hidden_size=c.hidden_size,
+            intermediate_size=c.intermediate_size,
+            num_layers=c.num_hidden_layers,
+            num_heads=heads,
+            num_kv_heads=getattr(c, "num_key_value_heads", None) or heads,
+            head_dim=head_dim,
+            rms_norm_eps=c.rms_norm_eps,
+            qkv_bias=True if is_qwen2 else attn_bias,
+            o_bias=False if is_qwen2 else attn_bias,
+            mlp_bias=bool(getattr(c, "mlp_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
+            sliding_windows=_sliding_windows(c, arch),
+            max_position_embeddings=c.max_position_embeddings,
+        )
+
+
+def _sliding_windows(c: PretrainedConfig, arch: str) -> tuple[int | None, ...]:
+    window = getattr(c, "sliding_window", None)
+    n = c.num_hidden_layers
+    if arch == "MistralForCausalLM":
+        return (window,) * n
+    layer_types = getattr(c, "layer_types", None)
+    if window and layer_types:
+        return tuple(window if t == "sliding_attention" else None for t in layer_types)
+    return (None,) * n
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, spec: LlamaSpec, layer_idx: int, backend: str) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads = spec.num_heads, spec.num_kv_heads
+        self.head_dim = spec.head_dim
+        self.q_size = spec.num_heads * spec.head_dim
+        self.kv_size = spec.num_kv_heads * spec.head_dim
+        self.qkv_proj = nn.Linear(
+            spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=spec.o_bias)
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
+            self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
+        self.qk_norm = spec.qk_norm
+        self.attn = get_backend(backend)(
+            spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.sliding_windows[layer_idx]
+        )
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: KVCache,
+        md: AttentionMetadata,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = cos_sin
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return self.o_proj(self.attn.forward(q, k, v, kv_cache, md))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, spec: LlamaSpec) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(
+            spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias
+        )
+        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, spec: LlamaSpec, layer_idx: int, backend: str) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(spec, layer_idx, backend)
+        self.mlp = LlamaMLP(spec)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: KVCache,
+        md: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm.forward_residual(x, residual)
+        x = self.self_attn(x, cos_sin, kv_cache, md)
+        x, residual = self.post_attention_layernorm.forward_residual(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, spec: LlamaSpec, backend: str) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(spec, i, backend) for i in range(spec.num_layers)
+        )
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+
+@register_model(
+    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"
+)
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, hf_config: PretrainedConfig, attn_backend: str = "torch_paged") -> None:
+        super().__init__()
+        self.spec = spec = LlamaSpec.from_hf(hf_config)
+        self.hf_config = hf_config
+        self.model = LlamaModel(spec, attn_backend)
+        if not spec.tie_word_embeddings:
+            self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.rotary: RotaryEmbedding | None = None
+
+    def init_rotary(self, max_positions: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Builds the cos/sin tables (after weights exist: the model may live on meta first)."""
+        rotary = RotaryEmbedding(self.hf_config, self.spec.head_dim, max_positions)
+        rotary.to_dtype(dtype)
+        self.rotary = rotary.to(device)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        md: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Flat batch [T] -> final hidden states [T, hidden] (normed)."""
+        x = self.model.embed_tokens(input_ids)
+        cos_sin = (self.rotary.cos[positions][:, None], self.rotary.sin[positions][:, None])
+        residual = None
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            x, residual = layer(x, residual, cos_sin, kv_cache, md)
+        x, _ = self.model.norm.forward_residual(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.spec.tie_word_embeddings else (
+            self.lm_head.weight
+        )
+        return F.linear(hidden, weight)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str = "") -> None:
+        """Copies checkpoint tensors (HF names) into the fused parameters, converting dtype
+        one tensor at a time. Raises ValueError naming the tensor on a wrong shape, an
+        unknown name, or a parameter the checkpoint does not provide."""
+        params = dict(self.named_parameters())
+        loaded: dict[str, int] = {}
+        where = f" in {source}" if source else ""
+        for name, tensor in weights:
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            if name == "lm_head.weight" and self.spec.tie_word_embeddings:
+                continue
+            target, offset = self._fused_target(name)
+            if target not in params:
+                raise ValueError(f"unexpected tensor {name!r}{where}")
+            param = params[target]
+            rows = tensor.shape[0] if tensor.dim() else 0
+            expected = (rows, *param.shape[1:]) if offset is not None else tuple(param.shape)
+            if tuple(tensor.shape) != expected or (
+                offset is not None and offset + rows > param.shape[0]
+            ):
+                raise ValueError(
+                    f"tensor {name!r}{where} has shape {tuple(tensor.shape)}, "
+                    f"expected {tuple(param.shape) if offset is None else expected}"
+                )
+            with torch.no_grad():
+                dst = param.data if offset is None else param.data[offset : offset + rows]
+                dst.copy_(tensor)
+            loaded[target] = loaded.get(target, 0) + (rows if offset is not None else -1)
+        missing = [
+            n for n, p in params.items()
+            if n not in loaded or (loaded[n] >= 0 and loaded[n] != p.shape[0])
+        ]
+        if missing:
+            raise ValueError(f"checkpoint{where} is missing tensors for {missing[:5]}")
+
+    def _fused_target(self, name: str) -> tuple[str, int | None]:
+        """HF tensor name -> (our parameter name, row offset in the fused tensor or None)."""
+        attn = self.model.layers[0].self_attn
+        q, kv = attn.q_size, attn.kv_size
+        inter = self.spec.intermediate_size
+        for part, fused, offset in (
+            ("q_proj", "qkv_proj", 0),
+            ("k_proj", "qkv_proj", q),
+            ("v_proj", "qkv_proj", q + kv),
+            ("gate_proj", "gate_up_proj", 0),
+            ("up_proj", "gate_up_proj", inter),
+        ):
+            if f".{part}." in name:
+                return name.replace(f".{part}.", f".{fused}."), offset
+        return name, None

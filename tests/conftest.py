@@ -1,0 +1,48 @@
+"""Session fixtures: the embedded SmolLM2 tokenizer on disk and a tiny-model factory."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import transformers
+
+from pagoda.models.loader import default_model_path
+from tests.helpers import make_tiny_model
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder holding the embedded SmolLM2 tokenizer (with its chat template), saved once."""
+    gguf_path = default_model_path()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(
+        gguf_path.parent, gguf_file=gguf_path.name
+    )
+    assert tokenizer.chat_template, "embedded GGUF lost its chat template"
+    out = tmp_path_factory.mktemp("smollm2_tokenizer")
+    tokenizer.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_model(
+    tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path
+) -> Callable[..., Path]:
+    """Factory `tiny_model(arch, **overrides) -> Path`, cached per (arch, overrides).
+
+    Overrides go into the config (e.g. tie_word_embeddings=True, num_key_value_heads=1),
+    plus `dtype` and `max_shard_size`, which go to make_tiny_model.
+    """
+    cache: dict[str, Path] = {}
+
+    def build(arch: str, **overrides: Any) -> Path:
+        key = arch + json.dumps(overrides, sort_keys=True, default=str)
+        if key not in cache:
+            path = tmp_path_factory.mktemp(arch.removesuffix("ForCausalLM").lower())
+            cache[key] = make_tiny_model(path, arch, tokenizer_dir, **overrides)
+        return cache[key]
+
+    return build
