@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from pagoda.attention.backend import AttentionMetadata, register_backend
+from pagoda.attention.cpu_kernels import paged_decode_attention
 
 
 @register_backend("torch_paged")
@@ -40,13 +41,23 @@ class TorchPagedAttention:
             out[:nd] = self._decode(q[:nd], k_cache, v_cache, md)
         for seq in md.prefills:
             s = slice(seq.query_start, seq.query_start + seq.query_len)
-            out[s] = self._prefill(q[s], k_cache, v_cache, seq.block_table, seq.seq_len)
+            if seq.seq_len == seq.query_len:
+                # Nothing cached before this chunk: attend to its own K/V, no gather.
+                keys, values = k[s], v[s]
+            else:
+                keys = gather_blocks(k_cache, seq.block_table[None], seq.seq_len)[0]
+                values = gather_blocks(v_cache, seq.block_table[None], seq.seq_len)[0]
+            out[s] = self._prefill(q[s], keys.to(q.dtype), values.to(q.dtype))
         return out.view(q.shape[0], -1)
 
     def _decode(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: AttentionMetadata
     ) -> torch.Tensor:
         bt, seq_lens = md.decode_block_tables, md.decode_seq_lens
+        fast = paged_decode_attention(q, k_cache, v_cache, bt, seq_lens, self.scale,
+                                      self.sliding_window)
+        if fast is not None:  # NOTE: None when the C++ kernel is unavailable or disabled
+            return fast
         b = q.shape[0]
         keys = gather_blocks(k_cache, bt, md.decode_max_seq_len)  # [B, L, Hk, D]
         values = gather_blocks(v_cache, bt, md.decode_max_seq_len)
@@ -65,17 +76,9 @@ class TorchPagedAttention:
         )
         return out.view(b, self.num_heads, self.head_dim)
 
-    def _prefill(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        block_table: torch.Tensor,
-        seq_len: int,
-    ) -> torch.Tensor:
-        query_len = q.shape[0]
-        keys = gather_blocks(k_cache, block_table[None], seq_len)[0]  # [L, Hk, D]
-        values = gather_blocks(v_cache, block_table[None], seq_len)[0]
+    def _prefill(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """q [Q, H, D] are the last Q of the L = len(keys) context positions."""
+        query_len, seq_len = q.shape[0], keys.shape[0]
         gqa = self.num_kv_heads != self.num_heads
         qt, kt, vt = q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1)
         if query_len == seq_len and self.sliding_window is None:

@@ -115,6 +115,13 @@ def add_throughput_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="do not LD_PRELOAD tcmalloc and libiomp5 into vLLM",
     )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads for pagoda and transformers, and the cores vLLM binds "
+        "(default: torch's own choice, all cores)",
+    )
     p.add_argument("--no-roofline", action="store_true", help="skip measuring the machine")
     p.add_argument("--output-json", default=None, help="write setup and results here")
 
@@ -226,6 +233,7 @@ def run_vllm_system(
         python,
         timeout_s=args.vllm_timeout,
         kv_space_gib=args.kv_cache_gib,
+        threads_bind=f"0-{args.threads - 1}" if args.threads else None,
         preload=not args.no_vllm_preload,
     )
 
@@ -351,6 +359,10 @@ def print_table(results: dict[str, dict[str, Any]], roof: dict[str, Any] | None)
 def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
     """Run the benchmark that `args` describe; print setup and table; return everything."""
     _apply_quick(args)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = set(systems) - set(SYSTEMS)
     if unknown:

@@ -55,6 +55,15 @@ class LLMEngine:
                 f"max_model_len {self.max_model_len} exceeds the model's "
                 f"max_position_embeddings {model_max}"
             )
+        s = config.scheduler
+        if not s.enable_chunked_prefill and s.max_num_batched_tokens < self.max_model_len:
+            # NOTE: without chunking a prompt is scheduled whole; a longer one than the
+            # budget would wait forever.
+            raise ValueError(
+                f"max_num_batched_tokens {s.max_num_batched_tokens} is smaller than "
+                f"max_model_len {self.max_model_len} with chunked prefill disabled: raise "
+                "max_num_batched_tokens, lower max_model_len or enable chunked prefill"
+            )
         self.model = build_model(
             ckpt, self.dtype, self.device, self.max_model_len, config.model.attn_backend
         )
@@ -79,7 +88,6 @@ class LLMEngine:
         self.eos_token_id = self.tokenizer.eos_token_id
         self.extra_stop_ids = _generation_eos_ids(ckpt.generation_config) - {self.eos_token_id}
         eos_ids = {self.eos_token_id} if self.eos_token_id is not None else set()
-        s = config.scheduler
         self.kv_cache_manager = KVCacheManager(
             num_blocks, block_size, enable_caching=config.cache.enable_prefix_caching
         )
@@ -189,6 +197,9 @@ class LLMEngine:
             k = getattr(params, name)
             if k is not None and k > MAX_LOGPROBS:
                 raise ValueError(f"{name} must be at most {MAX_LOGPROBS}, got {k}")
+        # NOTE: an out-of-vocabulary logit_bias id would otherwise fail inside the sampler,
+        # mid-step, and take the whole batch down with it.
+        params.verify_token_ids(self.vocab_size)
         if params.max_tokens is None or self.extra_stop_ids:
             params = params.clone()
             if params.max_tokens is None:

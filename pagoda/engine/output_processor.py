@@ -156,9 +156,13 @@ class OutputProcessor:
         finish = co.finish_status
         if sample.detok is not None:
             stop_str = sample.detok.update(co.new_token_ids, finish == RequestStatus.FINISHED_STOPPED)
-            if stop_str is not None and finish is None:
+            if stop_str is not None:
+                # NOTE: a stop string that completes on the step that also hits max_tokens
+                # still cut the text, so it is the reason reported (as vLLM does); only a
+                # request the scheduler has not finished yet must be stopped there.
+                if finish is None:
+                    stopped.append(co.req_id)
                 finish, co.stop_reason = RequestStatus.FINISHED_STOPPED, stop_str
-                stopped.append(co.req_id)
         if finish is not None:
             sample.finish_reason = finish.finish_reason
             sample.stop_reason = co.stop_reason

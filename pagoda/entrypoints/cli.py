@@ -1,4 +1,4 @@
-"""`pagoda` command line: generate, chat, bench (flags mirror vLLM's names)."""
+"""`pagoda` command line: generate, chat, serve, bench (flags mirror vLLM's names)."""
 
 from __future__ import annotations
 
@@ -104,6 +104,50 @@ def cmd_bench_throughput(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    """The flags of `pagoda serve` beyond the engine's (vLLM's names where they mean the same).
+
+    NOTE: defined here, not in the server module, so that building the parser does not
+    import the web stack.
+    """
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="HF directory or .gguf file, as --model (default: the embedded model)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="names the API answers to (default: the model argument)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' (default: $PAGODA_API_KEY)")
+    p.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template file (or the template itself) that replaces "
+                   "the model's")
+    p.add_argument("--max-queued-requests", type=int, default=None,
+                   help="answer 429 while this many sequences wait (default: no limit)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish after SIGTERM")
+    p.add_argument("--max-logprobs", type=int, default=20,
+                   help="largest logprobs / top_logprobs a request may ask (at most 20)")
+    p.add_argument("--max-request-body-bytes", type=int, default=32 << 20)
+    p.add_argument("--enable-debug-endpoints", action="store_true",
+                   help="GET /debug/integrity and POST /debug/fault (for tests)")
+    p.add_argument("--uvicorn-log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--disable-uvicorn-access-log", action="store_true")
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from pagoda.entrypoints.openai.server import run_server
+
+    return run_server(args)
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from pagoda.benchmarks.serve import run_serve_bench
+
+    report = run_serve_bench(args)
+    return 0 if all(r["summary"]["num_failed"] == 0 for r in report["runs"]) else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagoda", description="pagoda LLM engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -122,6 +166,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(chat)
     chat.set_defaults(func=cmd_chat)
 
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_server_args(serve)
+    add_engine_args(serve)
+    serve.set_defaults(func=cmd_serve)
+
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     tp = bench_sub.add_parser("throughput", help="offline throughput vs transformers (and vLLM)")
@@ -129,6 +178,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_throughput_args(tp)
     tp.set_defaults(func=cmd_bench_throughput)
+    bs = bench_sub.add_parser("serve", help="latency and throughput of OpenAI-compatible "
+                              "servers (pagoda, vLLM, llama.cpp) under load")
+    from pagoda.benchmarks.serve import add_serve_bench_args
+
+    add_serve_bench_args(bs)
+    bs.set_defaults(func=cmd_bench_serve)
     return parser
 
 

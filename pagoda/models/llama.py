@@ -108,15 +108,17 @@ class LlamaAttention(nn.Module):
         md: AttentionMetadata,
     ) -> torch.Tensor:
         t = x.shape[0]
-        qkv = self.qkv_proj(x)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
+        qkv = self.qkv_proj(x).view(t, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        nq, nqk = self.num_heads, self.num_heads + self.num_kv_heads
         cos, sin = cos_sin
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.qk_norm:
+            q = apply_rotary(self.q_norm(qkv[:, :nq]), cos, sin)
+            k = apply_rotary(self.k_norm(qkv[:, nq:nqk]), cos, sin)
+        else:
+            # NOTE: q and k rotate in one pass: half the small ops per layer.
+            qk = apply_rotary(qkv[:, :nqk], cos, sin)
+            q, k = qk[:, :nq], qk[:, nq:]
+        v = qkv[:, nqk:]
         return self.o_proj(self.attn.forward(q, k, v, kv_cache, md))
 
 

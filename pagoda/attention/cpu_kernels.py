@@ -1,0 +1,116 @@
+"""Optional C++ CPU kernels, built on first use with torch's JIT extension loader.
+
+Contract: `paged_decode_attention` returns the decode attention output, or None when the
+kernel is unavailable (disabled, no compiler, failed build) or the inputs are unsupported,
+in which case the caller keeps its reference path. A failed build logs one warning and is
+never retried in this process.
+
+`PAGODA_DISABLE_CPU_KERNELS=1` forces the reference path.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"
+_SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
+_lock = threading.Lock()
+_module: ModuleType | None = None
+_load_failed = False
+build_seconds: float | None = None  # wall time of the load in this process (build or cache hit)
+
+
+def kernels_disabled() -> bool:
+    return os.environ.get("PAGODA_DISABLE_CPU_KERNELS", "0") not in ("", "0")
+
+
+def _ensure_ninja_on_path() -> None:
+    # NOTE: torch finds ninja on PATH only; the pip `ninja` wheel puts it beside the venv's
+    # python, which is not on PATH when the venv is not activated.
+    if shutil.which("ninja") is not None:
+        return
+    try:
+        import ninja
+    except ImportError:
+        return
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
+def load_extension() -> ModuleType | None:
+    """Build (or load the cached build of) the extension; None if it cannot be built."""
+    global _module, _load_failed, build_seconds
+    if _module is not None or _load_failed or kernels_disabled():
+        return _module
+    with _lock:
+        if _module is not None or _load_failed:
+            return _module
+        start = time.perf_counter()
+        try:
+            from torch.utils.cpp_extension import load
+
+            _ensure_ninja_on_path()
+            _module = load(
+                name="pagoda_paged_attention_cpu",
+                sources=[str(_SOURCE)],
+                extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                extra_ldflags=["-fopenmp"],
+                verbose=False,
+            )
+        except Exception as exc:  # noqa: BLE001 - any build failure means "use the reference"
+            _load_failed = True
+            logger.warning("pagoda CPU kernels unavailable, using the PyTorch path: %s", exc)
+            return None
+        build_seconds = time.perf_counter() - start
+        logger.info("pagoda CPU kernels loaded in %.1f s", build_seconds)
+        return _module
+
+
+def supports_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether the kernel handles these inputs (CPU, float32/bfloat16, contiguous caches)."""
+    return (
+        q.device.type == "cpu"
+        and k_cache.device.type == "cpu"
+        and q.dtype in _SUPPORTED_DTYPES
+        and k_cache.dtype in _SUPPORTED_DTYPES
+        and v_cache.dtype == k_cache.dtype
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+        and q.shape[1] % k_cache.shape[2] == 0
+    )
+
+
+def paged_decode_attention(
+    q: torch.Tensor,  # [B, H, D]
+    k_cache: torch.Tensor,  # [N, bs, Hk, D]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, max_blocks] int64 or int32
+    seq_lens: torch.Tensor,  # [B] int64
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor | None:
+    """Attention of each query over positions [max(0, len - window), len) of its sequence.
+
+    Returns [B, H, D] in q's dtype, or None if the kernel is unavailable or unsupported.
+    """
+    if kernels_disabled() or not supports_decode(q, k_cache, v_cache):
+        return None
+    ext = load_extension()
+    if ext is None:
+        return None
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    window = -1 if sliding_window is None else int(sliding_window)
+    ext.paged_decode_attention(
+        out, q, k_cache, v_cache, block_tables, seq_lens, float(scale), window
+    )
+    return out

@@ -1,0 +1,367 @@
+"""The asyncio front end of the synchronous engine, for the HTTP server.
+
+One background thread owns the LLMEngine exclusively and runs its step loop (torch
+releases the GIL inside its ops, so the event loop stays responsive). Nothing else touches
+the engine:
+
+```
+event loop --commands (add / abort / call / stop), a deque under a Condition--> engine thread
+engine thread --one loop.call_soon_threadsafe per step--> event loop -> OutputStream queues
+```
+
+The engine thread sleeps on the Condition when it has neither commands nor unfinished
+requests (no busy spin). Commands are applied between steps, so an abort frees its KV
+blocks before the next step. A step that raises fails the requests it was running with
+EngineFaultError (their blocks are freed) and the loop goes on; the server stays up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from pagoda.core.scheduler import SchedulerStats
+from pagoda.engine.llm_engine import LLMEngine, PromptType
+from pagoda.engine.metrics import EngineMetrics
+from pagoda.engine.output_processor import OutputKind
+from pagoda.outputs import RequestOutput
+from pagoda.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+_Item = RequestOutput | BaseException
+
+
+class EngineFaultError(RuntimeError):
+    """An engine step failed while this request was running; the request was aborted."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread has stopped; no request can be served."""
+
+
+class QueueFullError(RuntimeError):
+    """More requests wait than `max_queued_requests` allows; retry after `retry_after_s`."""
+
+    def __init__(self, message: str, retry_after_s: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+@dataclass(slots=True)
+class EngineRequest:
+    """One prompt for the engine (an HTTP request with several prompts makes several)."""
+
+    request_id: str
+    prompt: PromptType
+    params: SamplingParams
+    priority: int = 0
+    cache_salt: str | None = None
+
+
+class OutputStream:
+    """The DELTA outputs of a group of engine requests, in the order the engine made them.
+
+    Iterating yields RequestOutputs until every request of the group has finished; it
+    raises EngineFaultError / EngineDeadError if the engine failed one of them. Lives on
+    the event loop; the engine thread reaches it only through `call_soon_threadsafe`.
+    """
+
+    def __init__(self, request_ids: Iterable[str]) -> None:
+        self.request_ids = list(request_ids)
+        self._open = set(self.request_ids)
+        self._queue: asyncio.Queue[_Item] = asyncio.Queue()
+
+    @property
+    def finished(self) -> bool:
+        return not self._open
+
+    @property
+    def unfinished_ids(self) -> list[str]:
+        return [rid for rid in self.request_ids if rid in self._open]
+
+    def _put(self, request_id: str, item: _Item) -> None:
+        self._queue.put_nowait(item)
+
+    def __aiter__(self) -> OutputStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if not self._open and self._queue.empty():
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        if item.finished:
+            self._open.discard(item.request_id)
+        return item
+
+
+@dataclass(slots=True)
+class _Add:
+    requests: list[EngineRequest]
+    arrival_time: float
+    future: asyncio.Future
+
+
+@dataclass(slots=True)
+class _Abort:
+    request_ids: list[str]
+
+
+@dataclass(slots=True)
+class _Call:
+    fn: Callable[[LLMEngine], Any]
+    future: asyncio.Future
+
+
+class AsyncLLMEngine:
+    """Serves concurrent asyncio callers from one engine thread (see the module docstring)."""
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        metrics: EngineMetrics | None = None,
+        max_queued_requests: int | None = None,
+    ) -> None:
+        self.engine = engine  # NOTE: for read-only facts (tokenizer, max_model_len) only.
+        self.metrics = metrics
+        self.max_queued_requests = max_queued_requests
+        self._cond = threading.Condition()
+        self._commands: collections.deque = collections.deque()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._streams: dict[str, OutputStream] = {}
+        self._num_pending = 0  # sequences sent to the engine thread, not yet added
+        self._stats: SchedulerStats = engine.get_stats()
+        self._dead: BaseException | None = None
+        self._fault_steps = 0  # test hook: this many next steps raise
+
+    # ---- event loop side ---------------------------------------------------------------
+    def start(self) -> None:
+        """Starts the engine thread; call from the event loop that will consume outputs."""
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="pagoda-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def is_alive(self) -> bool:
+        return self._dead is None and self._thread is not None and self._thread.is_alive()
+
+    @property
+    def stats(self) -> SchedulerStats:
+        """The scheduler's numbers as of the end of the engine thread's last iteration."""
+        return self._stats
+
+    async def generate(
+        self, requests: list[EngineRequest], arrival_time: float | None = None
+    ) -> OutputStream:
+        """Adds all `requests` (or none) and returns their output stream.
+
+        Raises ValueError from the engine's validation, QueueFullError, EngineDeadError.
+        Returns once the engine thread has accepted them (at most one step later).
+        """
+        if not self.is_alive:
+            raise EngineDeadError("the engine is not running")
+        num_seqs = sum(r.params.n for r in requests)
+        limit = self.max_queued_requests
+        if limit is not None and self._stats.num_waiting + self._num_pending >= limit:
+            raise QueueFullError(
+                f"the waiting queue is full ({limit} requests); retry later"
+            )
+        stream = OutputStream(r.request_id for r in requests)
+        for rid in stream.request_ids:
+            self._streams[rid] = stream
+        future = self._loop.create_future()
+        self._num_pending += num_seqs
+        self._send(_Add(requests, arrival_time or time.monotonic(), future))
+        try:
+            await future
+        except asyncio.CancelledError:
+            self.abort(stream.request_ids)
+            raise
+        except BaseException:
+            for rid in stream.request_ids:
+                self._streams.pop(rid, None)
+            raise
+        finally:
+            self._num_pending -= num_seqs
+        return stream
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        """Aborts requests (unknown or finished ids are ignored); returns at once."""
+        ids = list(request_ids)
+        if ids:
+            self._send(_Abort(ids))
+
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Runs `fn(engine)` on the engine thread between two steps; returns its result."""
+        if not self.is_alive:
+            raise EngineDeadError("the engine is not running")
+        future = self._loop.create_future()
+        self._send(_Call(fn, future))
+        return await future
+
+    def inject_fault(self, num_steps: int = 1) -> None:
+        """Test hook: the next `num_steps` engine steps raise as if the model had failed."""
+        self._fault_steps = num_steps
+
+    async def shutdown(self) -> None:
+        """Aborts whatever is still running and stops the engine thread."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+
+    def _send(self, command: Any) -> None:
+        with self._cond:
+            self._commands.append(command)
+            self._cond.notify()
+
+    def _dispatch(self, items: list[tuple[str, _Item]]) -> None:
+        for rid, item in items:
+            stream = self._streams.get(rid)
+            if stream is None:
+                continue
+            stream._put(rid, item)
+            if isinstance(item, BaseException) or item.finished:
+                del self._streams[rid]
+
+    def _fail_all_streams(self, exc: BaseException) -> None:
+        for rid, stream in list(self._streams.items()):
+            stream._put(rid, exc)
+        self._streams.clear()
+
+    # ---- engine thread -----------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                commands, stopping = self._wait_for_work()
+                for command in commands:
+                    self._apply(command)
+                if stopping:
+                    self._abort_everything()
+                    return
+                if self.engine.has_unfinished_requests():
+                    self._step()
+                self._publish_stats()
+        except BaseException as e:  # NOTE: a bug outside step(): fail loudly, not silently.
+            logger.exception("engine thread died")
+            self._dead = e
+            self._to_loop(self._fail_all_streams, EngineDeadError(f"engine thread died: {e}"))
+
+    def _wait_for_work(self) -> tuple[list[Any], bool]:
+        with self._cond:
+            while not (self._commands or self._stopping or self.engine.has_unfinished_requests()):
+                self._cond.wait()
+            commands = list(self._commands)
+            self._commands.clear()
+            return commands, self._stopping
+
+    def _apply(self, command: Any) -> None:
+        if isinstance(command, _Add):
+            self._resolve(command.future, *self._add(command))
+        elif isinstance(command, _Abort):
+            outputs = self.engine.abort_request(command.request_ids)
+            self._deliver(outputs)
+        elif isinstance(command, _Call):
+            try:
+                self._resolve(command.future, command.fn(self.engine), None)
+            except Exception as e:  # noqa: BLE001 - handed to the caller, who re-raises it
+                self._resolve(command.future, None, e)
+
+    def _add(self, command: _Add) -> tuple[None, BaseException | None]:
+        added: list[str] = []
+        try:
+            for r in command.requests:
+                self.engine.add_request(
+                    r.request_id, r.prompt, r.params, arrival_time=command.arrival_time,
+                    priority=r.priority, output_kind=OutputKind.DELTA, cache_salt=r.cache_salt,
+                )
+                added.append(r.request_id)
+        except Exception as e:  # noqa: BLE001 - handed to the caller, who re-raises it
+            # NOTE: all or nothing: a batch with one invalid prompt adds none of them.
+            self.engine.abort_request(added)
+            return None, e
+        finally:
+            self._publish_stats()
+        return None, None
+
+    def _step(self) -> None:
+        try:
+            if self._fault_steps > 0:
+                self._fault_steps -= 1
+                raise RuntimeError("injected engine fault (test hook)")
+            outputs = self.engine.step()
+        except Exception as e:
+            logger.exception("engine step failed; aborting the requests it was running")
+            self._fail_running(e)
+            return
+        self._deliver(outputs)
+
+    def _fail_running(self, exc: Exception) -> None:
+        ids = _running_request_ids(self.engine) or _all_request_ids(self.engine)
+        error = EngineFaultError(f"engine step failed: {type(exc).__name__}: {exc}")
+        for out in self.engine.abort_request(ids):
+            if self.metrics is not None:
+                num = sum(1 for c in out.outputs if c.finish_reason == "abort")
+                self.metrics.observe_error(out.request_id, num)
+        items: list[tuple[str, _Item]] = [(rid, error) for rid in ids]
+        self._to_loop(self._dispatch, items)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        if not outputs:
+            return
+        if self.metrics is not None:
+            self.metrics.observe_outputs(outputs, time.monotonic())
+        self._to_loop(self._dispatch, [(out.request_id, out) for out in outputs])
+
+    def _abort_everything(self) -> None:
+        self._deliver(self.engine.abort_request(_all_request_ids(self.engine)))
+        self._publish_stats()
+
+    def _publish_stats(self) -> None:
+        self._stats = self.engine.get_stats()
+        if self.metrics is not None:
+            self.metrics.observe_stats(self._stats)
+
+    def _resolve(self, future: asyncio.Future, result: Any, exc: BaseException | None) -> None:
+        def settle() -> None:
+            if future.done():
+                return
+            if exc is not None:
+                future.set_exception(exc)
+            else:
+                future.set_result(result)
+
+        self._to_loop(settle)
+
+    def _to_loop(self, fn: Callable[..., None], *args: Any) -> None:
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:
+            pass  # NOTE: the loop is closed: the server is gone and nobody is listening.
+
+
+def _all_request_ids(engine: LLMEngine) -> list[str]:
+    return list(engine.output_processor.requests)
+
+
+def _running_request_ids(engine: LLMEngine) -> list[str]:
+    """Parent ids of the requests the scheduler is running (those a failed step touched).
+
+    NOTE: reads engine internals (scheduler.running, output_processor.child_to_parent);
+    an `LLMEngine.running_request_ids()` hook would keep this knowledge in the engine.
+    """
+    parents = engine.output_processor.child_to_parent
+    ids = dict.fromkeys(parents[r.req_id][0] for r in engine.scheduler.running
+                        if r.req_id in parents)
+    return list(ids)

@@ -1,0 +1,173 @@
+"""Prometheus metrics of the serving engine: vLLM's names under the `pagoda:` prefix, with the
+same `model_name` label, so that a vLLM dashboard ports by renaming `vllm:` to `pagoda:`.
+
+The engine thread (async_engine.py) feeds every step's DELTA outputs and scheduler stats;
+the HTTP layer counts error responses. Counting rules, exact so that tests can assert them:
+
+| metric                              | observed                                               |
+|-------------------------------------|--------------------------------------------------------|
+| prompt_tokens_total                 | once per request, at its first output token            |
+| generation_tokens_total             | every output token of every sample                     |
+| time_to_first_token_seconds         | once per request: arrival -> first token               |
+| inter_token_latency_seconds         | each later output of a request that carries tokens:    |
+|                                     | time since its previous one (one per token when n = 1) |
+| e2e/queue/prefill/decode seconds    | once per request that finished by stop or length       |
+| request_success_total{reason}       | once per finished sample (stop, length, abort, error)  |
+| num_preemptions, prefix_cache_*     | the scheduler's own counters, mirrored                 |
+| http_errors_total{status}           | once per HTTP response with status >= 400              |
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from pagoda.core.scheduler import SchedulerStats
+from pagoda.outputs import RequestOutput
+
+PREFIX = "pagoda:"
+
+# NOTE: roughly log-spaced, from a fast CPU decode step up to minutes-long requests.
+_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 3.0,
+                 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
+_ITL_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
+                1.0, 2.0, 5.0, 10.0, 20.0)
+_REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0,
+                    45.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 3840.0)
+_FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+@dataclass(slots=True)
+class _Tracked:
+    """What the metrics remember about one in-flight request."""
+
+    last_token_time: float | None = None
+    finished_indices: set[int] = field(default_factory=set)
+    aborted: bool = False
+
+
+class EngineMetrics:
+    """All of the server's Prometheus collectors, registered in `registry`.
+
+    Thread-safety: prometheus_client collectors are thread-safe; `_tracked` is touched
+    only by the engine thread (observe_* except observe_http_error).
+    """
+
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        reg, labels = self.registry, ["model_name"]
+        self.model_name = model_name
+
+        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(PREFIX + name, doc, labels, buckets=buckets,
+                             registry=reg).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(PREFIX + name, doc, labels, registry=reg).labels(model_name)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(PREFIX + name, doc, labels, registry=reg).labels(model_name)
+
+        self.ttft = hist("time_to_first_token_seconds", "Arrival to first token.",
+                         _TTFT_BUCKETS)
+        self.itl = hist("inter_token_latency_seconds", "Time between output tokens.",
+                        _ITL_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds", "Arrival to finish.", _REQUEST_BUCKETS)
+        self.queue_time = hist("request_queue_time_seconds", "Arrival to first scheduling.",
+                               _REQUEST_BUCKETS)
+        self.prefill_time = hist("request_prefill_time_seconds",
+                                 "First scheduling to first token.", _REQUEST_BUCKETS)
+        self.decode_time = hist("request_decode_time_seconds", "First token to finish.",
+                                _REQUEST_BUCKETS)
+        self.prompt_tokens = counter("prompt_tokens", "Prefilled prompt tokens.")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens.")
+        success = Counter(PREFIX + "request_success", "Finished sequences by finish reason.",
+                          ["model_name", "finished_reason"], registry=reg)
+        self.request_success = {r: success.labels(model_name, r) for r in _FINISH_REASONS}
+        self.num_preemptions = counter("num_preemptions", "Preemptions (recompute).")
+        self.prefix_cache_queries = counter("prefix_cache_queries",
+                                            "Prompt tokens looked up in the prefix cache.")
+        self.prefix_cache_hits = counter("prefix_cache_hits",
+                                         "Prompt tokens found in the prefix cache.")
+        self.http_errors = Counter(PREFIX + "http_errors", "HTTP error responses by status.",
+                                   ["model_name", "status"], registry=reg)
+        self.num_running = gauge("num_requests_running", "Sequences running in the engine.")
+        self.num_waiting = gauge("num_requests_waiting", "Sequences waiting in the engine.")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0..1).")
+        self._tracked: dict[str, _Tracked] = {}
+        self._last_stats: SchedulerStats | None = None
+
+    # ---- engine thread -----------------------------------------------------------------
+    def observe_outputs(self, outputs: Iterable[RequestOutput], now: float | None = None) -> None:
+        """Per-request latencies and token counts from one step's DELTA outputs."""
+        now = time.monotonic() if now is None else now
+        for out in outputs:
+            num_new = sum(len(c.token_ids) for c in out.outputs)
+            tracked = self._tracked.setdefault(out.request_id, _Tracked())
+            if num_new:
+                self.generation_tokens.inc(num_new)
+                if tracked.last_token_time is None:
+                    self.prompt_tokens.inc(len(out.prompt_token_ids))
+                    m = out.metrics
+                    first = m.first_token_time if m and m.first_token_time else now
+                    if m is not None:
+                        self.ttft.observe(max(first - m.arrival_time, 0.0))
+                else:
+                    self.itl.observe(max(now - tracked.last_token_time, 0.0))
+                tracked.last_token_time = now
+            for c in out.outputs:
+                # NOTE: a DELTA output may repeat a sample that finished earlier (n > 1);
+                # each sample's finish counts once.
+                if c.finish_reason is not None and c.index not in tracked.finished_indices:
+                    tracked.finished_indices.add(c.index)
+                    tracked.aborted |= c.finish_reason in ("abort", "error")
+                    self._count_finish(c.finish_reason)
+            if out.finished:
+                self._tracked.pop(out.request_id, None)
+                if not tracked.aborted:
+                    self._observe_request_times(out, now)
+
+    def observe_error(self, request_id: str, num_samples: int) -> None:
+        """A request that an engine fault ended: its `num_samples` unfinished samples count
+        as `error`."""
+        self._tracked.pop(request_id, None)
+        self.request_success["error"].inc(num_samples)
+
+    def observe_stats(self, stats: SchedulerStats) -> None:
+        """Gauges from the scheduler; counters advance by the scheduler's own deltas."""
+        self.num_running.set(stats.num_running)
+        self.num_waiting.set(stats.num_waiting)
+        self.kv_usage.set(stats.kv_cache_usage)
+        last = self._last_stats
+        for counter, name in ((self.num_preemptions, "num_preemptions"),
+                              (self.prefix_cache_queries, "prefix_cache_queries"),
+                              (self.prefix_cache_hits, "prefix_cache_hits")):
+            delta = getattr(stats, name) - (getattr(last, name) if last else 0)
+            if delta > 0:
+                counter.inc(delta)
+        self._last_stats = stats
+
+    # ---- HTTP layer ----------------------------------------------------------------------
+    def observe_http_error(self, status: int) -> None:
+        self.http_errors.labels(self.model_name, str(status)).inc()
+
+    def _count_finish(self, reason: str) -> None:
+        counter = self.request_success.get(reason)
+        if counter is not None:
+            counter.inc()
+
+    def _observe_request_times(self, out: RequestOutput, now: float) -> None:
+        m = out.metrics
+        if m is None:
+            return
+        finished = m.finished_time or now
+        self.e2e.observe(max(finished - m.arrival_time, 0.0))
+        if m.first_scheduled_time is not None:
+            self.queue_time.observe(max(m.first_scheduled_time - m.arrival_time, 0.0))
+            if m.first_token_time is not None:
+                self.prefill_time.observe(max(m.first_token_time - m.first_scheduled_time, 0.0))
+        if m.first_token_time is not None:
+            self.decode_time.observe(max(finished - m.first_token_time, 0.0))

@@ -1,0 +1,227 @@
+"""OpenAI-compatible request bodies, the error body, and their mapping to SamplingParams.
+
+Requests are pydantic models (wrong types fail as 400s); unknown fields are accepted and
+ignored, as OpenAI clients send fields this server has no use for. Responses are plain
+dicts built by the serving modules (cheaper per streamed chunk than models).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from pagoda.sampling_params import SamplingParams
+
+_ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    413: "RequestTooLargeError",
+    429: "RateLimitError",
+    499: "ClientClosedRequest",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
+
+
+class APIError(Exception):
+    """An error answered with an OpenAI error body and `status`."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.headers = headers
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    """`{"error": {"message", "type", "param", "code"}}`, as OpenAI and vLLM answer."""
+    return {"error": {"message": message, "type": _ERROR_TYPES.get(status, "APIError"),
+                      "param": param, "code": status}}
+
+
+def bad_request(exc: ValueError) -> APIError:
+    """A 400 from a validation ValueError; `param` is the field its message starts with."""
+    message = str(exc)
+    first = message.split(" ", 1)[0]
+    param = first if first.isidentifier() and first in _PARAM_NAMES else None
+    return APIError(400, message, param)
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _GenerationRequest(BaseModel):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    priority: int = 0
+    cache_salt: str | None = None
+
+    def check_stream_options(self) -> None:
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options is only allowed when stream is true",
+                           "stream_options")
+
+    def _sampling(self, max_tokens: int | None, logprobs: int | None,
+                  prompt_logprobs: int | None) -> SamplingParams:
+        """SamplingParams for this body; raises ValueError naming a bad field."""
+        optional = {
+            "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
+            "min_p": self.min_p, "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty,
+        }
+        return SamplingParams(
+            n=self.n, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos, max_tokens=max_tokens, min_tokens=self.min_tokens,
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs, logit_bias=self.logit_bias,
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            **{k: v for k, v in optional.items() if v is not None},
+        )
+
+
+Prompt = str | list[str] | list[int] | list[list[int]]
+
+
+class CompletionRequest(_GenerationRequest):
+    prompt: Prompt
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts as a list: strings or token-id lists; raises ValueError if empty."""
+        p = self.prompt
+        if isinstance(p, str):
+            out: list[str | list[int]] = [p]
+        elif p and isinstance(p[0], int):
+            out = [list(p)]  # type: ignore[arg-type]
+        else:
+            out = list(p)  # type: ignore[arg-type]
+        if not out or any(len(x) == 0 for x in out):
+            raise ValueError("prompt is empty: it must contain at least one token")
+        return out
+
+    def to_sampling_params(self, max_logprobs: int) -> SamplingParams:
+        if self.suffix is not None:
+            raise ValueError("suffix is not supported")
+        _check_logprobs("logprobs", self.logprobs, max_logprobs)
+        prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
+        return self._sampling(self.max_tokens, self.logprobs, prompt_logprobs)
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def to_template_dict(self) -> dict[str, Any]:
+        """The message as the chat template sees it: text parts joined by newlines."""
+        content = self.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.type != "text" or part.text is None:
+                    raise ValueError(
+                        f"messages content parts must be text, got type {part.type!r}"
+                    )
+                texts.append(part.text)
+            content = "\n".join(texts)
+        out = self.model_dump(exclude_none=True)
+        out["content"] = content if content is not None else ""
+        return out
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+
+    def to_sampling_params(self, max_logprobs: int) -> SamplingParams:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs set to true")
+        _check_logprobs("top_logprobs", self.top_logprobs, max_logprobs)
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        max_tokens = (self.max_completion_tokens if self.max_completion_tokens is not None
+                      else self.max_tokens)
+        return self._sampling(max_tokens, logprobs, None)
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    tokens: list[int]
+
+
+class FaultRequest(BaseModel):
+    num_steps: int = Field(default=1, ge=1, le=100)
+
+
+def _check_logprobs(name: str, value: int | None, max_logprobs: int) -> None:
+    if value is not None and value > max_logprobs:
+        raise ValueError(f"{name} must be at most {max_logprobs} (--max-logprobs), got {value}")
+
+
+def usage(num_prompt: int, num_completion: int) -> dict[str, int]:
+    return {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
+            "total_tokens": num_prompt + num_completion}
+
+
+_PARAM_NAMES = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields) | {
+    "best_of", "prompt_logprobs"
+}

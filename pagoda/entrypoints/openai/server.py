@@ -1,0 +1,332 @@
+"""The OpenAI-compatible HTTP server: app, routes, error bodies, start-up and shutdown.
+
+Every error is an OpenAI body `{"error": {"message", "type", "param", "code"}}`: 400 for
+invalid input (malformed JSON and wrong types included), 401 without the API key, 404 for
+an unknown model or route, 413 for an oversized body, 429 (with Retry-After) when the
+waiting queue is full, 500 only for an engine fault (in a stream: an error event, then
+`[DONE]`), 503 when the engine thread is gone. Unexpected exceptions answer 500; the server
+stays up. SIGTERM: stop accepting, let in-flight requests finish within
+--shutdown-timeout, abort the rest, exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hmac
+import logging
+import os
+import signal
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+import pagoda
+from pagoda.engine.async_engine import AsyncLLMEngine
+from pagoda.engine.llm_engine import MAX_LOGPROBS
+from pagoda.engine.metrics import EngineMetrics
+from pagoda.entrypoints.openai.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    FaultRequest,
+    TokenizeRequest,
+    bad_request,
+    error_body,
+)
+from pagoda.entrypoints.openai.serving import ServerState
+from pagoda.entrypoints.openai.serving_chat import chat_prompt_ids, create_chat_completion
+from pagoda.entrypoints.openai.serving_completion import create_completion
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_BODY_BYTES = 32 << 20
+_PROTECTED_PREFIXES = ("/v1", "/tokenize", "/detokenize", "/debug")
+
+
+def create_app(state: ServerState, api_key: str | None = None,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    """The ASGI app over `state`; starts the engine thread on start-up, stops it on exit."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state.engine.start()
+        try:
+            yield
+        finally:
+            await state.engine.shutdown()
+
+    app = FastAPI(title="pagoda", version=pagoda.__version__, lifespan=lifespan,
+                  docs_url=None, redoc_url=None)
+    app.state.pagoda = state
+    _add_error_handlers(app)
+    _add_routes(app, state)
+    app.add_middleware(HTTPGuard, state=state, api_key=api_key, max_body_bytes=max_body_bytes)
+    return app
+
+
+def _error(status: int, message: str, param: str | None = None,
+           headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+        return _error(exc.status, exc.message, exc.param, exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        if first.get("type") == "json_invalid":
+            return _error(400, f"malformed JSON body: {first.get('msg', '')}")
+        where = ".".join(loc) or "body"
+        return _error(400, f"{where}: {first.get('msg', 'invalid value')}",
+                      loc[0] if loc else None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _error(exc.status_code, str(exc.detail), headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error")
+        return _error(500, f"internal error: {type(exc).__name__}: {exc}")
+
+
+def _add_routes(app: FastAPI, state: ServerState) -> None:
+    @app.get("/health")
+    async def health() -> Response:
+        if not state.engine.is_alive:
+            return _error(503, "the engine is not running")
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": pagoda.__version__}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        data = [{"id": name, "object": "model", "created": state.created, "owned_by": "pagoda",
+                 "root": state.model_root, "parent": None, "max_model_len": state.max_model_len}
+                for name in state.model_names]
+        return {"object": "list", "data": data}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw: Request) -> Response:
+        return await create_completion(state, body, raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
+        return await create_chat_completion(state, body, raw)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        state.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give exactly one of prompt and messages", "prompt")
+        try:
+            if body.messages is not None:
+                messages = [m.to_template_dict() for m in body.messages]
+                ids = chat_prompt_ids(state, messages, body.add_generation_prompt)
+            else:
+                ids = state.tokenizer.encode(body.prompt,
+                                             add_special_tokens=body.add_special_tokens)
+        except ValueError as e:
+            raise bad_request(e) from e
+        return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, str]:
+        state.check_model(body.model)
+        bad = [t for t in body.tokens if not 0 <= t < state.vocab_size]
+        if bad:
+            raise APIError(400, f"token id {bad[0]} is outside the vocabulary "
+                           f"(size {state.vocab_size})", "tokens")
+        return {"prompt": state.tokenizer.decode(body.tokens)}
+
+    if state.enable_debug:
+        _add_debug_routes(app, state)
+
+
+def _add_debug_routes(app: FastAPI, state: ServerState) -> None:
+    """Test-only endpoints (--enable-debug-endpoints): engine integrity, fault injection."""
+
+    @app.get("/debug/integrity")
+    async def integrity() -> dict[str, Any]:
+        def check(engine: Any) -> dict[str, Any]:
+            try:
+                engine.check_integrity()
+                error = None
+            except AssertionError as e:
+                error = str(e) or "integrity check failed"
+            s = engine.get_stats()
+            return {"ok": error is None, "error": error, "num_running": s.num_running,
+                    "num_waiting": s.num_waiting, "kv_cache_usage": s.kv_cache_usage,
+                    "num_unfinished": engine.get_num_unfinished_requests(),
+                    "num_blocks": engine.num_blocks}
+
+        return await state.engine.call(check)
+
+    @app.post("/debug/fault")
+    async def fault(body: FaultRequest) -> dict[str, int]:
+        state.engine.inject_fault(body.num_steps)
+        return {"num_steps": body.num_steps}
+
+
+class HTTPGuard:
+    """ASGI middleware: API key, body size limit (413), and the HTTP error counter.
+
+    NOTE: the body is read here, up to the limit, and replayed to the app; a chunked body
+    that turns out too large is refused before the app sees any of it.
+    """
+
+    def __init__(self, app: ASGIApp, state: ServerState, api_key: str | None,
+                 max_body_bytes: int) -> None:
+        self.app = app
+        self.metrics = state.metrics
+        self.api_key = api_key.encode() if api_key else None
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def counting_send(message: Message) -> None:
+            if message["type"] == "http.response.start" and message["status"] >= 400:
+                self.metrics.observe_http_error(message["status"])
+            await send(message)
+
+        protected = scope["path"].startswith(_PROTECTED_PREFIXES)
+        if self.api_key and protected and not self._authorized(scope):
+            await _send_error(counting_send, 401, "missing or wrong API key "
+                              "(send 'Authorization: Bearer <key>')")
+            return
+        headers = dict(scope.get("headers") or [])
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+            await _send_error(counting_send, 413, self._too_large())
+            return
+        body, message = await self._read_body(receive)
+        if body is None:
+            await _send_error(counting_send, 413, self._too_large())
+            return
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return message
+            return await receive()
+
+        await self.app(scope, replay, counting_send)
+
+    def _too_large(self) -> str:
+        return f"the request body is larger than {self.max_body_bytes} bytes"
+
+    def _authorized(self, scope: Scope) -> bool:
+        for name, value in scope.get("headers") or []:
+            if name == b"authorization" and value.startswith(b"Bearer "):
+                return hmac.compare_digest(value[7:].strip(), self.api_key)
+        return False
+
+    async def _read_body(self, receive: Receive) -> tuple[bytes | None, Message]:
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return b"", message  # NOTE: a disconnect: let the app see it.
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                return None, message
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                body = b"".join(chunks)
+                return body, {"type": "http.request", "body": body, "more_body": False}
+
+
+async def _send_error(send: Send, status: int, message: str) -> None:
+    response = _error(status, message)
+    await send({"type": "http.response.start", "status": status,
+                "headers": response.raw_headers})
+    await send({"type": "http.response.body", "body": response.body})
+
+
+# ---- start-up ------------------------------------------------------------------------------
+def _load_chat_template(value: str | None) -> str | None:
+    if value is None:
+        return None
+    path = Path(value)
+    if path.is_file():
+        return path.read_text()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
+
+
+def build_state(args: argparse.Namespace) -> ServerState:
+    """Loads the model and wires engine, metrics and settings together (no server yet)."""
+    from pagoda.entrypoints.cli import engine_kwargs
+    from pagoda.llm import LLM
+
+    if args.model_tag and args.model and args.model_tag != args.model:
+        raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
+    model = args.model_tag or args.model
+    if not 0 <= args.max_logprobs <= MAX_LOGPROBS:
+        raise ValueError(f"--max-logprobs must be in [0, {MAX_LOGPROBS}], got {args.max_logprobs}")
+    if args.max_queued_requests is not None and args.max_queued_requests < 0:
+        raise ValueError("--max-queued-requests must be >= 0")
+    chat_template = _load_chat_template(args.chat_template)
+    engine = LLM(model, **engine_kwargs(args)).llm_engine
+    path = Path(engine.model_path)
+    names = args.served_model_name or [model or (path.stem if path.suffix == ".gguf" else
+                                                 path.name)]
+    metrics = EngineMetrics(names[0])
+    return ServerState(
+        engine=AsyncLLMEngine(engine, metrics, args.max_queued_requests),
+        tokenizer=engine.tokenizer, model_names=names, model_root=engine.model_path,
+        max_model_len=engine.max_model_len, vocab_size=engine.vocab_size, metrics=metrics,
+        chat_template=chat_template, max_logprobs=args.max_logprobs,
+        enable_debug=args.enable_debug_endpoints,
+    )
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """Serves until SIGTERM or Ctrl-C; returns 0 after a graceful shutdown."""
+    import uvicorn
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    state = build_state(args)
+    api_key = args.api_key or os.environ.get("PAGODA_API_KEY") or None
+    app = create_app(state, api_key, args.max_request_body_bytes)
+    config = uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+        access_log=not args.disable_uvicorn_access_log,
+        timeout_graceful_shutdown=args.shutdown_timeout,
+    )
+    server = uvicorn.Server(config)
+    # NOTE: uvicorn re-raises the signal it shut down on, once it has restored the handlers
+    # it found; with no-op handlers in place a graceful shutdown exits 0, not 128 + signum.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    logger.info("serving %s on http://%s:%d", state.model_names, args.host, args.port)
+    server.run()
+    return 0

@@ -1,0 +1,166 @@
+"""What the completion and chat endpoints share: server state, submitting to the engine,
+collecting a whole answer, and server-sent events that abort on client disconnect.
+
+A request is aborted (and its KV blocks freed before the engine's next step) whenever
+its handler stops early: the client disconnects, the server cancels it on shutdown, or
+the handler fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from pagoda.engine.async_engine import (
+    AsyncLLMEngine,
+    EngineDeadError,
+    EngineFaultError,
+    EngineRequest,
+    OutputStream,
+    QueueFullError,
+)
+from pagoda.engine.detokenizer import decode_token
+from pagoda.engine.metrics import EngineMetrics
+from pagoda.entrypoints.openai.protocol import APIError, bad_request, error_body
+from pagoda.outputs import RequestOutput
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+@dataclass
+class ServerState:
+    """Everything a handler needs; built once at start-up, read-only afterwards."""
+
+    engine: AsyncLLMEngine
+    tokenizer: Any
+    model_names: list[str]
+    model_root: str
+    max_model_len: int
+    vocab_size: int
+    metrics: EngineMetrics
+    chat_template: str | None = None
+    max_logprobs: int = 20
+    enable_debug: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def check_model(self, name: str | None) -> str:
+        """The served name to answer with; 404 for a name this server does not serve."""
+        if name is None or name in self.model_names:
+            return name or self.model_names[0]
+        raise APIError(404, f"the model {name!r} does not exist; this server serves "
+                       f"{self.model_names}", "model")
+
+    def token_text(self, token_id: int) -> str:
+        return decode_token(self.tokenizer, token_id)
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+async def submit(
+    state: ServerState, requests: list[EngineRequest], arrival_time: float
+) -> OutputStream:
+    """Hands `requests` to the engine; maps its refusals to APIErrors (400, 429, 503)."""
+    try:
+        return await state.engine.generate(requests, arrival_time)
+    except ValueError as e:
+        raise bad_request(e) from e
+    except QueueFullError as e:
+        raise APIError(429, str(e), headers={"Retry-After": str(e.retry_after_s)}) from e
+    except EngineDeadError as e:
+        raise APIError(503, str(e)) from e
+
+
+async def collect(raw: Request, state: ServerState, stream: OutputStream) -> list[RequestOutput]:
+    """Every output of `stream`; aborts it if the client disconnects first (answered 499)."""
+    async def consume() -> list[RequestOutput]:
+        return [out async for out in stream]
+
+    task = asyncio.ensure_future(consume())
+    watch = asyncio.ensure_future(_wait_for_disconnect(raw))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            raise APIError(499, "the client closed the request")
+        try:
+            return task.result()
+        except (EngineFaultError, EngineDeadError) as e:
+            raise APIError(500, str(e)) from e
+    finally:
+        task.cancel()
+        watch.cancel()
+        if not stream.finished:
+            state.engine.abort(stream.unfinished_ids)
+
+
+async def _wait_for_disconnect(raw: Request) -> None:
+    # NOTE: the body has been read already, so the next ASGI message is the disconnect.
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
+
+
+def sse(payload: dict[str, Any]) -> bytes:
+    text = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+    return b"data: " + text.encode() + b"\n\n"
+
+
+async def sse_events(
+    state: ServerState, stream: OutputStream, payloads: AsyncIterator[dict[str, Any]]
+) -> AsyncIterator[bytes]:
+    """`payloads` as server-sent events, then `[DONE]`; an engine fault becomes an error
+    event (status 500) before `[DONE]`; leaving early aborts what is still running."""
+    try:
+        try:
+            async for payload in payloads:
+                yield sse(payload)
+        except (EngineFaultError, EngineDeadError) as e:
+            state.metrics.observe_http_error(500)
+            yield sse(error_body(500, str(e)))
+        yield SSE_DONE
+    finally:
+        if not stream.finished:
+            state.engine.abort(stream.unfinished_ids)
+
+
+class SSEResponse(StreamingResponse):
+    """A streaming response that stops (and so aborts its request) as soon as the client
+    disconnects, even while no token is ready to be written.
+
+    NOTE: Starlette only notices a disconnect when a write fails under ASGI spec 2.4, which
+    can be a long prefill later; here a watcher cancels the stream at once, and the body
+    generator's `finally` aborts the engine requests.
+    """
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncIterator[bytes]) -> None:
+        super().__init__(content, headers={"Cache-Control": "no-cache",
+                                           "X-Accel-Buffering": "no"})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+                async def stream_then_stop() -> None:
+                    try:
+                        await self.stream_response(send)
+                    except OSError:
+                        pass  # NOTE: the client went away during a write.
+                    finally:
+                        tg.cancel_scope.cancel()
+
+                tg.start_soon(stream_then_stop)
+                await self.listen_for_disconnect(receive)
+                tg.cancel_scope.cancel()
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]
