@@ -54,8 +54,9 @@ class TorchPagedAttention:
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: AttentionMetadata
     ) -> torch.Tensor:
         bt, seq_lens = md.decode_block_tables, md.decode_seq_lens
-        fast = paged_decode_attention(q, k_cache, v_cache, bt, seq_lens, self.scale,
-                                      self.sliding_window)
+        fast = paged_decode_attention(
+            q, k_cache, v_cache, bt, seq_lens, self.scale, self.sliding_window
+        )
         if fast is not None:  # NOTE: None when the C++ kernel is unavailable or disabled
             return fast
         b = q.shape[0]

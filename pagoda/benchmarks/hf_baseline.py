@@ -110,8 +110,8 @@ def batch_token_counts(workload: Workload, batch: list[int]) -> tuple[int, int]:
     return longest * len(batch), sum(workload[i][1] for i in batch)
 
 
-def _generate_batch(model: Any, prompts: list[list[int]], num_new: int, pad_id: int) -> int:
-    """Greedy, left-padded generate of exactly `num_new` tokens per row; returns num_new."""
+def _generate_batch(model: Any, prompts: list[list[int]], num_new: int, pad_id: int) -> None:
+    """Greedy, left-padded generate of exactly `num_new` tokens per row."""
     import torch
 
     width = max(len(p) for p in prompts)
@@ -132,7 +132,6 @@ def _generate_batch(model: Any, prompts: list[list[int]], num_new: int, pad_id: 
     generated = out.shape[1] - width
     if generated != num_new:
         raise RuntimeError(f"transformers generated {generated} tokens, asked {num_new}")
-    return generated
 
 
 def run_batch_size(

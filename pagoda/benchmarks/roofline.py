@@ -26,8 +26,9 @@ tokens, so the number of steps is at least the largest of: output tokens / concu
 forwarded tokens / token budget, and the longest single output (a request makes one
 token per step). In the steady state every step has the same mix, so the sum over steps
 of max(compute, memory) equals max(total compute time, total memory time), with compute
-at the measured peak matmul FLOP/s and memory at the measured read bandwidth. Anything
-real is slower: this is a bound to measure against, not a prediction.
+at the peak matmul FLOP/s (the best rate measured at any shape tried, attention included)
+and memory at the measured read bandwidth, both with torch's current thread count.
+Anything real is slower: this is a bound to measure against, not a prediction.
 
 The single-request decode floor is one weight read per token: `weight_bytes / bandwidth`.
 """
@@ -38,9 +39,11 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+_ISA_OF_NOTE = {"avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile"}
 
 
 @dataclass(slots=True, frozen=True)
@@ -297,3 +300,84 @@ def measure_machine(
     peak = max(details["matmul_2048"][dtype], *details["model_shapes"].values())
     limits = MachineLimits(flops_per_s=peak, bytes_per_s=details["read_bandwidth"])
     return limits, details
+
+
+# ---------------------------------------------------------------- reporting
+
+
+def describe_machine() -> dict[str, Any]:
+    """What every number depends on: CPU, cores, memory, library versions, threads."""
+    import os
+    import platform
+
+    import torch
+    import transformers
+
+    cpu, flags = platform.processor() or "unknown", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+            elif line.startswith("flags") and not flags:
+                flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    pages = os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
+    return {
+        "cpu": cpu,
+        "num_cpus": os.cpu_count(),
+        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "isa": sorted(flags & _ISA_OF_NOTE),
+        "memory_gib": round(pages * os.sysconf("SC_PAGE_SIZE") / 2**30, 1) if pages else None,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "transformers": transformers.__version__,
+    }
+
+
+def workload_roofline(
+    lengths: Sequence[tuple[int, int]],
+    shape: ModelShape,
+    dtype: str,
+    concurrency: int,
+    max_num_batched_tokens: int,
+    quick: bool = False,
+) -> dict[str, Any]:
+    """Measure the machine (with torch's current threads), then bound the workload."""
+    limits, details = measure_machine(dtype, shape, quick=quick)
+    estimate = roofline(
+        lengths, shape, limits, DTYPE_BYTES[dtype], concurrency, max_num_batched_tokens
+    )
+    return {
+        "shape": {**asdict(shape), "num_params": shape.num_params},
+        "limits": asdict(limits),
+        "measurements": details,
+        "concurrency": concurrency,
+        "max_num_batched_tokens": max_num_batched_tokens,
+        "estimate": estimate.to_dict(),
+    }
+
+
+def format_roofline(report: dict[str, Any]) -> str:
+    """The measured limits and the bound, as a few printable lines."""
+    d, est, c = report["measurements"], report["estimate"], report["estimate"]["cost"]
+    square = ", ".join(f"{k} {v / 1e9:,.0f}" for k, v in d["matmul_2048"].items())
+    shapes = ", ".join(f"{k} {v / 1e9:,.0f}" for k, v in d["model_shapes"].items())
+    limits = f"matmul GFLOP/s: 2048^3 {square}; model shapes (M x K x N) {shapes}"
+    memory = (
+        f"read bandwidth {d['read_bandwidth'] / 1e9:.1f} GB/s; "
+        f"params {report['shape']['num_params']:,}"
+    )
+    bound = (
+        f"bound ({est['bound']}-bound): {est['time_s']:.2f} s = "
+        f"{est['output_tokens_per_s']:,.0f} output tok/s; compute {est['compute_s']:.2f} s "
+        f"({c['total_flops'] / 1e12:.2f} TFLOP), memory {est['memory_s']:.2f} s "
+        f"({c['total_bytes'] / 1e9:.1f} GB in >= {c['num_steps']} steps at concurrency "
+        f"{report['concurrency']})"
+    )
+    single = (
+        f"single-request decode floor: {est['single_stream_s_per_token'] * 1e3:.2f} ms/token "
+        f"= {est['single_stream_tokens_per_s']:,.0f} tok/s"
+    )
+    return f"{limits}\n{memory}\n{bound}\n{single}"

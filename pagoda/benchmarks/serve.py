@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from pagoda.benchmarks import workload as wl_mod
+from pagoda.benchmarks.serve_report import plot, print_setup, print_table
 from pagoda.benchmarks.workload import Workload, make_workload, workload_stats
 
 DEFAULT_NUM_PROMPTS = 64
@@ -46,33 +47,77 @@ def _int_list(text: str) -> list[int]:
 
 
 def add_serve_bench_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--base-url", nargs="+", default=["http://127.0.0.1:8000"],
-                   help="one or more servers; ratios are against the first")
+    p.add_argument(
+        "--base-url",
+        nargs="+",
+        default=["http://127.0.0.1:8000"],
+        help="one or more servers; ratios are against the first",
+    )
     p.add_argument("--label", nargs="+", default=None, help="a name per --base-url")
-    p.add_argument("--model", default=None,
-                   help="model name in requests (default: each server's first /v1/models id)")
-    p.add_argument("--tokenizer", default=None,
-                   help="HF folder or .gguf whose vocabulary the prompts use (default: embedded)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="model name in requests (default: each server's first /v1/models id)",
+    )
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="HF folder or .gguf whose vocabulary the prompts use (default: embedded)",
+    )
     p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
-    p.add_argument("--prompt-format", choices=["tokens", "text"], default="tokens",
-                   help="send prompt token ids (exact lengths) or their decoded text; chat "
-                   "always sends text")
-    p.add_argument("--num-prompts", type=int, default=None,
-                   help=f"default {DEFAULT_NUM_PROMPTS} ({wl_mod.QUICK_NUM_REQUESTS} quick)")
-    p.add_argument("--input-len", type=_int_pair, default=None, metavar="MIN,MAX",
-                   help="prompt lengths (default 100,1024; quick 32,128)")
-    p.add_argument("--output-len", type=_int_pair, default=None, metavar="MIN,MAX",
-                   help="output lengths (default 100,1024; quick 32,128)")
+    p.add_argument(
+        "--prompt-format",
+        choices=["tokens", "text"],
+        default="tokens",
+        help="send prompt token ids (exact lengths) or their decoded text; chat always sends text",
+    )
+    p.add_argument(
+        "--num-prompts",
+        type=int,
+        default=None,
+        help=f"default {DEFAULT_NUM_PROMPTS} ({wl_mod.QUICK_NUM_REQUESTS} quick)",
+    )
+    p.add_argument(
+        "--input-len",
+        type=_int_pair,
+        default=None,
+        metavar="MIN,MAX",
+        help="prompt lengths (default 100,1024; quick 32,128)",
+    )
+    p.add_argument(
+        "--output-len",
+        type=_int_pair,
+        default=None,
+        metavar="MIN,MAX",
+        help="output lengths (default 100,1024; quick 32,128)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="a small smoke-sized workload")
-    p.add_argument("--concurrency", type=_int_list, default=[1, 8, 32], metavar="N,N,...",
-                   help="the most requests in flight; one run per value")
-    p.add_argument("--request-rate", type=float, default=float("inf"),
-                   help="Poisson arrivals per second (default inf: all at once)")
-    p.add_argument("--goodput", nargs="+", default=list(DEFAULT_GOODPUT), metavar="KEY:MS",
-                   help="SLA for goodput: ttft, tpot, e2el in milliseconds")
-    p.add_argument("--no-ignore-eos", action="store_true",
-                   help="let end-of-sequence stop requests early (lengths then vary)")
+    p.add_argument(
+        "--concurrency",
+        type=_int_list,
+        default=[1, 8, 32],
+        metavar="N,N,...",
+        help="the most requests in flight; one run per value",
+    )
+    p.add_argument(
+        "--request-rate",
+        type=float,
+        default=float("inf"),
+        help="Poisson arrivals per second (default inf: all at once)",
+    )
+    p.add_argument(
+        "--goodput",
+        nargs="+",
+        default=list(DEFAULT_GOODPUT),
+        metavar="KEY:MS",
+        help="SLA for goodput: ttft, tpot, e2el in milliseconds",
+    )
+    p.add_argument(
+        "--no-ignore-eos",
+        action="store_true",
+        help="let end-of-sequence stop requests early (lengths then vary)",
+    )
     p.add_argument("--api-key", default=None, help="default: $PAGODA_API_KEY or $OPENAI_API_KEY")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--num-warmup", type=int, default=2, help="untimed requests per target")
@@ -107,10 +152,16 @@ def parse_goodput(items: list[str]) -> dict[str, float]:
     return sla
 
 
-def _payload(args: argparse.Namespace, model: str, prompt: list[int], text: str | None,
-             max_tokens: int) -> tuple[str, dict[str, Any]]:
-    body: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "temperature": 0.0,
-                            "stream": True, "stream_options": {"include_usage": True}}
+def _payload(
+    args: argparse.Namespace, model: str, prompt: list[int], text: str | None, max_tokens: int
+) -> tuple[str, dict[str, Any]]:
+    body: dict[str, Any] = {
+        "model": model,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if not args.no_ignore_eos:
         body["ignore_eos"] = True
     if args.endpoint == "chat":
@@ -165,8 +216,14 @@ def _chunk_text(chunk: dict[str, Any]) -> str:
     return c.get("text") or (c.get("delta") or {}).get("content") or ""
 
 
-async def run_load(base_url: str, model: str, workload: Workload, texts: list[str | None],
-                   concurrency: int, args: argparse.Namespace) -> tuple[list[RequestResult], float]:
+async def run_load(
+    base_url: str,
+    model: str,
+    workload: Workload,
+    texts: list[str | None],
+    concurrency: int,
+    args: argparse.Namespace,
+) -> tuple[list[RequestResult], float]:
     """Sends the workload; returns per-request results and the wall time of the run."""
     import httpx
 
@@ -174,11 +231,15 @@ async def run_load(base_url: str, model: str, workload: Workload, texts: list[st
     sem = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    async with httpx.AsyncClient(base_url=base_url, timeout=args.timeout, limits=limits,
-                                 headers=headers) as client:
+    async with httpx.AsyncClient(
+        base_url=base_url, timeout=args.timeout, limits=limits, headers=headers
+    ) as client:
         for (prompt, out_len), text in list(zip(workload, texts))[: args.num_warmup]:
-            await _send(client, *_payload(args, model, prompt[:16], text and text[:64],
-                                          min(out_len, 4)), RequestResult(False, 0, 0))
+            await _send(
+                client,
+                *_payload(args, model, prompt[:16], text and text[:64], min(out_len, 4)),
+                RequestResult(False, 0, 0),
+            )
 
         async def one(i: int) -> RequestResult:
             prompt, out_len = workload[i]
@@ -201,25 +262,33 @@ def _dist(values: list[float]) -> dict[str, float | None]:
     if not values:
         return {"mean": None, **{f"p{q}": None for q in _PERCENTILES}}
     arr = np.asarray(values) * 1000
-    return {"mean": float(arr.mean()),
-            **{f"p{q}": float(np.percentile(arr, q)) for q in _PERCENTILES}}
+    return {
+        "mean": float(arr.mean()),
+        **{f"p{q}": float(np.percentile(arr, q)) for q in _PERCENTILES},
+    }
 
 
-def summarize(results: list[RequestResult], elapsed: float,
-              sla: dict[str, float]) -> dict[str, Any]:
+def summarize(
+    results: list[RequestResult], elapsed: float, sla: dict[str, float]
+) -> dict[str, Any]:
     """Latency distributions (ms), throughput and goodput of one run."""
     ok = [r for r in results if r.ok]
     tpots = [t for r in ok if (t := r.tpot) is not None]
 
     def meets(r: RequestResult) -> bool:
         t = r.tpot if r.tpot is not None else 0.0
-        return (r.ttft <= sla.get("ttft", float("inf")) and t <= sla.get("tpot", float("inf"))
-                and r.e2e <= sla.get("e2el", float("inf")))
+        return (
+            r.ttft <= sla.get("ttft", float("inf"))
+            and t <= sla.get("tpot", float("inf"))
+            and r.e2e <= sla.get("e2el", float("inf"))
+        )
 
     num_output = sum(r.output_len for r in ok)
     errors = [r.error for r in results if not r.ok]
     return {
-        "num_requests": len(results), "num_ok": len(ok), "num_failed": len(errors),
+        "num_requests": len(results),
+        "num_ok": len(ok),
+        "num_failed": len(errors),
         "first_errors": errors[:3],
         "num_short": sum(r.output_len < r.expected_output_len for r in ok),
         "elapsed_s": elapsed,
@@ -254,68 +323,10 @@ async def _server_info(base_url: str, api_key: str | None) -> dict[str, Any]:
     return info
 
 
-def _fmt(value: float | None, width: int = 9) -> str:
-    return f"{'-':>{width}}" if value is None else f"{value:>{width},.1f}"
-
-
-def print_table(runs: list[dict[str, Any]]) -> None:
-    ref = {r["concurrency"]: r for r in runs if r["label"] == runs[0]["label"]}
-    print("== results (latencies in ms) ==")
-    print(f"{'target':<12}{'conc':>5}{'ok':>5}{'out tok/s':>10}{'req/s':>7}{'goodput':>8}"
-          f"{'TTFT p50':>9}{'p99':>8}{'ITL p50':>8}{'p99':>7}{'TPOT p50':>9}{'p99':>7}"
-          f"{'E2E p50':>9}{'p99':>9}{'tok/s ratio':>12}")
-    for run in runs:
-        s = run["summary"]
-        base = ref.get(run["concurrency"])
-        ratio = (s["output_tokens_per_s"] / base["summary"]["output_tokens_per_s"]
-                 if base and base["summary"]["output_tokens_per_s"] else None)
-        print(f"{run['label'][:11]:<12}{run['concurrency']:>5}{s['num_ok']:>5}"
-              f"{s['output_tokens_per_s']:>10,.1f}{s['requests_per_s']:>7.2f}"
-              f"{s['goodput_requests_per_s']:>8.2f}{_fmt(s['ttft_ms']['p50'])}"
-              f"{_fmt(s['ttft_ms']['p99'], 8)}{_fmt(s['itl_ms']['p50'], 8)}"
-              f"{_fmt(s['itl_ms']['p99'], 7)}{_fmt(s['tpot_ms']['p50'])}"
-              f"{_fmt(s['tpot_ms']['p99'], 7)}{_fmt(s['e2e_ms']['p50'])}"
-              f"{_fmt(s['e2e_ms']['p99'])}{(f'{ratio:.2f}x' if ratio else '-'):>12}")
-        if s["num_failed"] or s["num_short"]:
-            print(f"    {s['num_failed']} failed, {s['num_short']} short: {s['first_errors']}")
-
-
-def plot(runs: list[dict[str, Any]], path: str) -> None:
-    """Throughput and latency percentiles against concurrency, one line per target."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(2, 2, figsize=(11, 8))
-    panels = [("output_tokens_per_s", None, "output tokens/s"), ("ttft_ms", "TTFT", "ms"),
-              ("tpot_ms", "TPOT", "ms"), ("e2e_ms", "end-to-end latency", "ms")]
-    labels = list(dict.fromkeys(r["label"] for r in runs))
-    for ax, (key, title, unit) in zip(axes.flat, panels):
-        for label in labels:
-            mine = sorted((r for r in runs if r["label"] == label), key=lambda r: r["concurrency"])
-            xs = [r["concurrency"] for r in mine]
-            if title is None:
-                ax.plot(xs, [r["summary"][key] for r in mine], "o-", label=label)
-            else:
-                for q, style in (("p50", "o-"), ("p99", "s--")):
-                    ax.plot(xs, [r["summary"][key][q] for r in mine], style, label=f"{label} {q}")
-        ax.set_title(title or "throughput")
-        ax.set_xlabel("concurrency")
-        ax.set_ylabel(unit)
-        ax.set_xscale("log", base=2)
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle("pagoda bench serve")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def run_serve_bench(args: argparse.Namespace) -> dict[str, Any]:
     """Runs every (target, concurrency); prints setup and table; returns the report."""
     from pagoda.benchmarks.hf_baseline import load_tokenizer, resolve_model
-    from pagoda.benchmarks.throughput import machine_info
+    from pagoda.benchmarks.roofline import describe_machine
 
     quick = args.quick
     num = args.num_prompts or (wl_mod.QUICK_NUM_REQUESTS if quick else DEFAULT_NUM_PROMPTS)
@@ -324,8 +335,9 @@ def run_serve_bench(args: argparse.Namespace) -> dict[str, Any]:
     labels = args.label or [u.split("//")[-1] for u in args.base_url]
     if len(labels) != len(args.base_url):
         raise ValueError("give one --label per --base-url")
-    args.api_key = args.api_key or os.environ.get("PAGODA_API_KEY") or os.environ.get(
-        "OPENAI_API_KEY")
+    args.api_key = (
+        args.api_key or os.environ.get("PAGODA_API_KEY") or os.environ.get("OPENAI_API_KEY")
+    )
     sla = parse_goodput(args.goodput)
     src = resolve_model(args.tokenizer)
     tokenizer = load_tokenizer(src)
@@ -334,22 +346,36 @@ def run_serve_bench(args: argparse.Namespace) -> dict[str, Any]:
     texts = [tokenizer.decode(p) if as_text else None for p, _ in workload]
     servers = [asyncio.run(_server_info(u, args.api_key)) for u in args.base_url]
     setup = {
-        "machine": machine_info(), "tokenizer": src.label, "endpoint": args.endpoint,
-        "prompt_format": "text" if as_text else "tokens", "seed": args.seed,
-        "input_len": list(in_len), "output_len": list(out_len),
-        "workload": asdict(workload_stats(workload)), "concurrency": args.concurrency,
-        "request_rate": args.request_rate, "ignore_eos": not args.no_ignore_eos,
-        "goodput_sla_s": sla, "targets": dict(zip(labels, servers)),
+        "machine": describe_machine(),
+        "tokenizer": src.label,
+        "endpoint": args.endpoint,
+        "prompt_format": "text" if as_text else "tokens",
+        "seed": args.seed,
+        "input_len": list(in_len),
+        "output_len": list(out_len),
+        "workload": asdict(workload_stats(workload)),
+        "concurrency": args.concurrency,
+        "request_rate": args.request_rate,
+        "ignore_eos": not args.no_ignore_eos,
+        "goodput_sla_s": sla,
+        "targets": dict(zip(labels, servers)),
     }
-    _print_setup(setup)
+    print_setup(setup)
     runs = []
     for label, url, info in zip(labels, args.base_url, servers):
         model = args.model or (info["models"] or [None])[0]
         for conc in args.concurrency:
             print(f"-- {label}: concurrency {conc} ...", flush=True)
             results, elapsed = asyncio.run(run_load(url, model, workload, texts, conc, args))
-            runs.append({"label": label, "base_url": url, "model": model, "concurrency": conc,
-                         "summary": summarize(results, elapsed, sla)})
+            runs.append(
+                {
+                    "label": label,
+                    "base_url": url,
+                    "model": model,
+                    "concurrency": conc,
+                    "summary": summarize(results, elapsed, sla),
+                }
+            )
     print_table(runs)
     report = {"setup": setup, "runs": runs}
     if args.output_json:
@@ -359,20 +385,3 @@ def run_serve_bench(args: argparse.Namespace) -> dict[str, Any]:
         plot(runs, args.plot)
         print(f"wrote {args.plot}")
     return report
-
-
-def _print_setup(setup: dict[str, Any]) -> None:
-    m, w = setup["machine"], setup["workload"]
-    print("== pagoda bench serve: setup ==")
-    print(f"machine : {m['cpu']}, {m['num_cpus']} CPUs ({m['cpus_usable']} usable), "
-          f"{m['memory_gib']} GiB (client and servers share it)")
-    print(f"workload: {w['num_requests']} requests, seed {setup['seed']}, prompt len "
-          f"{w['min_prompt_len']}..{w['max_prompt_len']} ({w['num_prompt_tokens']:,} tokens), "
-          f"output len {w['min_output_len']}..{w['max_output_len']} "
-          f"({w['num_output_tokens']:,} tokens), greedy, ignore_eos {setup['ignore_eos']}, "
-          f"{setup['endpoint']} with {setup['prompt_format']} prompts")
-    print(f"load    : concurrency {setup['concurrency']}, request rate {setup['request_rate']}/s;"
-          f" goodput SLA {setup['goodput_sla_s']} s; tokenizer {setup['tokenizer']}")
-    for label, info in setup["targets"].items():
-        print(f"target  : {label} = {info['base_url']} models {info['models']} version "
-              f"{info['version']} max_model_len {info['max_model_len']}", flush=True)

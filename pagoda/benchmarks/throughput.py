@@ -1,10 +1,12 @@
 """`pagoda bench throughput`: offline throughput of pagoda against its peers, one run.
 
-Every system gets the same seeded workload (random prompt token ids, output lengths that
-are forced with `ignore_eos`, greedy): pagoda's `LLM.generate`, transformers `generate`
-with static batches (`hf_baseline.py`), and vLLM's CPU build when its interpreter exists
+Every system gets the same seeded workload (random prompt token ids, output lengths forced
+with `ignore_eos`, greedy): pagoda's `LLM.generate`, transformers `generate` with static
+batches (`hf_baseline.py`), and vLLM's CPU build when its interpreter exists
 (`vllm_peer.py`). Model loading and a tiny warm-up stay out of every timing. The machine's
-roofline (`roofline.py`) says how close to the best possible each system came.
+roofline (`roofline.py`) says how close to the best possible each system came: the
+"roofline" column is the bound's time over the measured time, on the requests that system
+ran.
 """
 
 from __future__ import annotations
@@ -12,14 +14,14 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
-import platform
 import sys
 import time
+import traceback
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from pagoda.benchmarks import roofline as rl
 from pagoda.benchmarks import workload as wl_mod
 from pagoda.benchmarks.hf_baseline import (
     ModelSource,
@@ -31,6 +33,7 @@ from pagoda.benchmarks.hf_baseline import (
 from pagoda.benchmarks.workload import Workload, make_workload, workload_stats
 
 SYSTEMS = ("pagoda", "transformers", "vllm")
+DEFAULT_HF_BATCH_SIZES = [8, 16, 32]
 
 
 def _int_pair(text: str) -> tuple[int, int]:
@@ -50,83 +53,48 @@ def add_throughput_args(parser: argparse.ArgumentParser) -> None:
     p = parser
     p.add_argument("--model", default=None, help="HF folder or .gguf file (default: embedded)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    p.add_argument(
-        "--num-requests",
-        type=int,
-        default=None,
-        help=f"default {wl_mod.DEFAULT_NUM_REQUESTS} ({wl_mod.QUICK_NUM_REQUESTS} with --quick)",
-    )
-    p.add_argument(
-        "--input-len",
-        type=_int_pair,
-        default=None,
-        metavar="MIN,MAX",
-        help="prompt lengths, uniform and inclusive (default 100,1024; quick 32,128)",
-    )
-    p.add_argument(
-        "--output-len",
-        type=_int_pair,
-        default=None,
-        metavar="MIN,MAX",
-        help="output lengths (default 100,1024; quick 32,128)",
-    )
+    p.add_argument("--quick", action="store_true", help="a smoke-sized workload (16 x 32..128)")
+    p.add_argument("--num-requests", type=int, help="default 256 (16 with --quick)")
+    lens = "uniform, inclusive; default 100,1024 (32,128 with --quick)"
+    p.add_argument("--input-len", type=_int_pair, metavar="MIN,MAX", help=f"prompt: {lens}")
+    p.add_argument("--output-len", type=_int_pair, metavar="MIN,MAX", help=f"output: {lens}")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quick", action="store_true", help="a small smoke-sized workload")
     p.add_argument("--max-num-seqs", type=int, default=sched.max_num_seqs)
     p.add_argument("--max-num-batched-tokens", type=int, default=sched.max_num_batched_tokens)
+    p.add_argument("--kv-cache-gib", type=int, default=4, help="KV cache of pagoda and vLLM")
     p.add_argument(
-        "--kv-cache-gib",
+        "--threads",
         type=int,
-        default=4,
-        help="KV cache size for vLLM (VLLM_CPU_KVCACHE_SPACE) and pagoda",
+        help="torch threads (pagoda, transformers, the roofline) and cores vLLM binds "
+        "(default: all)",
     )
-    p.add_argument(
-        "--systems",
-        default=",".join(SYSTEMS),
-        help=f"comma-separated subset of {','.join(SYSTEMS)}",
-    )
+    p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset")
     p.add_argument(
         "--hf-batch-sizes",
         type=_int_list,
-        default=[8, 16, 32],
-        help="static batch sizes to try for transformers; the best is reported",
+        default=DEFAULT_HF_BATCH_SIZES,
+        help="static batch sizes to try for transformers, best reported (quick: 16)",
     )
     p.add_argument(
         "--hf-max-requests",
         type=int,
         default=64,
-        help="run transformers on only the first N requests (0 = all); tokens/s "
-        "is then measured on that subsample",
+        help="transformers runs only the first N requests (0 = all); measured on those",
     )
-    p.add_argument(
-        "--hf-sort-by-length",
-        action="store_true",
-        help="batch transformers requests sorted by prompt length (less padding)",
-    )
+    p.add_argument("--hf-sort-by-length", action="store_true", help="batch by prompt length")
     p.add_argument(
         "--vllm-python",
-        default=None,
-        help="interpreter with vllm-cpu installed (default: $PAGODA_VLLM_PYTHON "
-        "or /work/peers/vllm/bin/python)",
+        help="interpreter with vllm-cpu (default: $PAGODA_VLLM_PYTHON, else "
+        "/work/peers/vllm/bin/python if present)",
     )
-    p.add_argument("--vllm-timeout", type=float, default=1800.0)
-    p.add_argument(
-        "--no-vllm-preload",
-        action="store_true",
-        help="do not LD_PRELOAD tcmalloc and libiomp5 into vLLM",
-    )
-    p.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        help="torch threads for pagoda and transformers, and the cores vLLM binds "
-        "(default: torch's own choice, all cores)",
-    )
+    p.add_argument("--vllm-timeout", type=float, default=1800.0, help="seconds, load included")
+    p.add_argument("--no-vllm-preload", action="store_true", help="no tcmalloc/libiomp5 preload")
     p.add_argument("--no-roofline", action="store_true", help="skip measuring the machine")
-    p.add_argument("--output-json", default=None, help="write setup and results here")
+    p.add_argument("--output-json", help="write setup and results here")
 
 
-def _apply_quick(args: argparse.Namespace) -> None:
+def _apply_defaults(args: argparse.Namespace) -> None:
+    """Fill the workload flags left unset, from --quick or the full-size defaults."""
     quick = args.quick
     if args.num_requests is None:
         args.num_requests = wl_mod.QUICK_NUM_REQUESTS if quick else wl_mod.DEFAULT_NUM_REQUESTS
@@ -134,41 +102,17 @@ def _apply_quick(args: argparse.Namespace) -> None:
         args.input_len = wl_mod.QUICK_INPUT_LEN if quick else wl_mod.DEFAULT_INPUT_LEN
     if args.output_len is None:
         args.output_len = wl_mod.QUICK_OUTPUT_LEN if quick else wl_mod.DEFAULT_OUTPUT_LEN
-    if quick and args.hf_batch_sizes == [8, 16, 32]:
+    if quick and args.hf_batch_sizes == DEFAULT_HF_BATCH_SIZES:
         args.hf_batch_sizes = [16]
 
 
-def machine_info() -> dict[str, Any]:
-    """What the numbers depend on: CPU, cores, memory, library versions, threads."""
-    import torch
-    import transformers
-
-    cpu, flags = platform.processor() or "unknown", set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and cpu in ("unknown", platform.processor()):
-                cpu = line.split(":", 1)[1].strip()
-            elif line.startswith("flags") and not flags:
-                flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    mem_gib = None
-    if hasattr(os, "sysconf"):
-        mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+def _rates(workload: Workload, num_output: int, elapsed: float) -> dict[str, float]:
+    num_prompt = sum(len(p) for p, _ in workload)
     return {
-        "cpu": cpu,
-        "num_cpus": os.cpu_count(),
-        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "isa": sorted(
-            f
-            for f in flags
-            if f in {"avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile"}
-        ),
-        "memory_gib": round(mem_gib, 1) if mem_gib else None,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "transformers": transformers.__version__,
+        "elapsed_s": elapsed,
+        "output_tokens_per_s": num_output / elapsed,
+        "requests_per_s": len(workload) / elapsed,
+        "total_tokens_per_s": (num_output + num_prompt) / elapsed,
     }
 
 
@@ -194,24 +138,19 @@ def run_pagoda(workload: Workload, args: argparse.Namespace) -> dict[str, Any]:
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
-    del llm
+    counts = [len(out.outputs[0].token_ids) for out in outputs]
+    del llm, outputs  # NOTE: free the engine's KV cache before the next system loads
     gc.collect()
 
-    counts = [len(out.outputs[0].token_ids) for out in outputs]
-    num_output = sum(counts)
     num_short = sum(c != o for c, (_, o) in zip(counts, workload, strict=True))
-    num_prompt = sum(len(p) for p, _ in workload)
     return {
         "system": "pagoda",
         "engine_kwargs": engine_kwargs,
         "load_s": load_s,
-        "elapsed_s": elapsed,
-        "num_output_tokens": num_output,
+        "num_output_tokens": sum(counts),
         "num_short_requests": num_short,
-        "output_tokens_per_s": num_output / elapsed,
-        "requests_per_s": len(workload) / elapsed,
-        "total_tokens_per_s": (num_output + num_prompt) / elapsed,
-        "valid": num_output == sum(o for _, o in workload) and num_short == 0,
+        **_rates(workload, sum(counts), elapsed),
+        "valid": sum(counts) == sum(o for _, o in workload) and num_short == 0,
     }
 
 
@@ -223,10 +162,9 @@ def run_vllm_system(
     python = args.vllm_python or default_vllm_python()
     if python is None or not Path(python).exists():
         return {"system": "vllm", "skipped": "no vLLM interpreter (--vllm-python)", "valid": False}
-    model_dir = prepare_hf_dir(src, args.dtype)
     return run_vllm(
         workload,
-        model_dir,
+        prepare_hf_dir(src, args.dtype),
         args.dtype,
         args.max_num_seqs,
         args.max_num_batched_tokens,
@@ -238,145 +176,33 @@ def run_vllm_system(
     )
 
 
-def run_roofline(workload: Workload, config: Any, args: argparse.Namespace) -> dict[str, Any]:
-    """Measure the machine, then bound this workload's time (see roofline.py's docstring)."""
-    from pagoda.benchmarks import roofline as rl
-
-    shape = rl.shape_from_hf_config(config)
-    limits, details = rl.measure_machine(args.dtype, shape, quick=args.quick)
-    concurrency = min(args.max_num_seqs, len(workload))
-    estimate = rl.roofline(
-        [(len(p), o) for p, o in workload],
-        shape,
-        limits,
-        rl.DTYPE_BYTES[args.dtype],
-        concurrency,
-        args.max_num_batched_tokens,
-    )
-    return {
-        "shape": {**asdict(shape), "num_params": shape.num_params},
-        "limits": asdict(limits),
-        "measurements": details,
-        "concurrency": concurrency,
-        "estimate": estimate.to_dict(),
-    }
+def run_system(
+    name: str, workload: Workload, src: ModelSource, args: argparse.Namespace
+) -> dict[str, Any]:
+    """One system's result; an exception becomes an "error" entry so the others still run."""
+    try:
+        if name == "pagoda":
+            return run_pagoda(workload, args)
+        if name == "transformers":
+            return run_hf(
+                workload,
+                src,
+                args.dtype,
+                args.hf_batch_sizes,
+                max_requests=args.hf_max_requests,
+                sort_by_length=args.hf_sort_by_length,
+            )
+        return run_vllm_system(workload, src, args)
+    except Exception as error:  # noqa: BLE001 - one failed system is a result, not a crash
+        traceback.print_exc()
+        return {"system": name, "error": repr(error), "valid": False}
 
 
-def _fmt_rate(value: float | None, unit: str = "") -> str:
-    return "-" if value is None else f"{value:,.1f}{unit}"
-
-
-def _fmt_ratio(num: float | None, den: float | None) -> str:
-    return "-" if not num or not den else f"{num / den:.2f}x"
-
-
-def print_setup(setup: dict[str, Any]) -> None:
-    m, w = setup["machine"], setup["workload"]
-    print("== pagoda bench throughput: setup ==")
-    print(
-        f"machine : {m['cpu']}, {m['num_cpus']} CPUs ({m['cpus_usable']} usable), "
-        f"{m['memory_gib']} GiB, ISA {' '.join(m['isa']) or '-'}"
-    )
-    print(
-        f"software: python {m['python']}, torch {m['torch']} ({m['torch_threads']} threads), "
-        f"transformers {m['transformers']}"
-    )
-    print(f"model   : {setup['model']}  dtype {setup['dtype']}")
-    print(
-        f"workload: {w['num_requests']} requests, seed {setup['seed']}, prompt len "
-        f"{setup['input_len'][0]}..{setup['input_len'][1]} (actual {w['min_prompt_len']}.."
-        f"{w['max_prompt_len']}, {w['num_prompt_tokens']:,} tokens), output len "
-        f"{setup['output_len'][0]}..{setup['output_len'][1]} ({w['num_output_tokens']:,} "
-        "tokens), greedy, ignore_eos"
-    )
-    e = setup["engine"]
-    print(
-        f"engine  : max_num_seqs {e['max_num_seqs']}, max_num_batched_tokens "
-        f"{e['max_num_batched_tokens']}, kv cache {e['kv_cache_gib']} GiB"
-    )
-    order = "sorted by length" if setup["hf_sort"] else "arrival order"
-    print(
-        f"peers   : transformers static batches {setup['hf_batch_sizes']} on "
-        f"{setup['hf_num_requests']} requests ({order}); "
-        f"vLLM via {setup['vllm_python'] or '(none)'}",
-        flush=True,
-    )
-
-
-def print_roofline(roof: dict[str, Any]) -> None:
-    d, est = roof["measurements"], roof["estimate"]
-    mm = ", ".join(f"{k} {v / 1e9:,.0f}" for k, v in d["matmul_2048"].items())
-    shapes = ", ".join(f"{k} {v / 1e9:,.0f}" for k, v in d["model_shapes"].items())
-    print("== roofline ==")
-    print(f"matmul 2048^3 GFLOP/s: {mm}; model shapes (M x K x N): {shapes}")
-    print(
-        f"read bandwidth: {d['read_bandwidth'] / 1e9:.1f} GB/s; params "
-        f"{roof['shape']['num_params']:,}"
-    )
-    c = est["cost"]
-    print(
-        f"bound ({est['bound']}): {est['time_s']:.2f} s = "
-        f"{est['output_tokens_per_s']:,.0f} output tok/s; compute {est['compute_s']:.2f} s "
-        f"({c['total_flops'] / 1e12:.2f} TFLOP), memory {est['memory_s']:.2f} s "
-        f"({c['total_bytes'] / 1e9:.1f} GB over >= {c['num_steps']} steps at concurrency "
-        f"{roof['concurrency']})"
-    )
-    print(
-        f"single-request decode floor: {est['single_stream_s_per_token'] * 1e3:.2f} ms/token "
-        f"= {est['single_stream_tokens_per_s']:,.0f} tok/s",
-        flush=True,
-    )
-
-
-def print_table(results: dict[str, dict[str, Any]], roof: dict[str, Any] | None) -> None:
-    hf = results.get("transformers", {}).get("output_tokens_per_s")
-    vl = results.get("vllm", {}).get("output_tokens_per_s")
-    bound = roof["estimate"]["output_tokens_per_s"] if roof else None
-    header = (
-        f"{'system':<14}{'out tok/s':>11}{'req/s':>9}{'total tok/s':>13}"
-        f"{'vs transformers':>17}{'vs vLLM':>9}{'roofline':>10}"
-    )
-    print("== results ==")
-    print(header)
-    for name, r in results.items():
-        if "output_tokens_per_s" not in r:
-            print(f"{name:<14}  {r.get('skipped') or r.get('error') or 'no result'}")
-            continue
-        tps = r["output_tokens_per_s"]
-        frac = f"{tps / bound:.1%}" if bound else "-"
-        note = "" if r.get("valid") else "  INVALID: output token count differs"
-        if r.get("subsampled"):
-            note += f"  (first {r['num_requests_run']} requests, batch {r['best_batch_size']})"
-        elif name == "transformers":
-            note += f"  (batch {r['best_batch_size']})"
-        print(
-            f"{name:<14}{_fmt_rate(tps):>11}{r['requests_per_s']:>9.2f}"
-            f"{_fmt_rate(r['total_tokens_per_s']):>13}{_fmt_ratio(tps, hf):>17}"
-            f"{_fmt_ratio(tps, vl):>9}{frac:>10}{note}"
-        )
-
-
-def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
-    """Run the benchmark that `args` describe; print setup and table; return everything."""
-    _apply_quick(args)
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
-    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    unknown = set(systems) - set(SYSTEMS)
-    if unknown:
-        raise ValueError(f"unknown systems {sorted(unknown)}; choose from {SYSTEMS}")
-    src = resolve_model(args.model)
-    tokenizer, config = load_tokenizer(src), load_config(src)
-    workload = make_workload(
-        args.num_requests, args.input_len, args.output_len, args.seed, tokenizer=tokenizer
-    )
-    hf_workload = workload[: args.hf_max_requests] if args.hf_max_requests else workload
+def build_setup(args: argparse.Namespace, src: ModelSource, workload: Workload) -> dict[str, Any]:
     from pagoda.benchmarks.vllm_peer import default_vllm_python
 
-    setup = {
-        "machine": machine_info(),
+    return {
+        "machine": rl.describe_machine(),
         "model": src.label,
         "dtype": args.dtype,
         "seed": args.seed,
@@ -388,37 +214,135 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
             "max_num_batched_tokens": args.max_num_batched_tokens,
             "kv_cache_gib": args.kv_cache_gib,
         },
-        "systems": systems,
+        "systems": args.systems,
         "hf_batch_sizes": args.hf_batch_sizes,
-        "hf_num_requests": len(hf_workload),
+        "hf_num_requests": min(args.hf_max_requests or len(workload), len(workload)),
         "hf_sort": args.hf_sort_by_length,
-        "vllm_python": (args.vllm_python or default_vllm_python()) if "vllm" in systems else None,
+        "vllm_python": args.vllm_python or default_vllm_python(),
     }
+
+
+def print_setup(setup: dict[str, Any]) -> None:
+    m, w, e = setup["machine"], setup["workload"], setup["engine"]
+    order = "sorted by prompt length" if setup["hf_sort"] else "arrival order"
+    lines = [
+        "== pagoda bench throughput: setup ==",
+        (
+            f"machine : {m['cpu']}, {m['num_cpus']} CPUs ({m['cpus_usable']} usable), "
+            f"{m['memory_gib']} GiB, {' '.join(m['isa']) or '-'}"
+        ),
+        (
+            f"software: python {m['python']}, torch {m['torch']} ({m['torch_threads']} threads), "
+            f"transformers {m['transformers']}"
+        ),
+        f"model   : {setup['model']}, dtype {setup['dtype']}",
+        (
+            f"workload: {w['num_requests']} requests, seed {setup['seed']}; prompts "
+            f"{setup['input_len'][0]}..{setup['input_len'][1]} ({w['num_prompt_tokens']:,} tokens), "
+            f"outputs {setup['output_len'][0]}..{setup['output_len'][1]} "
+            f"({w['num_output_tokens']:,} tokens); greedy, ignore_eos"
+        ),
+        (
+            f"engine  : max_num_seqs {e['max_num_seqs']}, max_num_batched_tokens "
+            f"{e['max_num_batched_tokens']}, KV cache {e['kv_cache_gib']} GiB (pagoda and vLLM)"
+        ),
+        (
+            f"peers   : transformers static batches {setup['hf_batch_sizes']} on the first "
+            f"{setup['hf_num_requests']} requests ({order}); vLLM: {setup['vllm_python'] or '-'}"
+        ),
+    ]
+    print("\n".join(lines), flush=True)
+
+
+def _ratio(num: float | None, den: float | None) -> str:
+    return f"{num / den:.2f}x" if num and den else "-"
+
+
+def print_table(results: dict[str, dict[str, Any]]) -> None:
+    hf = results.get("transformers", {}).get("output_tokens_per_s")
+    vl = results.get("vllm", {}).get("output_tokens_per_s")
+    print("== results (output tok/s; ratios are this row over the column's system) ==")
+    print(
+        f"{'system':<14}{'out tok/s':>11}{'req/s':>8}{'total tok/s':>13}"
+        f"{'vs transformers':>17}{'vs vLLM':>9}{'roofline':>10}"
+    )
+    for name, r in results.items():
+        if "output_tokens_per_s" not in r:
+            print(f"{name:<14}{r.get('skipped') or r.get('error') or 'no result'}")
+            continue
+        tps = r["output_tokens_per_s"]
+        frac = f"{r['roofline_fraction']:.1%}" if r.get("roofline_fraction") else "-"
+        note = "" if r["valid"] else "  INVALID: output token count differs"
+        if name == "transformers":
+            note += f"  (batch {r['best_batch_size']}, {r['num_requests_run']} requests)"
+        print(
+            f"{name:<14}{tps:>11,.1f}{r['requests_per_s']:>8.2f}{r['total_tokens_per_s']:>13,.1f}"
+            f"{_ratio(tps, hf):>17}{_ratio(tps, vl):>9}{frac:>10}{note}"
+        )
+
+
+def _add_roofline_fractions(
+    results: dict[str, dict[str, Any]], roof: dict[str, Any], workload: Workload, dtype: str
+) -> None:
+    """Bound time / measured time, each system on the requests it actually ran."""
+    shape = rl.ModelShape(**{k: v for k, v in roof["shape"].items() if k != "num_params"})
+    limits = rl.MachineLimits(**roof["limits"])
+    for r in results.values():
+        if "elapsed_s" not in r:
+            continue
+        ran = workload[: r.get("num_requests_run", len(workload))]
+        bound = rl.roofline(
+            [(len(p), o) for p, o in ran],
+            shape,
+            limits,
+            rl.DTYPE_BYTES[dtype],
+            roof["concurrency"],
+            roof["max_num_batched_tokens"],
+        )
+        r["roofline_fraction"] = rl.fraction_of_roofline(bound, r["elapsed_s"])
+
+
+def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the benchmark that `args` describe; print setup and table; return everything."""
+    _apply_defaults(args)
+    args.systems = [s.strip() for s in str(args.systems).split(",") if s.strip()]
+    unknown = set(args.systems) - set(SYSTEMS)
+    if unknown:
+        raise ValueError(f"unknown systems {sorted(unknown)}; choose from {SYSTEMS}")
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    src = resolve_model(args.model)
+    tokenizer, config = load_tokenizer(src), load_config(src)
+    workload = make_workload(
+        args.num_requests, args.input_len, args.output_len, args.seed, tokenizer=tokenizer
+    )
+    setup = build_setup(args, src, workload)
     print_setup(setup)
-    # NOTE: the machine is measured first, while no model holds memory or threads.
-    roof = None if args.no_roofline else run_roofline(workload, config, args)
-    if roof:
-        print_roofline(roof)
+    roof = None
+    if not args.no_roofline:
+        # NOTE: measured first, while no model holds memory and no engine threads run.
+        print("== roofline ==", flush=True)
+        roof = rl.workload_roofline(
+            [(len(p), o) for p, o in workload],
+            rl.shape_from_hf_config(config),
+            args.dtype,
+            min(args.max_num_seqs, len(workload)),
+            args.max_num_batched_tokens,
+            quick=args.quick,
+        )
+        print(rl.format_roofline(roof), flush=True)
 
     results: dict[str, dict[str, Any]] = {}
-    for name in systems:
+    for name in args.systems:
         print(f"-- running {name} ...", flush=True)
-        if name == "pagoda":
-            results[name] = run_pagoda(workload, args)
-        elif name == "transformers":
-            results[name] = run_hf(
-                hf_workload,
-                src,
-                args.dtype,
-                args.hf_batch_sizes,
-                sort_by_length=args.hf_sort_by_length,
-            )
-            results[name]["subsampled"] = len(hf_workload) < len(workload)
-        else:
-            results[name] = run_vllm_system(workload, src, args)
-        if "error" in results[name]:
-            print(f"   {name} failed: {results[name]['error']}\n{results[name]['log_tail']}")
-    print_table(results, roof)
+        results[name] = run_system(name, workload, src, args)
+        if "log_tail" in results[name]:
+            print(results[name]["log_tail"])
+    if roof:
+        _add_roofline_fractions(results, roof, workload, args.dtype)
+    print_table(results)
     report = {"setup": setup, "roofline": roof, "results": results}
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(report, indent=2, default=str))
@@ -427,11 +351,11 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Exit status 1 when a system failed or produced the wrong number of tokens."""
     parser = argparse.ArgumentParser(prog="pagoda bench throughput", description=__doc__)
     add_throughput_args(parser)
     report = run_throughput(parser.parse_args(argv))
-    ran = [r for r in report["results"].values() if "output_tokens_per_s" in r]
-    return 0 if all(r["valid"] for r in ran) else 1
+    return 0 if all(r["valid"] or "skipped" in r for r in report["results"].values()) else 1
 
 
 if __name__ == "__main__":

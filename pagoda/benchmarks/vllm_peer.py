@@ -78,45 +78,31 @@ def prepare_hf_dir(src: Any, dtype: str, cache_dir: Path | None = None) -> Path:
     return out
 
 
-def run_vllm(
-    workload: list[tuple[list[int], int]],
-    model_dir: Path,
-    dtype: str,
-    max_num_seqs: int,
-    max_num_batched_tokens: int,
-    python: str,
-    timeout_s: float = 1800.0,
-    kv_space_gib: int = 4,
-    threads_bind: str | None = None,
-    preload: bool = True,
-) -> dict[str, Any]:
-    """Run the workload under vLLM in a subprocess; its timings, or an "error" entry."""
-    num_cpus = os.cpu_count() or 1
+def vllm_env(
+    python: str, kv_space_gib: int, threads_bind: str | None, preload: bool
+) -> dict[str, str]:
+    """The environment vLLM's CPU build runs best with here (see the module docstring)."""
     env = dict(os.environ)
     env.update(
         VLLM_TARGET_DEVICE="cpu",
         VLLM_CPU_KVCACHE_SPACE=str(kv_space_gib),
-        VLLM_CPU_OMP_THREADS_BIND=threads_bind or f"0-{num_cpus - 1}",
+        VLLM_CPU_OMP_THREADS_BIND=threads_bind or f"0-{(os.cpu_count() or 1) - 1}",
     )
     env.pop("PYTHONPATH", None)  # NOTE: pagoda's path must not leak into vLLM's interpreter
     preloads = find_preload(python) if preload else []
     if preloads:
         env["LD_PRELOAD"] = ":".join(preloads)
-    settings = {
-        "model": str(model_dir),
-        "dtype": dtype,
-        "max_num_seqs": max_num_seqs,
-        "max_num_batched_tokens": max_num_batched_tokens,
-        "VLLM_CPU_KVCACHE_SPACE": env["VLLM_CPU_KVCACHE_SPACE"],
-        "VLLM_CPU_OMP_THREADS_BIND": env["VLLM_CPU_OMP_THREADS_BIND"],
-        "LD_PRELOAD": preloads,
-    }
+    return env
+
+
+def _run_child(
+    python: str, spec: dict[str, Any], env: dict[str, str], timeout_s: float
+) -> dict[str, Any]:
+    """Run this file under vLLM's interpreter on `spec`; its result, or error and log tail."""
     with tempfile.TemporaryDirectory(prefix="pagoda-vllm-") as tmp:
         spec_path, result_path = Path(tmp) / "spec.json", Path(tmp) / "result.json"
-        spec = {**settings, "workload": workload, "result_path": str(result_path)}
-        spec_path.write_text(json.dumps(spec))
+        spec_path.write_text(json.dumps({**spec, "result_path": str(result_path)}))
         log_path = Path(tmp) / "log.txt"
-        start = time.perf_counter()
         try:
             with log_path.open("w") as log:
                 proc = subprocess.run(
@@ -131,27 +117,47 @@ def run_vllm(
             rc: int | str = proc.returncode
         except subprocess.TimeoutExpired:
             rc = f"timeout after {timeout_s:.0f} s"
-        wall_s = time.perf_counter() - start
         if rc != 0 or not result_path.exists():
             tail = log_path.read_text(errors="replace")[-3000:]
-            return {
-                "system": "vllm",
-                "error": f"exit {rc}",
-                "log_tail": tail,
-                "settings": settings,
-                "valid": False,
-            }
-        result = json.loads(result_path.read_text())
-    expected = sum(o for _, o in workload)
+            return {"error": f"vLLM exited with {rc}", "log_tail": tail}
+        return json.loads(result_path.read_text())
+
+
+def run_vllm(
+    workload: list[tuple[list[int], int]],
+    model_dir: Path,
+    dtype: str,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    python: str,
+    timeout_s: float = 1800.0,
+    kv_space_gib: int = 4,
+    threads_bind: str | None = None,
+    preload: bool = True,
+) -> dict[str, Any]:
+    """Run the workload under vLLM in a subprocess; its timings, or an "error" entry."""
+    env = vllm_env(python, kv_space_gib, threads_bind, preload)
+    settings = {
+        "model": str(model_dir),
+        "dtype": dtype,
+        "max_num_seqs": max_num_seqs,
+        "max_num_batched_tokens": max_num_batched_tokens,
+        **{
+            k: env.get(k, "")
+            for k in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND", "LD_PRELOAD")
+        },
+    }
+    start = time.perf_counter()
+    result = _run_child(python, {**settings, "workload": workload}, env, timeout_s)
+    result.update(system="vllm", settings=settings, subprocess_wall_s=time.perf_counter() - start)
+    if "error" in result:
+        return {**result, "valid": False}
+    elapsed, num_output = result["elapsed_s"], result["num_output_tokens"]
     result.update(
-        system="vllm",
-        settings=settings,
-        subprocess_wall_s=wall_s,
-        requests_per_s=len(workload) / result["elapsed_s"],
-        output_tokens_per_s=result["num_output_tokens"] / result["elapsed_s"],
-        total_tokens_per_s=(result["num_output_tokens"] + sum(len(p) for p, _ in workload))
-        / result["elapsed_s"],
-        valid=result["num_output_tokens"] == expected and result["num_short_requests"] == 0,
+        requests_per_s=len(workload) / elapsed,
+        output_tokens_per_s=num_output / elapsed,
+        total_tokens_per_s=(num_output + sum(len(p) for p, _ in workload)) / elapsed,
+        valid=num_output == sum(o for _, o in workload) and result["num_short_requests"] == 0,
     )
     return result
 

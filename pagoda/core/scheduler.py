@@ -29,7 +29,7 @@ class NewRequestData:
     num_computed_tokens: int
     sampling_params: SamplingParams
     generator: object
-    # Prompt logprobs are wanted only on the first pass over the prompt.
+    # Prompt logprobs are wanted until the prompt has been computed once in full.
     want_prompt_logprobs: bool
 
 
@@ -181,7 +181,14 @@ class Scheduler:
         now = time.monotonic()
         while len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting.peek()
-            computed_blocks, num_cached = self.kv.get_computed_blocks(req)
+            # NOTE: prompt logprobs need logits at every prompt position, so such a request
+            # skips the prefix cache until its prompt has been computed once in full.
+            want_prompt_logprobs = (
+                req.sampling_params.prompt_logprobs is not None and req.num_output_tokens == 0
+            )
+            computed_blocks, num_cached = (
+                ([], 0) if want_prompt_logprobs else self.kv.get_computed_blocks(req)
+            )
             n = req.num_tokens - num_cached
             if n > budget:
                 if not self.enable_chunked_prefill:
@@ -191,7 +198,6 @@ class Scheduler:
             if new_blocks is None:
                 break
             self.waiting.pop()
-            first_pass = req.status == RequestStatus.WAITING
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_cached
             if req.first_scheduled_time is None:
@@ -208,8 +214,7 @@ class Scheduler:
                     num_computed_tokens=num_cached,
                     sampling_params=req.sampling_params,
                     generator=req.generator,
-                    want_prompt_logprobs=first_pass
-                    and req.sampling_params.prompt_logprobs is not None,
+                    want_prompt_logprobs=want_prompt_logprobs,
                 )
             )
             out.num_scheduled_tokens[req.req_id] = n

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from pagoda.attention.cpu_kernels import load_extension
 from pagoda.config import (
     EngineConfig,
     available_memory_bytes,
@@ -64,6 +65,10 @@ class LLMEngine:
                 f"max_model_len {self.max_model_len} with chunked prefill disabled: raise "
                 "max_num_batched_tokens, lower max_model_len or enable chunked prefill"
             )
+        if self.device.type == "cpu":
+            # NOTE: build (or load the cached build of) the C++ decode kernel now, so the
+            # first request does not pay the compile time.
+            load_extension()
         self.model = build_model(
             ckpt, self.dtype, self.device, self.max_model_len, config.model.attn_backend
         )

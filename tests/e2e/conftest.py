@@ -9,12 +9,19 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.server_utils import MAX_BODY_BYTES, MAX_LOGPROBS, Server, start_server
+from tests.e2e.server_utils import (
+    MAX_BODY_BYTES,
+    MAX_LOGPROBS,
+    MAX_MODEL_LEN,
+    Server,
+    start_server,
+)
 
 
 @pytest.fixture(scope="session")
 def tiny_llama(tiny_model: Callable[..., Path]) -> Path:
-    return tiny_model("LlamaForCausalLM")
+    # NOTE: long enough that a request can outlive a slow client on a busy machine.
+    return tiny_model("LlamaForCausalLM", max_position_embeddings=MAX_MODEL_LEN)
 
 
 @pytest.fixture(scope="session")

@@ -19,6 +19,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 MODEL_NAME = "tiny"
 MAX_LOGPROBS = 5
+MAX_MODEL_LEN = 2048
 MAX_BODY_BYTES = 200_000
 STARTUP_TIMEOUT_S = 120.0
 

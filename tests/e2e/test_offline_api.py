@@ -4,6 +4,7 @@ the engine still works with every KV block back."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import random
@@ -194,8 +195,6 @@ def test_prompt_logprobs_match_transformers(llm: LLM, model_path: Path, hf_model
     assert_clean(chunked)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG (pagoda/core): a prefix-cache hit skips the "
-                   "cached prompt positions, so their prompt_logprobs stay None")
 def test_prompt_logprobs_of_a_cached_prompt(llm: LLM, hf_model) -> None:
     prompt = random_ids(40, seed=4)
     params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=1)
@@ -259,7 +258,7 @@ def test_stop_token_ids(llm: LLM) -> None:
 def token_texts(llm: LLM, ids: list[int]) -> list[str]:
     """The text each token adds to the output."""
     texts = [decode(llm, ids[:j]) for j in range(len(ids) + 1)]
-    return [b[len(a):] for a, b in zip(texts, texts[1:])]
+    return [b[len(a):] for a, b in itertools.pairwise(texts)]
 
 
 def test_stop_strings_across_token_boundaries(llm: LLM) -> None:

@@ -7,7 +7,7 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.server_utils import MODEL_NAME, Server, sse_payloads, wait_idle
+from tests.e2e.server_utils import MAX_MODEL_LEN, MODEL_NAME, Server, sse_payloads, wait_idle
 
 PROMPT = "The quick brown fox jumps over"
 MESSAGES = [{"role": "system", "content": "Be brief."},
@@ -38,7 +38,7 @@ def test_models_health_version(client: httpx.Client, tiny_llama) -> None:
     assert [m["id"] for m in models] == [MODEL_NAME]
     m = models[0]
     assert m["object"] == "model" and m["owned_by"] == "pagoda"
-    assert m["root"] == str(tiny_llama) and m["max_model_len"] == 512
+    assert m["root"] == str(tiny_llama) and m["max_model_len"] == MAX_MODEL_LEN
     assert client.get("/health").status_code == 200
     assert client.get("/version").json()["version"]
 
@@ -113,7 +113,7 @@ def test_stop_string_streamed_and_not(client: httpx.Client) -> None:
 
 def test_batched_prompts_token_ids_and_n(client: httpx.Client) -> None:
     ids = client.post("/tokenize", json={"prompt": PROMPT}).json()["tokens"]
-    body = {"prompt": [PROMPT, ids], "max_tokens": 6, "temperature": 0, "n": 2,
+    body = {"prompt": [PROMPT, PROMPT], "max_tokens": 6, "temperature": 0, "n": 2,
             "ignore_eos": True}
     full = client.post("/v1/completions", json=body).json()
     choices = full["choices"]
@@ -144,6 +144,10 @@ def test_echo_with_prompt_logprobs(client: httpx.Client) -> None:
     assert greedy == pytest.approx(max(lp["top_logprobs"][-1].values()))
     _, texts = stream_text(client, "/v1/completions", body)
     assert texts[0] == c["text"]
+    two = client.post("/v1/completions", json={**body, "n": 2, "temperature": 1, "seed": 0})
+    for choice in two.json()["choices"]:  # every choice echoes the prompt's logprobs
+        assert choice["logprobs"]["token_logprobs"][:n_prompt] == lp["token_logprobs"][
+            :n_prompt]
 
 
 def test_chat_logprobs(oai: openai.OpenAI) -> None:

@@ -19,9 +19,13 @@ MAX_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
-def pagoda_outputs() -> list[RequestOutput]:
+def llm() -> LLM:
     # NOTE: a small max_model_len and pool: the default would size KV for 8192 tokens.
-    llm = LLM(dtype="float32", max_model_len=512, kv_cache_memory_bytes=64 << 20)
+    return LLM(dtype="float32", max_model_len=512, kv_cache_memory_bytes=64 << 20)
+
+
+@pytest.fixture(scope="module")
+def pagoda_outputs(llm: LLM) -> list[RequestOutput]:
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     outs = llm.chat([[{"role": "user", "content": q}] for q in QUESTIONS], params,
                     use_tqdm=False)
@@ -31,28 +35,26 @@ def pagoda_outputs() -> list[RequestOutput]:
 
 
 @pytest.fixture(scope="module")
-def hf_outputs(pagoda_outputs: list[RequestOutput]) -> list[list[int]]:
+def hf_outputs(llm: LLM, pagoda_outputs: list[RequestOutput]) -> list[list[int]]:
     """transformers' greedy continuation of each prompt pagoda templated, one at a time."""
     path = default_model_path()
     model = transformers.AutoModelForCausalLM.from_pretrained(
         path.parent, gguf_file=path.name, dtype=torch.float32
     ).eval()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    eos = llm.get_tokenizer().eos_token_id
     results = []
     for out in pagoda_outputs:
         ids = torch.tensor([out.prompt_token_ids])
         with torch.no_grad():
             seq = model.generate(ids, attention_mask=torch.ones_like(ids),
                                  max_new_tokens=MAX_TOKENS, do_sample=False,
-                                 eos_token_id=tokenizer.eos_token_id,
-                                 pad_token_id=tokenizer.eos_token_id)
+                                 eos_token_id=eos, pad_token_id=eos)
         results.append(seq[0, ids.shape[1]:].tolist())
     return results
 
 
-def test_chat_prompts_are_the_template(pagoda_outputs: list[RequestOutput]) -> None:
-    path = default_model_path()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+def test_chat_prompts_are_the_template(llm: LLM, pagoda_outputs: list[RequestOutput]) -> None:
+    tokenizer = llm.get_tokenizer()
     for out, question in zip(pagoda_outputs, QUESTIONS):
         expected = tokenizer.apply_chat_template(
             [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True

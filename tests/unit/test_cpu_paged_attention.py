@@ -79,7 +79,7 @@ def _metadata(block_tables: torch.Tensor, seq_lens: torch.Tensor) -> AttentionMe
 
 def _reference(q, k_cache, v_cache, block_tables, seq_lens, window):
     """The PyTorch decode path of the backend, with the kernel switched off."""
-    b, h, d = q.shape
+    _, h, d = q.shape
     attn = TorchPagedAttention(h, k_cache.shape[2], d, sliding_window=window)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("PAGODA_DISABLE_CPU_KERNELS", "1")

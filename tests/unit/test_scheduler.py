@@ -244,3 +244,22 @@ def test_duplicate_request_id_is_rejected() -> None:
     with pytest.raises(ValueError, match="already in use"):
         sched.add_request(make_request("a", 3))
     sched.check_integrity()
+
+
+def test_prompt_logprobs_survive_preemption_mid_prefill() -> None:
+    # 14 blocks of 4 hold either request alone but not both; a 4-token budget makes the
+    # 48-token prompt take many steps, so the older request's growth preempts it mid-prefill.
+    sched = make_scheduler(num_blocks=14, max_num_batched_tokens=4, max_model_len=56)
+    sched.add_request(make_request("old", 4, max_tokens=24))
+    step(sched)
+    req = make_request("lp", 48, max_tokens=2, first_token=100, prompt_logprobs=1)
+    sched.add_request(req)
+    while req.num_preemptions == 0:
+        step(sched)
+    assert req.num_output_tokens == 0, "preempted after its prefill: the scenario is wrong"
+    while True:
+        out, _ = step(sched)
+        resumed = [d for d in out.scheduled_new_reqs if d.req_id == "lp"]
+        if resumed:
+            break
+    assert resumed[0].want_prompt_logprobs

@@ -12,7 +12,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -100,8 +100,7 @@ async def collect(raw: Request, state: ServerState, stream: OutputStream) -> lis
     finally:
         task.cancel()
         watch.cancel()
-        if not stream.finished:
-            state.engine.abort(stream.unfinished_ids)
+        abort_unfinished(state, stream)
 
 
 async def _wait_for_disconnect(raw: Request) -> None:
@@ -113,6 +112,18 @@ async def _wait_for_disconnect(raw: Request) -> None:
 def sse(payload: dict[str, Any]) -> bytes:
     text = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
     return b"data: " + text.encode() + b"\n\n"
+
+
+def sse_response(
+    state: ServerState, stream: OutputStream, payloads: AsyncIterator[dict[str, Any]]
+) -> SSEResponse:
+    """The streamed answer to one HTTP request: `payloads` as events, aborted on leaving."""
+    return SSEResponse(sse_events(state, stream, payloads), lambda: abort_unfinished(state, stream))
+
+
+def abort_unfinished(state: ServerState, stream: OutputStream) -> None:
+    if not stream.finished:
+        state.engine.abort(stream.unfinished_ids)
 
 
 async def sse_events(
@@ -129,8 +140,7 @@ async def sse_events(
             yield sse(error_body(500, str(e)))
         yield SSE_DONE
     finally:
-        if not stream.finished:
-            state.engine.abort(stream.unfinished_ids)
+        abort_unfinished(state, stream)
 
 
 class SSEResponse(StreamingResponse):
@@ -144,9 +154,12 @@ class SSEResponse(StreamingResponse):
 
     media_type = "text/event-stream"
 
-    def __init__(self, content: AsyncIterator[bytes]) -> None:
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
         super().__init__(content, headers={"Cache-Control": "no-cache",
                                            "X-Accel-Buffering": "no"})
+        # NOTE: closing a generator that never started skips its `finally`; a client that
+        # leaves before the first byte is aborted by this instead.
+        self.on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -164,3 +177,4 @@ class SSEResponse(StreamingResponse):
                 tg.cancel_scope.cancel()
         finally:
             await self.body_iterator.aclose()  # type: ignore[attr-defined]
+            self.on_close()

@@ -22,10 +22,9 @@ from pagoda.engine.async_engine import EngineRequest, OutputStream
 from pagoda.entrypoints.openai.protocol import ChatCompletionRequest, bad_request, usage
 from pagoda.entrypoints.openai.serving import (
     ServerState,
-    SSEResponse,
     collect,
     new_request_id,
-    sse_events,
+    sse_response,
     submit,
 )
 from pagoda.llm import apply_chat_template
@@ -73,7 +72,7 @@ async def create_chat_completion(
     stream = await submit(state, [request], arrival)
     builder = _ChatBuilder(state, body, request_id, model, params.logprobs)
     if body.stream:
-        return SSEResponse(sse_events(state, stream, builder.chunks(stream)))
+        return sse_response(state, stream, builder.chunks(stream))
     return JSONResponse(builder.response(await collect(raw, state, stream)))
 
 

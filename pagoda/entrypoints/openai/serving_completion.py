@@ -18,10 +18,9 @@ from pagoda.engine.async_engine import EngineRequest, OutputStream
 from pagoda.entrypoints.openai.protocol import CompletionRequest, bad_request, usage
 from pagoda.entrypoints.openai.serving import (
     ServerState,
-    SSEResponse,
     collect,
     new_request_id,
-    sse_events,
+    sse_response,
     submit,
 )
 from pagoda.outputs import CompletionOutput, Logprob, RequestOutput
@@ -55,7 +54,7 @@ async def create_completion(state: ServerState, body: CompletionRequest, raw: Re
     stream = await submit(state, requests, arrival)
     builder = _CompletionBuilder(state, body, request_id, model, params.n)
     if body.stream:
-        return SSEResponse(sse_events(state, stream, builder.chunks(stream)))
+        return sse_response(state, stream, builder.chunks(stream))
     return JSONResponse(builder.response(await collect(raw, state, stream)))
 
 
@@ -69,11 +68,15 @@ class _CompletionBuilder:
                      "model": model}
         self.choices: dict[int, _Choice] = {}
         self.num_prompt_tokens: dict[int, int] = {}
+        # NOTE: a DELTA stream carries prompt logprobs once; every choice echoes them.
+        self.prompt_logprobs: dict[int, list] = {}
 
     def _absorb(self, out: RequestOutput, c: CompletionOutput) -> dict[str, Any] | None:
         """Adds one sample's delta; returns its chunk choice, or None if nothing is new."""
         p = int(out.request_id.rsplit("-", 1)[1])
         self.num_prompt_tokens[p] = len(out.prompt_token_ids)
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs[p] = out.prompt_logprobs
         index = p * self.n + c.index
         ch = self.choices.setdefault(index, _Choice(index))
         if ch.finish_reason is not None:
@@ -85,7 +88,7 @@ class _CompletionBuilder:
         if not ch.started:
             ch.started = True
             if self.body.echo:
-                text = self._echo(out, lp, ch) + text
+                text = self._echo(out, self.prompt_logprobs.get(p), lp, ch) + text
         ch.num_tokens += len(c.token_ids)
         if lp is not None and c.logprobs:
             for tid, entry in zip(c.token_ids, c.logprobs):
@@ -102,10 +105,11 @@ class _CompletionBuilder:
         return {"index": index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason}
 
-    def _echo(self, out: RequestOutput, lp: dict[str, list] | None, ch: _Choice) -> str:
+    def _echo(self, out: RequestOutput, prompt_logprobs: list | None,
+              lp: dict[str, list] | None, ch: _Choice) -> str:
         ids = out.prompt_token_ids
-        if lp is not None and out.prompt_logprobs is not None:
-            for pos, (tid, entry) in enumerate(zip(ids, out.prompt_logprobs)):
+        if lp is not None and prompt_logprobs is not None:
+            for pos, (tid, entry) in enumerate(zip(ids, prompt_logprobs)):
                 token = self.state.token_text(tid)
                 if pos == 0 or entry is None:
                     lp["tokens"].append(token)

@@ -1,0 +1,86 @@
+"""EngineMetrics counts exactly what its docstring table says, from synthetic outputs."""
+
+from __future__ import annotations
+
+from prometheus_client import generate_latest
+
+from pagoda.core.scheduler import SchedulerStats
+from pagoda.engine.metrics import EngineMetrics
+from pagoda.outputs import CompletionOutput, RequestMetrics, RequestOutput
+
+
+def delta(req_id: str, samples: list[tuple[int, int, str | None]], finished: bool,
+          metrics: RequestMetrics, prompt_len: int = 4) -> RequestOutput:
+    """samples: (index, number of new tokens, finish_reason)."""
+    outs = [CompletionOutput(index=i, text="x" * k, token_ids=[7] * k, finish_reason=r)
+            for i, k, r in samples]
+    return RequestOutput(req_id, None, list(range(prompt_len)), outs, finished,
+                         metrics=metrics)
+
+
+def value(m: EngineMetrics, name: str, **labels: str) -> float:
+    got = m.registry.get_sample_value(name, {"model_name": "m", **labels})
+    return 0.0 if got is None else got
+
+
+def test_one_request_lifecycle() -> None:
+    m = EngineMetrics("m")
+    rm = RequestMetrics(arrival_time=10.0, first_scheduled_time=10.5)
+    rm.first_token_time = 11.0
+    m.observe_outputs([delta("a", [(0, 1, None)], False, rm)], now=11.0)
+    m.observe_outputs([delta("a", [(0, 1, None)], False, rm)], now=11.25)
+    rm.finished_time = 11.5
+    m.observe_outputs([delta("a", [(0, 1, "length")], True, rm)], now=11.5)
+    assert value(m, "pagoda:prompt_tokens_total") == 4
+    assert value(m, "pagoda:generation_tokens_total") == 3
+    assert value(m, "pagoda:time_to_first_token_seconds_count") == 1
+    assert value(m, "pagoda:time_to_first_token_seconds_sum") == 1.0
+    assert value(m, "pagoda:inter_token_latency_seconds_count") == 2
+    assert value(m, "pagoda:inter_token_latency_seconds_sum") == 0.5
+    assert value(m, "pagoda:e2e_request_latency_seconds_sum") == 1.5
+    assert value(m, "pagoda:request_queue_time_seconds_sum") == 0.5
+    assert value(m, "pagoda:request_prefill_time_seconds_sum") == 0.5
+    assert value(m, "pagoda:request_decode_time_seconds_sum") == 0.5
+    assert value(m, "pagoda:request_success_total", finished_reason="length") == 1
+    assert not m._tracked
+
+
+def test_n_samples_count_each_finish_once_and_aborts_skip_latencies() -> None:
+    m = EngineMetrics("m")
+    rm = RequestMetrics(arrival_time=0.0, first_scheduled_time=0.0, first_token_time=1.0)
+    m.observe_outputs([delta("b", [(0, 1, "stop"), (1, 1, None)], False, rm)], now=1.0)
+    # NOTE: a DELTA output may repeat the sample that finished earlier.
+    m.observe_outputs([delta("b", [(0, 0, "stop"), (1, 1, "length")], True, rm)], now=2.0)
+    assert value(m, "pagoda:request_success_total", finished_reason="stop") == 1
+    assert value(m, "pagoda:request_success_total", finished_reason="length") == 1
+    assert value(m, "pagoda:e2e_request_latency_seconds_count") == 1
+    m.observe_outputs([delta("c", [(0, 2, None)], False, rm)], now=3.0)
+    m.observe_outputs([delta("c", [(0, 0, "abort")], True, rm)], now=4.0)
+    assert value(m, "pagoda:request_success_total", finished_reason="abort") == 1
+    assert value(m, "pagoda:e2e_request_latency_seconds_count") == 1
+    m.observe_error("d", 2)
+    assert value(m, "pagoda:request_success_total", finished_reason="error") == 2
+    assert value(m, "pagoda:generation_tokens_total") == 5
+
+
+def test_stats_gauges_and_counter_deltas() -> None:
+    m = EngineMetrics("m")
+    def stats(running: int, waiting: int, usage: float, preempted: int, queries: int,
+              hits: int) -> SchedulerStats:
+        return SchedulerStats(num_running=running, num_waiting=waiting, kv_cache_usage=usage,
+                              num_preemptions=preempted, prefix_cache_queries=queries,
+                              prefix_cache_hits=hits)
+
+    m.observe_stats(stats(3, 2, 0.25, 1, 100, 40))
+    m.observe_stats(stats(0, 0, 0.0, 4, 150, 60))
+    assert value(m, "pagoda:num_requests_running") == 0
+    assert value(m, "pagoda:num_requests_waiting") == 0
+    assert value(m, "pagoda:kv_cache_usage_perc") == 0
+    assert value(m, "pagoda:num_preemptions_total") == 4
+    assert value(m, "pagoda:prefix_cache_queries_total") == 150
+    assert value(m, "pagoda:prefix_cache_hits_total") == 60
+    m.observe_http_error(429)
+    assert m.registry.get_sample_value("pagoda:http_errors_total",
+                                       {"model_name": "m", "status": "429"}) == 1
+    text = generate_latest(m.registry).decode()
+    assert 'pagoda:kv_cache_usage_perc{model_name="m"}' in text
