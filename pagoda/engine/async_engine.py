@@ -139,6 +139,7 @@ class AsyncLLMEngine:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[str, OutputStream] = {}
+        self._futures: set[asyncio.Future] = set()  # answers the engine thread still owes
         self._num_pending = 0  # sequences sent to the engine thread, not yet added
         self._stats: SchedulerStats = engine.get_stats()
         self._dead: BaseException | None = None
@@ -179,7 +180,7 @@ class AsyncLLMEngine:
         stream = OutputStream(r.request_id for r in requests)
         for rid in stream.request_ids:
             self._streams[rid] = stream
-        future = self._loop.create_future()
+        future = self._new_future()
         self._num_pending += num_seqs
         self._send(_Add(requests, arrival_time or time.monotonic(), future))
         try:
@@ -193,6 +194,7 @@ class AsyncLLMEngine:
             raise
         finally:
             self._num_pending -= num_seqs
+            self._futures.discard(future)
         return stream
 
     def abort(self, request_ids: Iterable[str]) -> None:
@@ -205,9 +207,12 @@ class AsyncLLMEngine:
         """Runs `fn(engine)` on the engine thread between two steps; returns its result."""
         if not self.is_alive:
             raise EngineDeadError("the engine is not running")
-        future = self._loop.create_future()
+        future = self._new_future()
         self._send(_Call(fn, future))
-        return await future
+        try:
+            return await future
+        finally:
+            self._futures.discard(future)
 
     def inject_fault(self, num_steps: int = 1) -> None:
         """Test hook: the next `num_steps` engine steps raise as if the model had failed."""
@@ -220,6 +225,11 @@ class AsyncLLMEngine:
             self._cond.notify()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
+
+    def _new_future(self) -> asyncio.Future:
+        future = self._loop.create_future()
+        self._futures.add(future)
+        return future
 
     def _send(self, command: Any) -> None:
         with self._cond:
@@ -235,10 +245,13 @@ class AsyncLLMEngine:
             if isinstance(item, BaseException) or item.finished:
                 del self._streams[rid]
 
-    def _fail_all_streams(self, exc: BaseException) -> None:
+    def _fail_everything(self, exc: BaseException) -> None:
         for rid, stream in list(self._streams.items()):
             stream._put(rid, exc)
         self._streams.clear()
+        for future in self._futures:
+            if not future.done():
+                future.set_exception(exc)
 
     # ---- engine thread -----------------------------------------------------------------
     def _run(self) -> None:
@@ -256,7 +269,7 @@ class AsyncLLMEngine:
         except BaseException as e:  # NOTE: a bug outside step(): fail loudly, not silently.
             logger.exception("engine thread died")
             self._dead = e
-            self._to_loop(self._fail_all_streams, EngineDeadError(f"engine thread died: {e}"))
+            self._to_loop(self._fail_everything, EngineDeadError(f"engine thread died: {e}"))
 
     def _wait_for_work(self) -> tuple[list[Any], bool]:
         with self._cond:

@@ -31,6 +31,8 @@ def assert_error(r: httpx.Response, status: int, param: str | None = "") -> dict
 @pytest.mark.parametrize(("body", "param"), [
     ({"prompt": "hi", "max_tokens": "ten"}, "max_tokens"),
     ({"prompt": "hi", "n": 1.5}, "n"),
+    ({"prompt": "hi", "n": 0}, "n"),
+    ({"prompt": "hi", "n": 129}, "n"),
     ({"prompt": 5}, "prompt"),
     ({"prompt": ["a", [1, 2]]}, "prompt"),
     ({"prompt": "hi", "temperature": -1}, "temperature"),

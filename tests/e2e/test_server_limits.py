@@ -56,7 +56,9 @@ def test_full_queue_is_429_with_retry_after(limited: Server, authed: httpx.Clien
     with httpx.Client(base_url=limited.base_url, timeout=30.0, headers=AUTH) as a, \
             httpx.Client(base_url=limited.base_url, timeout=30.0, headers=AUTH) as b, \
             a.stream("POST", "/v1/completions", json=long) as running:
-        assert next(line for line in running.iter_lines() if line.startswith("data: "))
+        lines = running.iter_lines()  # NOTE: kept referenced: closing it would disconnect
+        while not next(lines).startswith("data: "):
+            pass
         with b.stream("POST", "/v1/completions", json=long) as waiting:
             assert waiting.status_code == 200  # accepted: it waits behind the running one
             r = authed.post("/v1/completions", json={"prompt": "one too many"})

@@ -56,7 +56,9 @@ def test_disconnect_mid_stream_frees_blocks(client: httpx.Client, server: Server
     body = {"prompt": "walk away", "max_tokens": 2000, "ignore_eos": True, "stream": True}
     with httpx.Client(base_url=server.base_url, timeout=30.0) as own, own.stream(
             "POST", "/v1/completions", json=body) as r:
-        assert next(line for line in r.iter_lines() if line.startswith("data: "))
+        lines = r.iter_lines()  # NOTE: kept referenced: closing it would disconnect early
+        while not next(lines).startswith("data: "):
+            pass
         assert integrity_running(client) == 1
     report = wait_idle(client, timeout_s=5.0)
     assert report["ok"] and report["kv_cache_usage"] == 0.0
@@ -82,8 +84,8 @@ def integrity_running(client: httpx.Client) -> int:
 
 
 def test_health_is_fast_while_busy(client: httpx.Client, server: Server) -> None:
-    long_prompt = list(range(1000, 1460))  # 460 tokens of 512
-    body = {"prompt": long_prompt, "max_tokens": 40, "ignore_eos": True}
+    long_prompt = list(range(1000, 2900))  # 1,900 tokens: prefills of a full token budget
+    body = {"prompt": long_prompt, "max_tokens": 100, "ignore_eos": True}
     done = []
 
     def load() -> None:
@@ -94,17 +96,17 @@ def test_health_is_fast_while_busy(client: httpx.Client, server: Server) -> None
     for t in threads:
         t.start()
     latencies = []
-    deadline = time.monotonic() + 30
-    while len(latencies) < 20 and time.monotonic() < deadline:
+    deadline = time.monotonic() + 60
+    time.sleep(0.05)
+    while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
         start = time.perf_counter()
         assert client.get("/health").status_code == 200
         latencies.append(time.perf_counter() - start)
-        time.sleep(0.02)
-    busy = any(t.is_alive() for t in threads)
+        time.sleep(0.01)
     for t in threads:
         t.join(timeout=60)
     assert done == [200] * 8
-    assert busy, "the load ended before /health was sampled"
+    assert len(latencies) >= 5, "the load ended before /health was sampled"
     print(f"/health latencies while busy (ms): {[round(x * 1e3, 1) for x in latencies]}")
     assert statistics.median(latencies) < 0.1 and max(latencies) < 0.3, latencies
 

@@ -26,9 +26,13 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
+
+// Zero when a test has turned the bf16 dot-product path off (to exercise the fallback).
+bool g_use_bf16_dot = true;
 
 inline float bits_to_float(uint32_t u) {
   float f;
@@ -80,38 +84,6 @@ struct RowLoader<uint16_t> {
     return buf;
   }
 };
-
-#if defined(__AVX512F__)
-// AVX-512 path, used when the head dim is a compile-time multiple of 16.
-inline __m512 load16(const float* src) { return _mm512_loadu_ps(src); }
-
-inline __m512 load16(const uint16_t* src) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-// 16 lanes of exp_nonpos (same polynomial); scalef multiplies by 2^n without bit tricks.
-inline __m512 exp16_nonpos(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723e-6f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720.0f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
-
-inline __mmask16 tail_mask(int remaining) {
-  return remaining >= 16 ? static_cast<__mmask16>(0xFFFF)
-                         : static_cast<__mmask16>((1u << remaining) - 1u);
-}
-#endif
 
 struct Problem {
   const void* q;
@@ -166,83 +138,349 @@ inline void prefetch_block(const KV* cache, const Problem& p, int64_t block_id, 
 }
 
 #if defined(__AVX512F__)
-// One block of the online softmax for query heads j = (kvh - kvh0) * G + g: scores, then
-// the running max/sum update and rescale, then the weighted sum of V rows.
-template <typename KV, int kD>
-void block_step_avx512(const float* __restrict q, float* __restrict acc,
-                       float* __restrict scores, float* __restrict m, float* __restrict l,
-                       const KV* k_rows, const KV* v_rows, int n, int64_t row_stride, int kvh0,
-                       int kvh1, int G, int bs) {
-  constexpr int kV = kD / 16;
-  for (int t = 0; t < n; ++t) {
-    for (int kvh = kvh0; kvh < kvh1; ++kvh) {
-      const KV* kr = k_rows + t * row_stride + kvh * kD;
-      __m512 kv[kV];
-      for (int i = 0; i < kV; ++i) kv[i] = load16(kr + 16 * i);
-      for (int g = 0; g < G; ++g) {
-        const int j = (kvh - kvh0) * G + g;
-        const float* qj = q + j * kD;
-        __m512 dot = _mm512_mul_ps(_mm512_loadu_ps(qj), kv[0]);
-        for (int i = 1; i < kV; ++i) dot = _mm512_fmadd_ps(_mm512_loadu_ps(qj + 16 * i), kv[i], dot);
-        scores[j * bs + t] = _mm512_reduce_add_ps(dot);
+// ---------------------------------------------------------------------------------------
+// AVX-512 path (head dims 64, 128, 256). Work is done in tiles of 16 consecutive positions
+// (aligned to multiples of 16), so that one tile's scores of one query head are exactly one
+// vector: the softmax update is vectorised over the tile and there is no per-token
+// horizontal sum. A tile's rows are found through the block table once per tile (any block
+// size works), and lanes outside [start, seq_len) are masked.
+//
+// Scores: lanes = head dims, one partial vector per (token, head), then 16 partial vectors
+// are reduced to one vector of 16 scores by a transpose-add tree (sum4 + sum16: 45 ops per
+// 16 scores, against ~8 dependent ops per score for a horizontal sum each).
+// With bf16 caches and AVX512_BF16, q . k uses vdpbf16ps on the raw bf16 rows: bf16 x bf16
+// products are exact in fp32 and are accumulated in fp32, so with a bf16 q this is as exact
+// as converting both to fp32; a float32 q is split into two bf16 terms (hi + lo, ~16
+// significant bits) so it loses almost nothing either. Without AVX512_BF16, or for float32
+// caches, rows are converted to fp32 and use FMAs (float32 caches: the exact path).
+//
+// Values: acc[h] += p[h][t] * v[t] with fp32 FMAs, the accumulators of one kv head's query
+// heads held in registers for the whole tile. bf16 rows are widened with one op per 16
+// values (even elements: << 16; odd elements: & 0xFFFF0000), which leaves the accumulator
+// in an even/odd-permuted dim order, undone once per request at the end (see perm_index).
+// ---------------------------------------------------------------------------------------
+
+constexpr int kTile = 16;
+#ifndef PAGODA_PF_TILES
+#define PAGODA_PF_TILES 2
+#endif
+#ifndef PAGODA_PF_HINT
+#define PAGODA_PF_HINT _MM_HINT_T0
+#endif
+constexpr int64_t kPrefetchTiles = PAGODA_PF_TILES;
+
+// One row of kD values as kD / 16 fp32 vectors: natural order for float rows; for bf16 rows,
+// each 32 values give two vectors (even elements, odd elements).
+template <int kD>
+inline void load_row_f32(const float* src, __m512* f) {
+  for (int i = 0; i < kD / 16; ++i) f[i] = _mm512_loadu_ps(src + 16 * i);
+}
+
+template <int kD>
+inline void load_row_f32(const uint16_t* src, __m512* f) {
+  const __m512i hi_mask = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int c = 0; c < kD / 32; ++c) {
+    const __m512i x = _mm512_loadu_si512(src + 32 * c);
+    f[2 * c] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+    f[2 * c + 1] = _mm512_castsi512_ps(_mm512_and_si512(x, hi_mask));
+  }
+}
+
+// Where dim d lives in a row loaded by load_row_f32 (and so in the accumulators).
+template <typename KV>
+inline int perm_index(int d) {
+  if constexpr (std::is_same_v<KV, float>) {
+    return d;
+  } else {
+    const int c = d >> 5, r = d & 31;
+    return (2 * c + (r & 1)) * 16 + (r >> 1);
+  }
+}
+
+// 16 lanes of exp_nonpos (same polynomial); scalef multiplies by 2^n without bit tricks.
+inline __m512 exp16_nonpos(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723e-6f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// Four vectors of 16 partial sums (tokens a, b, c, d) -> one vector whose 128-bit chunk k
+// holds (sum of a's chunk k, of b's, of c's, of d's). Every add combines lanes of one token.
+inline __m512 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+  const __m512d abd = _mm512_castps_pd(ab), cdd = _mm512_castps_pd(cd);
+  return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(abd, cdd)),
+                       _mm512_castpd_ps(_mm512_unpackhi_pd(abd, cdd)));
+}
+
+// Four sum4 results (tokens 0-3, 4-7, 8-11, 12-15) -> lane t = full sum of token t.
+inline __m512 sum16(__m512 w0, __m512 w1, __m512 w2, __m512 w3) {
+  constexpr int kEven = _MM_SHUFFLE(2, 0, 2, 0), kOdd = _MM_SHUFFLE(3, 1, 3, 1);
+  const __m512 x01 = _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, kEven),
+                                   _mm512_shuffle_f32x4(w0, w1, kOdd));
+  const __m512 x23 = _mm512_add_ps(_mm512_shuffle_f32x4(w2, w3, kEven),
+                                   _mm512_shuffle_f32x4(w2, w3, kOdd));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(x01, x23, kEven),
+                       _mm512_shuffle_f32x4(x01, x23, kOdd));
+}
+
+// Max of 16 lanes, broadcast to every lane.
+inline __m512 hmax16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(1, 0, 3, 2)));
+  x = _mm512_max_ps(x, _mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(2, 3, 0, 1)));
+  x = _mm512_max_ps(x, _mm512_permute_ps(x, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm512_max_ps(x, _mm512_permute_ps(x, _MM_SHUFFLE(2, 3, 0, 1)));
+}
+
+// The rows of one tile: positions [16 * tile + lo, 16 * tile + hi) are valid; off[t] is
+// the element offset of lane t's cache row (kv head 0). Invalid lanes repeat a valid row,
+// so every lane can be loaded; their scores are masked and their V rows never read.
+struct TileRows {
+  int64_t off[kTile];
+  int lo, hi;
+  __mmask16 mask;
+};
+
+inline void tile_rows(const Problem& p, const int64_t* table, int64_t row_stride,
+                      int64_t tile, int64_t start, int64_t seq_len, TileRows& tr) {
+  const int64_t pos0 = tile * kTile;
+  tr.lo = static_cast<int>(std::max(start, pos0) - pos0);
+  tr.hi = static_cast<int>(std::min(seq_len, pos0 + kTile) - pos0);
+  const int64_t bs = p.block_size;
+  int64_t blk = (pos0 + tr.lo) / bs;
+  int64_t r = pos0 + tr.lo - blk * bs;
+  int64_t base = table[blk] * bs;
+  for (int t = tr.lo; t < tr.hi; ++t) {
+    tr.off[t] = (base + r) * row_stride;
+    if (++r == bs && t + 1 < tr.hi) {
+      r = 0;
+      base = table[++blk] * bs;
+    }
+  }
+  for (int t = 0; t < tr.lo; ++t) tr.off[t] = tr.off[tr.lo];
+  for (int t = tr.hi; t < kTile; ++t) tr.off[t] = tr.off[tr.lo];
+  tr.mask = static_cast<__mmask16>(((1u << tr.hi) - 1u) & ~((1u << tr.lo) - 1u));
+}
+
+// Ask for the K/V rows of kv heads [kvh0, kvh1) of a tile ahead of use.
+template <typename KV>
+inline void prefetch_tile(const KV* k_cache, const KV* v_cache, const TileRows& tr,
+                          int64_t col0, int64_t span_bytes) {
+  for (int t = tr.lo; t < tr.hi; ++t) {
+    const char* kb = reinterpret_cast<const char*>(k_cache + tr.off[t] + col0);
+    const char* vb = reinterpret_cast<const char*>(v_cache + tr.off[t] + col0);
+    for (int64_t o = 0; o < span_bytes; o += 64) {
+      _mm_prefetch(kb + o, PAGODA_PF_HINT);
+      _mm_prefetch(vb + o, PAGODA_PF_HINT);
+    }
+  }
+}
+
+// Per-thread state of one work item's query heads (head j at j * kD, or j * 16 per vector).
+struct AvxScratch {
+  std::vector<uint16_t> qb;  // bf16 q, 2 terms (hi, lo) per head: [heads][2][kD]
+  std::vector<float> qf;     // fp32 q in the row layout of load_row_f32: [heads][kD]
+  std::vector<float> acc;    // [heads][kD], same layout
+  std::vector<float> m, l;   // running max (broadcast) and per-lane sums: [heads][16]
+  std::vector<float> pbuf;   // one tile of probabilities: [heads][16]
+  AvxScratch(int heads, int d, int /*block_size*/)
+      : qb(heads * 2 * d), qf(heads * d), acc(heads * d), m(heads * kTile), l(heads * kTile),
+        pbuf(heads * kTile) {}
+};
+
+// One tile for NH query heads [j0, j0 + NH) of one kv head (rows at column col): scores,
+// online-softmax update, then the weighted sum of V rows.
+template <typename KV, int kD, int NH, bool kDot, int kQT>
+inline void tile_heads(const KV* __restrict k_cache, const KV* __restrict v_cache,
+                       const TileRows& tr, int64_t col, AvxScratch& s, int j0, __m512 vscale) {
+  constexpr int kNV = kD / 16;
+  __m512 w[4][NH];
+  if constexpr (kDot) {
+#if defined(__AVX512BF16__)
+    constexpr int kNC = kD / 32;
+    __m512i q[NH][kQT][kNC];
+    for (int h = 0; h < NH; ++h)
+      for (int u = 0; u < kQT; ++u)
+        for (int c = 0; c < kNC; ++c)
+          q[h][u][c] = _mm512_loadu_si512(s.qb.data() + ((j0 + h) * 2 + u) * kD + 32 * c);
+    for (int g = 0; g < 4; ++g) {
+      __m512 a[4][NH];
+      for (int u = 0; u < 4; ++u) {
+        const KV* kr = k_cache + tr.off[4 * g + u] + col;
+        __m512i kx[kNC];
+        for (int c = 0; c < kNC; ++c) kx[c] = _mm512_loadu_si512(kr + 32 * c);
+        for (int h = 0; h < NH; ++h) {
+          __m512 d = _mm512_setzero_ps();
+          for (int c = 0; c < kNC; ++c)
+            for (int e = 0; e < kQT; ++e)
+              d = _mm512_dpbf16_ps(d, (__m512bh)q[h][e][c], (__m512bh)kx[c]);
+          a[u][h] = d;
+        }
       }
+      for (int h = 0; h < NH; ++h) w[g][h] = sum4(a[0][h], a[1][h], a[2][h], a[3][h]);
+    }
+#endif
+  } else {
+    for (int g = 0; g < 4; ++g) {
+      __m512 a[4][NH];
+      for (int u = 0; u < 4; ++u) {
+        __m512 kf[kNV];
+        load_row_f32<kD>(k_cache + tr.off[4 * g + u] + col, kf);
+        for (int h = 0; h < NH; ++h) {
+          const float* qh = s.qf.data() + (j0 + h) * kD;
+          __m512 d = _mm512_mul_ps(_mm512_loadu_ps(qh), kf[0]);
+          for (int i = 1; i < kNV; ++i) d = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * i), kf[i], d);
+          a[u][h] = d;
+        }
+      }
+      for (int h = 0; h < NH; ++h) w[g][h] = sum4(a[0][h], a[1][h], a[2][h], a[3][h]);
     }
   }
 
-  const int nh = (kvh1 - kvh0) * G;
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 corr[NH];
+  for (int h = 0; h < NH; ++h) {
+    const int j = j0 + h;
+    __m512 sc = _mm512_mul_ps(sum16(w[0][h], w[1][h], w[2][h], w[3][h]), vscale);
+    sc = _mm512_mask_mov_ps(neg_inf, tr.mask, sc);
+    const __m512 m_old = _mm512_loadu_ps(s.m.data() + j * kTile);
+    const __m512 m_new = _mm512_max_ps(m_old, hmax16(sc));
+    corr[h] = exp16_nonpos(_mm512_sub_ps(m_old, m_new));  // ~0 on the first tile (-inf)
+    const __m512 e = _mm512_maskz_mov_ps(tr.mask, exp16_nonpos(_mm512_sub_ps(sc, m_new)));
+    const __m512 l_old = _mm512_loadu_ps(s.l.data() + j * kTile);
+    _mm512_storeu_ps(s.l.data() + j * kTile, _mm512_fmadd_ps(l_old, corr[h], e));
+    _mm512_storeu_ps(s.m.data() + j * kTile, m_new);
+    _mm512_storeu_ps(s.pbuf.data() + h * kTile, e);
+  }
+
+  __m512 acc[NH][kNV];
+  for (int h = 0; h < NH; ++h)
+    for (int i = 0; i < kNV; ++i)
+      acc[h][i] = _mm512_mul_ps(_mm512_loadu_ps(s.acc.data() + (j0 + h) * kD + 16 * i), corr[h]);
+  const float* pb = s.pbuf.data();
+  for (int t = tr.lo; t < tr.hi; ++t) {
+    __m512 vf[kNV];
+    load_row_f32<kD>(v_cache + tr.off[t] + col, vf);
+    for (int h = 0; h < NH; ++h) {
+      const __m512 wt = _mm512_set1_ps(pb[h * kTile + t]);
+      for (int i = 0; i < kNV; ++i) acc[h][i] = _mm512_fmadd_ps(wt, vf[i], acc[h][i]);
+    }
+  }
+  for (int h = 0; h < NH; ++h)
+    for (int i = 0; i < kNV; ++i)
+      _mm512_storeu_ps(s.acc.data() + (j0 + h) * kD + 16 * i, acc[h][i]);
+}
+
+// Query heads handled together per call of tile_heads: their accumulators (NH * kD / 16
+// vectors) stay in registers.
+template <int kD>
+constexpr int kMaxHeadsPerStep = kD <= 64 ? 4 : (kD <= 128 ? 2 : 1);
+
+template <typename KV, int kD, bool kDot, int kQT>
+void decode_one_avx(const Problem& p, const KV* k_cache, const KV* v_cache, int64_t b, int kvh0,
+                    int kvh1, AvxScratch& s) {
+  const int G = p.num_heads / p.num_kv_heads;
+  const int nh = (kvh1 - kvh0) * G;
+  const int64_t row_stride = static_cast<int64_t>(p.num_kv_heads) * kD;
+  const int64_t seq_len = p.seq_lens[b];
+  const int64_t start = p.window >= 0 ? std::max<int64_t>(0, seq_len - p.window) : 0;
+  const int64_t q_base = (b * p.num_heads + static_cast<int64_t>(kvh0) * G) * kD;
+
   for (int j = 0; j < nh; ++j) {
-    float* sj = scores + j * bs;
-    __m512 vmax = neg_inf;
-    for (int c = 0; c < n; c += 16) {
-      vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(neg_inf, tail_mask(n - c), sj + c));
-    }
-    const float mx = std::max(m[j], _mm512_reduce_max_ps(vmax));
-    const float corr = exp_nonpos(m[j] - mx);  // exp(-inf) clamps to ~0 on the first block
-    const __m512 vmx = _mm512_set1_ps(mx);
-    __m512 vsum = _mm512_setzero_ps();
-    for (int c = 0; c < n; c += 16) {
-      const __mmask16 mask = tail_mask(n - c);
-      const __m512 e = exp16_nonpos(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, sj + c), vmx));
-      _mm512_mask_storeu_ps(sj + c, mask, e);
-      vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(mask, e));
-    }
-    l[j] = l[j] * corr + _mm512_reduce_add_ps(vsum);
-    m[j] = mx;
-    if (corr != 1.0f) {
-      const __m512 vc = _mm512_set1_ps(corr);
-      float* aj = acc + j * kD;
-      for (int i = 0; i < kV; ++i) {
-        _mm512_storeu_ps(aj + 16 * i, _mm512_mul_ps(_mm512_loadu_ps(aj + 16 * i), vc));
+    for (int d = 0; d < kD; ++d) {
+      const int64_t qi = q_base + static_cast<int64_t>(j) * kD + d;
+      if constexpr (kDot) {
+        uint16_t* qb = s.qb.data() + j * 2 * kD;
+        if (p.q_is_bf16) {
+          qb[d] = static_cast<const c10::BFloat16*>(p.q)[qi].x;
+        } else {
+          const float x = static_cast<const float*>(p.q)[qi];
+          const c10::BFloat16 hi(x);
+          qb[d] = hi.x;
+          qb[kD + d] = c10::BFloat16(x - static_cast<float>(hi)).x;
+        }
+      } else {
+        s.qf[j * kD + perm_index<KV>(d)] = load_q(p, qi);
       }
     }
   }
+  std::fill(s.acc.begin(), s.acc.begin() + nh * kD, 0.0f);
+  std::fill(s.m.begin(), s.m.begin() + nh * kTile, -std::numeric_limits<float>::infinity());
+  std::fill(s.l.begin(), s.l.begin() + nh * kTile, 0.0f);
 
-  for (int t = 0; t < n; ++t) {
-    for (int kvh = kvh0; kvh < kvh1; ++kvh) {
-      const KV* vr = v_rows + t * row_stride + kvh * kD;
-      __m512 vv[kV];
-      for (int i = 0; i < kV; ++i) vv[i] = load16(vr + 16 * i);
-      for (int g = 0; g < G; ++g) {
-        const int j = (kvh - kvh0) * G + g;
-        const __m512 w = _mm512_set1_ps(scores[j * bs + t]);
-        float* aj = acc + j * kD;
-        for (int i = 0; i < kV; ++i) {
-          _mm512_storeu_ps(aj + 16 * i, _mm512_fmadd_ps(w, vv[i], _mm512_loadu_ps(aj + 16 * i)));
+  const int64_t* table = p.block_tables + b * p.bt_stride;
+  const __m512 vscale = _mm512_set1_ps(p.scale);
+  const int64_t col0 = static_cast<int64_t>(kvh0) * kD;
+  const int64_t span_bytes = static_cast<int64_t>(kvh1 - kvh0) * kD * sizeof(KV);
+  constexpr int kNH = kMaxHeadsPerStep<kD>;
+  TileRows tr, ahead;
+  if (start < seq_len) {
+    const int64_t first = start / kTile, last = (seq_len - 1) / kTile;
+    for (int64_t tile = first; tile <= last; ++tile) {
+      // NOTE: block ids are random, so the hardware prefetcher cannot run ahead across
+      // blocks; ask for the tiles kPrefetchTiles ahead (the first iteration covers all).
+      for (int64_t a = tile == first ? 1 : kPrefetchTiles; a <= kPrefetchTiles; ++a) {
+        if (tile + a > last) break;
+        tile_rows(p, table, row_stride, tile + a, start, seq_len, ahead);
+        prefetch_tile(k_cache, v_cache, ahead, col0, span_bytes);
+      }
+      tile_rows(p, table, row_stride, tile, start, seq_len, tr);
+      for (int kvh = kvh0; kvh < kvh1; ++kvh) {
+        const int64_t col = static_cast<int64_t>(kvh) * kD;
+        const int jk = (kvh - kvh0) * G;
+        for (int g0 = 0; g0 < G; g0 += kNH) {
+          const int j0 = jk + g0;
+          switch (std::min(kNH, G - g0)) {
+            case 1:
+              tile_heads<KV, kD, 1, kDot, kQT>(k_cache, v_cache, tr, col, s, j0, vscale);
+              break;
+            case 2:
+              if constexpr (kNH >= 2)
+                tile_heads<KV, kD, 2, kDot, kQT>(k_cache, v_cache, tr, col, s, j0, vscale);
+              break;
+            case 3:
+              if constexpr (kNH >= 3)
+                tile_heads<KV, kD, 3, kDot, kQT>(k_cache, v_cache, tr, col, s, j0, vscale);
+              break;
+            default:
+              if constexpr (kNH >= 4)
+                tile_heads<KV, kD, 4, kDot, kQT>(k_cache, v_cache, tr, col, s, j0, vscale);
+              break;
+          }
         }
       }
     }
   }
-}
-#endif
 
+  for (int j = 0; j < nh; ++j) {
+    const float l = _mm512_reduce_add_ps(_mm512_loadu_ps(s.l.data() + j * kTile));
+    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    const float* aj = s.acc.data() + j * kD;
+    for (int d = 0; d < kD; ++d) {
+      store_out(p, q_base + static_cast<int64_t>(j) * kD + d, aj[perm_index<KV>(d)] * inv);
+    }
+  }
+}
+#endif  // __AVX512F__
+
+// Portable path (any head dim; the only path without AVX-512).
 // One work item: request b, kv heads [kvh0, kvh1) and their G query heads each. Blocks are
 // the outer loop so that, when the item spans all kv heads, each block is read sequentially.
-// kD > 0 fixes the head dim at compile time (full unrolling); kD == 0 reads it at run time.
-template <typename KV, int kD>
+template <typename KV>
 void decode_one(const Problem& p, const KV* k_cache, const KV* v_cache, int64_t b, int kvh0,
                 int kvh1, Scratch& s) {
-  const int D = kD > 0 ? kD : p.head_dim;
+  const int D = p.head_dim;
   const int G = p.num_heads / p.num_kv_heads;
   const int nh = (kvh1 - kvh0) * G;  // query heads in this item
   const int bs = p.block_size;
@@ -283,14 +521,6 @@ void decode_one(const Problem& p, const KV* k_cache, const KV* v_cache, int64_t 
     const int64_t first = (table[blk] * bs + t0) * row_stride;
     const KV* k_rows = k_cache + first;
     const KV* v_rows = v_cache + first;
-#if defined(__AVX512F__)
-    if constexpr (kD > 0 && kD % 16 == 0) {
-      block_step_avx512<KV, kD>(q, acc, scores, s.m.data(), s.l.data(), k_rows, v_rows, n,
-                                row_stride, kvh0, kvh1, G, bs);
-      continue;
-    }
-#endif
-
     for (int t = 0; t < n; ++t) {
       for (int kvh = kvh0; kvh < kvh1; ++kvh) {
         const float* kr = RowLoader<KV>::load(k_rows + t * row_stride + kvh * D, row, D);
@@ -347,38 +577,68 @@ void decode_one(const Problem& p, const KV* k_cache, const KV* v_cache, int64_t 
   }
 }
 
-template <typename KV, int kD>
-void decode_all(const Problem& p, const KV* k_cache, const KV* v_cache, int64_t batch) {
+// Runs fn(item, scratch) for every work item on the torch thread count. A work item is a
+// request, or one kv head of a request when there are too few requests to keep the threads
+// busy (a whole request per item reads each block sequentially: best for the memory system).
+template <typename ScratchT, typename Fn>
+void for_each_item(const Problem& p, int64_t batch, int scratch_heads_per_kv, Fn fn) {
   const int num_threads = at::get_num_threads();
-  // NOTE: a whole request per item reads each block sequentially (best for the memory
-  // system); with too few requests to keep the threads busy, split by kv head instead.
   const int heads_per_item = batch >= 4 * num_threads ? p.num_kv_heads : 1;
   const int items_per_req = p.num_kv_heads / heads_per_item;
   const int64_t num_items = batch * items_per_req;
-  const int G = p.num_heads / p.num_kv_heads;
 #pragma omp parallel num_threads(num_threads)
   {
-    Scratch s(heads_per_item * G, p.head_dim, p.block_size);
+    ScratchT s(heads_per_item * scratch_heads_per_kv, p.head_dim, p.block_size);
     // NOTE: dynamic scheduling because context lengths (work per item) vary widely.
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < num_items; ++item) {
       const int kvh0 = static_cast<int>(item % items_per_req) * heads_per_item;
-      decode_one<KV, kD>(p, k_cache, v_cache, item / items_per_req, kvh0,
-                         kvh0 + heads_per_item, s);
+      fn(item / items_per_req, kvh0, kvh0 + heads_per_item, s);
     }
   }
 }
 
+#if defined(__AVX512F__)
+template <typename KV, int kD, bool kDot, int kQT>
+void decode_all_avx(const Problem& p, const KV* k, const KV* v, int64_t batch) {
+  for_each_item<AvxScratch>(p, batch, p.num_heads / p.num_kv_heads,
+                            [&](int64_t b, int kvh0, int kvh1, AvxScratch& s) {
+                              decode_one_avx<KV, kD, kDot, kQT>(p, k, v, b, kvh0, kvh1, s);
+                            });
+}
+
+template <typename KV, int kD>
+void dispatch_avx(const Problem& p, const KV* k, const KV* v, int64_t batch) {
+  if constexpr (std::is_same_v<KV, uint16_t>) {
+#if defined(__AVX512BF16__)
+    if (g_use_bf16_dot) {
+      if (p.q_is_bf16) return decode_all_avx<KV, kD, true, 1>(p, k, v, batch);
+      return decode_all_avx<KV, kD, true, 2>(p, k, v, batch);
+    }
+#endif
+  }
+  decode_all_avx<KV, kD, false, 1>(p, k, v, batch);
+}
+#endif
+
 template <typename KV>
 void dispatch_head_dim(const Problem& p, const KV* k, const KV* v, int64_t batch) {
+#if defined(__AVX512F__)
   switch (p.head_dim) {
     case 64:
-      return decode_all<KV, 64>(p, k, v, batch);
+      return dispatch_avx<KV, 64>(p, k, v, batch);
     case 128:
-      return decode_all<KV, 128>(p, k, v, batch);
+      return dispatch_avx<KV, 128>(p, k, v, batch);
+    case 256:
+      return dispatch_avx<KV, 256>(p, k, v, batch);
     default:
-      return decode_all<KV, 0>(p, k, v, batch);
+      break;
   }
+#endif
+  for_each_item<Scratch>(p, batch, p.num_heads / p.num_kv_heads,
+                         [&](int64_t b, int kvh0, int kvh1, Scratch& s) {
+                           decode_one<KV>(p, k, v, b, kvh0, kvh1, s);
+                         });
 }
 
 void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
@@ -427,9 +687,25 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_
   }
 }
 
+// Which inner path bf16 caches take: "bf16_dot" (vdpbf16ps), "avx512" (fp32 FMAs) or
+// "portable"; enable=false turns the bf16 dot product off (tests of the fallback).
+std::string set_bf16_dot(bool enable) {
+  g_use_bf16_dot = enable;
+#if defined(__AVX512BF16__)
+  if (enable) return "bf16_dot";
+#endif
+#if defined(__AVX512F__)
+  return "avx512";
+#else
+  return "portable";
+#endif
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "Decode attention over a paged KV cache (in place into out)");
+  m.def("set_bf16_dot", &set_bf16_dot,
+        "Enable/disable the AVX512_BF16 dot product for bf16 caches; returns the path in use");
 }

@@ -13,6 +13,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pagoda.sampling_params import SamplingParams
 
+# NOTE: every sample is a sequence in the engine; a bound keeps one request from flooding it.
+MAX_N = 128
+
 _ERROR_TYPES = {
     400: "BadRequestError",
     401: "AuthenticationError",
@@ -94,6 +97,8 @@ class _GenerationRequest(BaseModel):
     def _sampling(self, max_tokens: int | None, logprobs: int | None,
                   prompt_logprobs: int | None) -> SamplingParams:
         """SamplingParams for this body; raises ValueError naming a bad field."""
+        if self.n > MAX_N:
+            raise ValueError(f"n must be at most {MAX_N}, got {self.n}")
         optional = {
             "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
             "min_p": self.min_p, "presence_penalty": self.presence_penalty,

@@ -1,0 +1,169 @@
+"""AsyncLLMEngine over a fake engine: streams, aborts, faults, a dead engine thread, and the
+waiting-queue limit, without a model or a server."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from pagoda.core.scheduler import SchedulerStats
+from pagoda.engine.async_engine import (
+    AsyncLLMEngine,
+    EngineDeadError,
+    EngineFaultError,
+    EngineRequest,
+    QueueFullError,
+)
+from pagoda.outputs import CompletionOutput, RequestOutput
+from pagoda.sampling_params import SamplingParams
+
+
+class FakeEngine:
+    """Every request gets one token per step until max_tokens; all of them count as
+    waiting (so the queue limit can be tested) and as running (for fault handling)."""
+
+    def __init__(self) -> None:
+        self.left: dict[str, int] = {}
+        self.output_processor = SimpleNamespace(requests=self.left, child_to_parent={})
+        self.scheduler = SimpleNamespace(running=[])
+
+    def add_request(self, request_id, prompt, params, arrival_time=None, priority=0,
+                    output_kind=None, cache_salt=None) -> None:
+        if not prompt:
+            raise ValueError("prompt is empty")
+        self.left[request_id] = params.max_tokens
+        self.output_processor.child_to_parent[request_id] = (request_id, 0)
+        self.scheduler.running.append(SimpleNamespace(req_id=request_id))
+
+    def _output(self, rid: str, num: int, reason: str | None) -> RequestOutput:
+        return RequestOutput(rid, None, [1], [CompletionOutput(0, "t" * num, [5] * num,
+                                                               finish_reason=reason)],
+                             reason is not None)
+
+    def _forget(self, rid: str) -> None:
+        del self.left[rid]
+        self.scheduler.running = [r for r in self.scheduler.running if r.req_id != rid]
+
+    def step(self) -> list[RequestOutput]:
+        outs = []
+        for rid in list(self.left):
+            self.left[rid] -= 1
+            done = self.left[rid] == 0
+            outs.append(self._output(rid, 1, "length" if done else None))
+            if done:
+                self._forget(rid)
+        return outs
+
+    def abort_request(self, ids) -> list[RequestOutput]:
+        outs = []
+        for rid in [ids] if isinstance(ids, str) else ids:
+            if rid in self.left:
+                self._forget(rid)
+                outs.append(self._output(rid, 0, "abort"))
+        return outs
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.left)
+
+    def get_stats(self) -> SchedulerStats:
+        return SchedulerStats(num_running=len(self.left), num_waiting=len(self.left),
+                              kv_cache_usage=0.0, num_preemptions=0, prefix_cache_queries=0,
+                              prefix_cache_hits=0)
+
+
+def run(coro_fn, fake: FakeEngine | None = None, **kwargs):
+    async def main():
+        engine = AsyncLLMEngine(fake or FakeEngine(), **kwargs)
+        engine.start()
+        try:
+            return await asyncio.wait_for(coro_fn(engine), 10)
+        finally:
+            await asyncio.wait_for(engine.shutdown(), 10)
+
+    return asyncio.run(main())
+
+
+def req(rid: str, max_tokens: int, prompt: str = "p") -> EngineRequest:
+    return EngineRequest(rid, prompt, SamplingParams(max_tokens=max_tokens))
+
+
+def test_streams_until_finished_and_rejects_invalid() -> None:
+    async def body(engine: AsyncLLMEngine):
+        stream = await engine.generate([req("a", 3), req("b", 2)])
+        texts: dict[str, str] = {}
+        async for out in stream:
+            texts[out.request_id] = texts.get(out.request_id, "") + out.outputs[0].text
+        with pytest.raises(ValueError, match="empty"):
+            await engine.generate([req("c", 2), req("d", 2, prompt="")])
+        return texts, dict(engine.engine.left)
+
+    texts, left = run(body)
+    assert texts == {"a": "ttt", "b": "tt"} and left == {}
+
+
+def test_abort_ends_the_stream_and_frees_the_request() -> None:
+    async def body(engine: AsyncLLMEngine):
+        stream = await engine.generate([req("a", 10_000)])
+        first = await stream.__anext__()
+        engine.abort(["a"])
+        rest = [out async for out in stream]
+        return first, rest, dict(engine.engine.left)
+
+    first, rest, left = run(body)
+    assert first.outputs[0].text == "t" and rest[-1].outputs[0].finish_reason == "abort"
+    assert left == {}
+
+
+def test_a_failed_step_fails_its_requests_and_the_loop_goes_on() -> None:
+    async def body(engine: AsyncLLMEngine):
+        engine.inject_fault(1)
+        stream = await engine.generate([req("a", 5)])
+        with pytest.raises(EngineFaultError, match="injected"):
+            async for _ in stream:
+                pass
+        after = await engine.generate([req("b", 2)])
+        return [o.outputs[0].text async for o in after], engine.is_alive
+
+    texts, alive = run(body)
+    assert texts == ["t", "t"] and alive
+
+
+def test_a_dead_engine_thread_fails_waiters_and_refuses_new_work() -> None:
+    fake = FakeEngine()
+
+    async def body(engine: AsyncLLMEngine):
+        stream = await engine.generate([req("a", 10_000)])
+        await stream.__anext__()
+
+        def broken() -> SchedulerStats:
+            raise RuntimeError("bug outside step")
+
+        fake.get_stats = broken
+        with pytest.raises(EngineDeadError):
+            async for _ in stream:
+                pass
+        with pytest.raises(EngineDeadError):
+            await engine.generate([req("b", 1)])
+        return engine.is_alive
+
+    assert run(body, fake) is False
+
+
+def test_waiting_queue_limit() -> None:
+    async def body(engine: AsyncLLMEngine):
+        first = await engine.generate([req("a", 10_000)])
+        with pytest.raises(QueueFullError):
+            await engine.generate([req("b", 1)])
+        engine.abort(first.request_ids)
+        _ = [out async for out in first]
+        for _ in range(500):  # NOTE: the stats that free the queue follow the abort output
+            try:
+                again = await engine.generate([req("c", 1)])
+                return [out async for out in again]
+            except QueueFullError:
+                await asyncio.sleep(0.01)
+        raise AssertionError("the queue never freed up")
+
+    assert len(run(body, max_queued_requests=1)) == 1
