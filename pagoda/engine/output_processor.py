@@ -33,6 +33,7 @@ class _Sample:
     stop_reason: int | str | None = None
     num_sent_tokens: int = 0
     num_sent_logprobs: int = 0
+    finish_sent: bool = False
 
 
 @dataclass
@@ -189,7 +190,10 @@ class OutputProcessor:
         delta = state.kind is OutputKind.DELTA
         completions = []
         for s in state.samples:
-            if delta and s.num_sent_tokens == len(s.token_ids) and s.finish_reason is None:
+            nothing_new = s.num_sent_tokens == len(s.token_ids) and (
+                s.finish_reason is None or s.finish_sent
+            )
+            if delta and nothing_new:
                 continue
             text = s.detok.get_next_output_text(s.finish_reason is not None, delta) if (
                 s.detok is not None) else ""
@@ -207,6 +211,7 @@ class OutputProcessor:
                 )
             )
             s.num_sent_tokens = len(s.token_ids)
+            s.finish_sent = s.finish_reason is not None
             s.num_sent_logprobs = len(s.logprobs) if s.logprobs is not None else 0
         if delta and not completions:
             return None

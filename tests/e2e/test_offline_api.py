@@ -400,3 +400,26 @@ def test_abort_mid_run_frees_blocks(llm: LLM) -> None:
     assert len(final.outputs[0].token_ids) == 8
     assert final.outputs[0].finish_reason == "length"
     assert "doomed" not in engine.runner.requests
+
+
+
+def test_streaming_deltas_report_each_finish_once(llm: LLM) -> None:
+    """DELTA mode with n > 1: a sample that finished earlier is not repeated in later deltas."""
+    from pagoda.core.request import RequestStatus
+    from pagoda.core.scheduler import EngineCoreOutput
+    from pagoda.engine.output_processor import OutputKind, OutputProcessor
+
+    proc = OutputProcessor(llm.get_tokenizer())
+    params = SamplingParams(n=2, max_tokens=5)
+    proc.add_request("r", None, [5, 6, 7], params, ["r#0", "r#1"], OutputKind.DELTA, 0.0)
+    sched = type("S", (), {"requests": {}})()
+    outs, _ = proc.process(
+        [EngineCoreOutput("r#0", [100], finish_status=RequestStatus.FINISHED_LENGTH),
+         EngineCoreOutput("r#1", [101])], sched)
+    assert [(c.index, c.finish_reason) for c in outs[0].outputs] == [(0, "length"), (1, None)]
+    outs, _ = proc.process([EngineCoreOutput("r#1", [102])], sched)
+    assert [(c.index, c.token_ids) for c in outs[0].outputs] == [(1, [102])]
+    outs, _ = proc.process(
+        [EngineCoreOutput("r#1", [103], finish_status=RequestStatus.FINISHED_LENGTH)], sched)
+    assert [(c.index, c.finish_reason) for c in outs[0].outputs] == [(1, "length")]
+    assert outs[0].finished and "r" not in proc.requests
