@@ -148,6 +148,13 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     return 0 if all(r["summary"]["num_failed"] == 0 for r in report["runs"]) else 1
 
 
+def cmd_bench_prefix_cache(args: argparse.Namespace) -> int:
+    from pagoda.benchmarks.prefix_cache import run_prefix_cache
+
+    run_prefix_cache(args)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagoda", description="pagoda LLM engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -184,6 +191,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_bench_args(bs)
     bs.set_defaults(func=cmd_bench_serve)
+    pc = bench_sub.add_parser("prefix-cache", help="shared system prompt: prefix caching on/off")
+    from pagoda.benchmarks.prefix_cache import add_prefix_cache_args
+
+    add_prefix_cache_args(pc)
+    pc.set_defaults(func=cmd_bench_prefix_cache)
     return parser
 
 
