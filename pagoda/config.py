@@ -7,6 +7,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagoda.core.preemption import PREEMPTION_MODES
+from pagoda.core.request import DEFAULT_SLA_TTFT_TARGETS_S, SLA_CLASS_RANKS
+from pagoda.core.request_queue import DEFAULT_AGING_INTERVAL_S, SCHEDULING_POLICIES
+
 _DTYPES = {
     "float32": torch.float32,
     "float": torch.float32,
@@ -65,6 +69,9 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None = None
     num_gpu_blocks_override: int | None = None
     enable_prefix_caching: bool = True
+    # Host memory (GiB) for swap preemption's block pool; allocated only when
+    # preemption_mode is "swap". Pinned when the device is CUDA.
+    swap_space: float = 4.0
 
 
 @dataclass
@@ -73,6 +80,18 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
     max_model_len: int = 0  # filled in by the engine once the model is known
+    # "fcfs" or "priority" (SLA class, then request priority, then arrival; with aging).
+    scheduling_policy: str = "fcfs"
+    # "recompute" or "swap" (to the host pool of cache.swap_space; recompute when full).
+    preemption_mode: str = "recompute"
+    # Priority policy: a request ranks one SLA class better per this many seconds it
+    # arrived before another (inf: no aging).
+    aging_interval_s: float = DEFAULT_AGING_INTERVAL_S
+    # Time-to-first-token target per SLA class (seconds): counted as met or missed in the
+    # scheduler's stats. Classes not given keep their default.
+    sla_ttft_targets_s: dict[str, float] = field(
+        default_factory=lambda: dict(DEFAULT_SLA_TTFT_TARGETS_S)
+    )
 
 
 @dataclass
@@ -105,6 +124,32 @@ class EngineConfig:
         m = self.model.max_model_len
         if m is not None and m < 1:
             raise ValueError(f"max_model_len must be >= 1, got {m}")
+        self._validate_preemption_and_policy()
+
+    def _validate_preemption_and_policy(self) -> None:
+        c, s = self.cache, self.scheduler
+        if not c.swap_space >= 0:
+            raise ValueError(f"swap_space must be >= 0 GiB, got {c.swap_space}")
+        if s.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy must be one of {sorted(SCHEDULING_POLICIES)}, "
+                f"got {s.scheduling_policy!r}"
+            )
+        if s.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(
+                f"preemption_mode must be one of {list(PREEMPTION_MODES)}, "
+                f"got {s.preemption_mode!r}"
+            )
+        if not s.aging_interval_s > 0:
+            raise ValueError(f"aging_interval_s must be > 0, got {s.aging_interval_s}")
+        for name, target in s.sla_ttft_targets_s.items():
+            if name not in SLA_CLASS_RANKS:
+                raise ValueError(
+                    f"sla_ttft_targets_s: unknown SLA class {name!r}; "
+                    f"classes are {list(SLA_CLASS_RANKS)}"
+                )
+            if not target > 0:
+                raise ValueError(f"sla_ttft_targets_s[{name!r}] must be > 0, got {target}")
 
 
 def available_memory_bytes() -> int:

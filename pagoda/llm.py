@@ -9,6 +9,8 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from pagoda.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pagoda.core.request import DEFAULT_SLA_CLASS, DEFAULT_SLA_TTFT_TARGETS_S
+from pagoda.core.request_queue import DEFAULT_AGING_INTERVAL_S
 from pagoda.engine.llm_engine import LLMEngine, PromptType
 from pagoda.engine.output_processor import OutputKind
 from pagoda.outputs import RequestOutput
@@ -36,6 +38,11 @@ class LLM:
         enable_chunked_prefill: bool = True,
         seed: int = 0,
         device: str = "auto",
+        scheduling_policy: str = "fcfs",
+        preemption_mode: str = "recompute",
+        swap_space: float = 4.0,
+        aging_interval_s: float = DEFAULT_AGING_INTERVAL_S,
+        sla_ttft_targets_s: dict[str, float] | None = None,
     ) -> None:
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed),
@@ -45,11 +52,16 @@ class LLM:
                 kv_cache_memory_bytes=kv_cache_memory_bytes,
                 num_gpu_blocks_override=num_gpu_blocks_override,
                 enable_prefix_caching=enable_prefix_caching,
+                swap_space=swap_space,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens,
                 enable_chunked_prefill=enable_chunked_prefill,
+                scheduling_policy=scheduling_policy,
+                preemption_mode=preemption_mode,
+                aging_interval_s=aging_interval_s,
+                sla_ttft_targets_s={**DEFAULT_SLA_TTFT_TARGETS_S, **(sla_ttft_targets_s or {})},
             ),
             device=device,
         )
@@ -64,8 +76,12 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+        sla_class: str | Sequence[str] = DEFAULT_SLA_CLASS,
     ) -> list[RequestOutput]:
-        """Generates for every prompt; returns outputs in input order."""
+        """Generates for every prompt; returns outputs in input order. `priority` (one per
+        prompt, lower first) and `sla_class` (one, or one per prompt) matter under the
+        "priority" scheduling policy."""
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
@@ -81,7 +97,11 @@ class LLM:
                 raise ValueError(
                     f"got {len(params_list)} sampling_params for {len(prompts)} prompts"
                 )
-        return self._run(prompts, params_list, use_tqdm)
+        priorities = [0] * len(prompts) if priority is None else list(priority)
+        classes = [sla_class] * len(prompts) if isinstance(sla_class, str) else list(sla_class)
+        if len(priorities) != len(prompts) or len(classes) != len(prompts):
+            raise ValueError("priority and sla_class need one entry per prompt")
+        return self._run(prompts, params_list, use_tqdm, priorities, classes)
 
     def chat(
         self,
@@ -101,14 +121,23 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(
-        self, prompts: list[PromptType], params_list: list[SamplingParams], use_tqdm: bool
+        self,
+        prompts: list[PromptType],
+        params_list: list[SamplingParams],
+        use_tqdm: bool,
+        priorities: list[int] | None = None,
+        classes: list[str] | None = None,
     ) -> list[RequestOutput]:
         engine = self.llm_engine
         order: dict[str, int] = {}
         try:
             for i, (prompt, params) in enumerate(zip(prompts, params_list)):
                 req_id = str(next(self._counter))
-                engine.add_request(req_id, prompt, params, output_kind=OutputKind.FINAL_ONLY)
+                engine.add_request(
+                    req_id, prompt, params, output_kind=OutputKind.FINAL_ONLY,
+                    priority=priorities[i] if priorities else 0,
+                    sla_class=classes[i] if classes else DEFAULT_SLA_CLASS,
+                )
                 order[req_id] = i
         except Exception:
             engine.abort_request(list(order))

@@ -17,15 +17,20 @@ from pagoda.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.IntEnum):
-    """Ordered so that `status > RequestStatus.PREEMPTED` means finished."""
+    """Ordered so that `status > RequestStatus.PREEMPTED` means finished.
+
+    SWAPPED: preempted with its KV copied to the host pool; it waits with
+    `num_computed_tokens` kept. PREEMPTED: preempted by recompute (`num_computed_tokens` 0).
+    """
 
     WAITING = 0
     RUNNING = 1
-    PREEMPTED = 2
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH = 4
-    FINISHED_ABORTED = 5
-    FINISHED_ERROR = 6
+    SWAPPED = 2
+    PREEMPTED = 3
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH = 5
+    FINISHED_ABORTED = 6
+    FINISHED_ERROR = 7
 
     @property
     def is_finished(self) -> bool:
@@ -35,6 +40,15 @@ class RequestStatus(enum.IntEnum):
     def finish_reason(self) -> str | None:
         return _FINISH_REASONS.get(self)
 
+
+# SLA classes and their rank under the priority policy (lower is served first). NOTE: the
+# default class is "interactive": a request that says nothing is assumed to have a user
+# waiting on it, so existing clients keep today's order; throughput work opts into "async"
+# (someone waits, but not at a keyboard) or "batch" (offline jobs).
+SLA_CLASS_RANKS: dict[str, int] = {"interactive": 0, "async": 1, "batch": 2}
+DEFAULT_SLA_CLASS = "interactive"
+# Time-to-first-token targets per class, in seconds (configurable: a CPU is far slower).
+DEFAULT_SLA_TTFT_TARGETS_S: dict[str, float] = {"interactive": 0.2, "async": 2.0, "batch": 60.0}
 
 _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
@@ -51,7 +65,9 @@ class Request:
     sampling_params: SamplingParams
     eos_token_id: int | None = None
     arrival_time: float = field(default_factory=time.monotonic)
+    # Lower is served first (vLLM's convention); orders requests within an SLA class.
     priority: int = 0
+    sla_class: str = DEFAULT_SLA_CLASS
     # NOTE: extra keys folded into this request's block hashes (e.g. a cache salt) so that
     # requests that must not share KV never hit each other's cached blocks.
     cache_salt: str | None = None
@@ -74,6 +90,10 @@ class Request:
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
+        if self.sla_class not in SLA_CLASS_RANKS:
+            raise ValueError(
+                f"sla_class must be one of {list(SLA_CLASS_RANKS)}, got {self.sla_class!r}"
+            )
         self.all_token_ids = list(self.prompt_token_ids)
         seed = self.sampling_params.seed
         if seed is not None and self.generator is None:

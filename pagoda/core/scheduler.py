@@ -3,79 +3,36 @@
 There are no prefill/decode phases. Every request has `num_computed_tokens` catching up with
 `num_tokens`; a step gives each chosen request up to the remaining budget of new tokens.
 Chunked prefill, prefix-cache hits and recompute after preemption are all this one rule.
+
+Preemption (carried out by core/preemption.py, victims chosen by the policy in
+core/request_queue.py):
+- KV pressure while growing a running request: the policy's last running request (FCFS:
+  the newest; priority: the lowest rank, newest among equals) gives its blocks back,
+  inside the allocation retry loop. New requests are not admitted in that step.
+- Priority policy only: a waiting request that outranks the policy's victim among the
+  requests that were already running preempts it when `max_num_seqs` is reached or the
+  blocks run out. The victim's work of this step is undone (it was scheduled in the
+  running phase), its tokens go back to the budget.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from collections import Counter
+from collections.abc import Iterable, Mapping
 
 from pagoda.core.hashing import update_block_hashes
 from pagoda.core.kv_cache_manager import KVCacheManager
-from pagoda.core.request import Request, RequestStatus
-from pagoda.core.request_queue import create_request_queue
-from pagoda.sampling_params import SamplingParams
-
-
-@dataclass(slots=True)
-class NewRequestData:
-    """A request the runner has not seen (or must rebuild after preemption)."""
-
-    req_id: str
-    token_ids: list[int]  # prompt + outputs so far
-    num_prompt_tokens: int
-    block_ids: list[int]
-    num_computed_tokens: int
-    sampling_params: SamplingParams
-    generator: object
-    # Prompt logprobs are wanted until the prompt has been computed once in full.
-    want_prompt_logprobs: bool
-
-
-@dataclass(slots=True)
-class CachedRequestData:
-    """A request the runner knows: only what changed."""
-
-    req_id: str
-    new_block_ids: list[int]
-    num_computed_tokens: int
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
-    scheduled_cached_reqs: list[CachedRequestData] = field(default_factory=list)
-    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
-    total_num_scheduled_tokens: int = 0
-    # Requests finished or preempted since the last step: the runner drops their state.
-    finished_req_ids: set[str] = field(default_factory=set)
-
-    @property
-    def is_empty(self) -> bool:
-        return self.total_num_scheduled_tokens == 0
-
-
-@dataclass(slots=True)
-class EngineCoreOutput:
-    req_id: str
-    new_token_ids: list[int]
-    # (top ids [K+1], logprobs [K+1], rank of the sampled token) for the new token.
-    new_logprobs: tuple[list[int], list[float], int] | None = None
-    # (first prompt position, ids [N][K+1], logprobs [N][K+1], ranks [N])
-    new_prompt_logprobs: tuple | None = None
-    finish_status: RequestStatus | None = None
-    stop_reason: int | str | None = None
-
-
-@dataclass(slots=True)
-class SchedulerStats:
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    num_preemptions: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
+from pagoda.core.preemption import Preemptor
+from pagoda.core.request import DEFAULT_SLA_TTFT_TARGETS_S, Request, RequestStatus
+from pagoda.core.request_queue import DEFAULT_AGING_INTERVAL_S, create_request_queue
+from pagoda.core.scheduler_output import (  # NOTE: also imported from here by others
+    CachedRequestData,
+    EngineCoreOutput,
+    NewRequestData,
+    SchedulerOutput,
+    SchedulerStats,
+)
 
 
 class Scheduler:
@@ -87,6 +44,11 @@ class Scheduler:
         max_model_len: int,
         enable_chunked_prefill: bool = True,
         policy: str = "fcfs",
+        *,
+        preemption_mode: str = "recompute",
+        num_host_blocks: int = 0,
+        aging_interval_s: float = DEFAULT_AGING_INTERVAL_S,
+        sla_ttft_targets_s: Mapping[str, float] | None = None,
     ) -> None:
         self.kv = kv_cache_manager
         self.block_size = kv_cache_manager.block_size
@@ -95,10 +57,21 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
         self.requests: dict[str, Request] = {}
-        self.waiting = create_request_queue(policy)
+        self.waiting = create_request_queue(policy, aging_interval_s)
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()
-        self.num_preemptions = 0
+        self.preemptor = Preemptor(kv_cache_manager, preemption_mode, num_host_blocks)
+        self.sla_ttft_targets_s = {**DEFAULT_SLA_TTFT_TARGETS_S, **(sla_ttft_targets_s or {})}
+        self.sla_first_tokens: Counter[str] = Counter()
+        self.sla_ttft_misses: Counter[str] = Counter()
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.preemptor.num_preemptions
+
+    @property
+    def num_swaps(self) -> int:
+        return self.preemptor.num_swaps
 
     # ---- admission and removal -------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -109,7 +82,8 @@ class Scheduler:
         self.waiting.add(request)
 
     def finish_requests(self, req_ids: str | Iterable[str], status: RequestStatus) -> None:
-        """Ends requests (abort, stop string, error) and frees their blocks at once."""
+        """Ends requests (abort, stop string, error) and frees their blocks, device and
+        host, at once."""
         if isinstance(req_ids, str):
             req_ids = (req_ids,)
         for req_id in req_ids:
@@ -124,7 +98,7 @@ class Scheduler:
 
     def _free(self, req: Request, status: RequestStatus) -> None:
         req.status = status
-        self.kv.free(req)
+        self.preemptor.free(req)
         self.finished_req_ids.add(req.req_id)
         del self.requests[req.req_id]
 
@@ -134,19 +108,20 @@ class Scheduler:
     # ---- one step --------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
-        preempted = self._schedule_running(out, budget)
-        budget -= out.total_num_scheduled_tokens
+        self.waiting.order_running(self.running)
+        preempted = self._schedule_running(out)
         if not preempted:
-            self._schedule_waiting(out, budget)
+            self._schedule_waiting(out)
+        self.preemptor.end_step()
         out.finished_req_ids = self.finished_req_ids
         self.finished_req_ids = set()
         for req_id, n in out.num_scheduled_tokens.items():
             self.requests[req_id].num_computed_tokens += n
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> bool:
+    def _schedule_running(self, out: SchedulerOutput) -> bool:
         preempted = False
+        budget = self.max_num_batched_tokens
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -158,10 +133,11 @@ class Scheduler:
                 new_blocks = self.kv.allocate_slots(req, n)
                 if new_blocks is not None:
                     break
-                # NOTE: preempt inside the retry loop: the newest running request gives
-                # its blocks back; if that is this request, it waits for a later step.
+                # NOTE: preempt inside the retry loop: the policy's last running request
+                # (not yet scheduled this step) gives its blocks back; if that is this
+                # request, it waits for a later step.
                 victim = self.running.pop()
-                self._preempt(victim)
+                self._preempt(victim, out)
                 preempted = True
                 if victim is req:
                     break
@@ -177,57 +153,113 @@ class Scheduler:
             i += 1
         return preempted
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _schedule_waiting(self, out: SchedulerOutput) -> None:
         now = time.monotonic()
-        while len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+        admitted: set[str] = set()
+        preempted: set[str] = set()
+        while len(self.waiting):
+            budget = self.max_num_batched_tokens - out.total_num_scheduled_tokens
             req = self.waiting.peek()
-            # NOTE: prompt logprobs need logits at every prompt position, so such a request
-            # skips the prefix cache until its prompt has been computed once in full.
-            want_prompt_logprobs = (
-                req.sampling_params.prompt_logprobs is not None and req.num_output_tokens == 0
-            )
-            computed_blocks, num_cached = (
-                ([], 0) if want_prompt_logprobs else self.kv.get_computed_blocks(req)
-            )
-            n = req.num_tokens - num_cached
-            if n > budget:
-                if not self.enable_chunked_prefill:
-                    break
-                n = budget
-            new_blocks = self.kv.allocate_slots(req, n, computed_blocks, num_cached)
-            if new_blocks is None:
+            # NOTE: a request preempted in this step waits for the next one: admitting it
+            # again at once would only copy or recompute what was just given up.
+            if budget <= 0 or req.req_id in preempted:
                 break
-            self.waiting.pop()
-            if req.num_cached_tokens < 0:
-                req.num_cached_tokens = num_cached
-            if req.first_scheduled_time is None:
-                req.first_scheduled_time = now
-            req.status = RequestStatus.RUNNING
-            req.num_computed_tokens = num_cached
-            self.running.append(req)
-            out.scheduled_new_reqs.append(
-                NewRequestData(
-                    req_id=req.req_id,
-                    token_ids=list(req.all_token_ids),
-                    num_prompt_tokens=req.num_prompt_tokens,
-                    block_ids=self.kv.get_block_ids(req.req_id),
-                    num_computed_tokens=num_cached,
-                    sampling_params=req.sampling_params,
-                    generator=req.generator,
-                    want_prompt_logprobs=want_prompt_logprobs,
-                )
-            )
-            out.num_scheduled_tokens[req.req_id] = n
-            out.total_num_scheduled_tokens += n
-            budget -= n
+            if len(self.running) >= self.max_num_seqs:
+                if self._preempt_for(req, out, admitted, preempted):
+                    continue
+                break
+            n = self._admit(req, budget, out, now)
+            if n == 0:
+                break
+            if n is None:
+                if self._preempt_for(req, out, admitted, preempted):
+                    continue
+                break
+            admitted.add(req.req_id)
 
-    def _preempt(self, req: Request) -> None:
-        """Recompute-mode preemption: free everything; the request starts over later."""
-        self.kv.free(req)
-        req.status = RequestStatus.PREEMPTED
-        req.num_computed_tokens = 0
-        req.num_preemptions += 1
-        self.num_preemptions += 1
+    def _admit(self, req: Request, budget: int, out: SchedulerOutput, now: float) -> int | None:
+        """Move the waiting head `req` to running with up to `budget` new tokens; returns
+        that count, 0 if its prompt would have to be split with chunked prefill off, or
+        None if the blocks are short (no change in either case).
+        """
+        # NOTE: prompt logprobs need logits at every prompt position, so such a request
+        # skips the prefix cache until its prompt has been computed once in full.
+        want_prompt_logprobs = (
+            req.sampling_params.prompt_logprobs is not None and req.num_output_tokens == 0
+        )
+        if req.status == RequestStatus.SWAPPED:
+            computed_blocks, num_computed = [], req.num_computed_tokens
+        elif want_prompt_logprobs:
+            computed_blocks, num_computed = [], 0
+        else:
+            computed_blocks, num_computed = self.kv.get_computed_blocks(req)
+        n = req.num_tokens - num_computed
+        if n > budget:
+            if not self.enable_chunked_prefill:
+                return 0
+            n = budget
+        if req.status == RequestStatus.SWAPPED:
+            swapped_in = self.preemptor.swap_in(req, n)
+            if swapped_in is None:
+                return None
+            out.blocks_to_swap_in.extend(swapped_in[1])
+        else:
+            if self.kv.allocate_slots(req, n, computed_blocks, num_computed) is None:
+                return None
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_computed
+            req.num_computed_tokens = num_computed
+        self.waiting.pop()
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = now
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        out.scheduled_new_reqs.append(
+            NewRequestData(
+                req_id=req.req_id,
+                token_ids=list(req.all_token_ids),
+                num_prompt_tokens=req.num_prompt_tokens,
+                block_ids=self.kv.get_block_ids(req.req_id),
+                num_computed_tokens=num_computed,
+                sampling_params=req.sampling_params,
+                generator=req.generator,
+                want_prompt_logprobs=want_prompt_logprobs,
+            )
+        )
+        out.num_scheduled_tokens[req.req_id] = n
+        out.total_num_scheduled_tokens += n
+        return n
+
+    def _preempt_for(
+        self, req: Request, out: SchedulerOutput, admitted: set[str], preempted: set[str]
+    ) -> bool:
+        """Preempt the policy's victim among the requests that ran before this waiting
+        phase if waiting `req` outranks it (never under FCFS); whether one was preempted.
+        """
+        candidates = (
+            [r for r in self.running if r.req_id not in admitted] if admitted else self.running
+        )
+        if not candidates:
+            return False
+        victim = self.waiting.pick_victim(candidates)
+        if not self.waiting.outranks(req, victim):
+            return False
+        # NOTE: the victim was scheduled in the running phase of this step: undo that
+        # before its blocks go (its num_computed_tokens only advances at the end).
+        n = out.num_scheduled_tokens.pop(victim.req_id, 0)
+        if n:
+            out.total_num_scheduled_tokens -= n
+            out.scheduled_cached_reqs = [
+                c for c in out.scheduled_cached_reqs if c.req_id != victim.req_id
+            ]
+        self.running.remove(victim)
+        self._preempt(victim, out)
+        preempted.add(victim.req_id)
+        return True
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        """Give `req`'s device blocks back (swap or recompute) and requeue it."""
+        out.blocks_to_swap_out.extend(self.preemptor.preempt(req))
         self.finished_req_ids.add(req.req_id)
         self.waiting.prepend(req)
 
@@ -250,6 +282,7 @@ class Scheduler:
             req.append_output_token_ids(token_id)
             if req.first_token_time is None:
                 req.first_token_time = now
+                self._observe_ttft(req, now)
             update_block_hashes(req, self.block_size)
             status = self._check_stop(req)
             outputs.append(
@@ -266,6 +299,12 @@ class Scheduler:
                 self.running.remove(req)
                 self._free(req, status)
         return outputs
+
+    def _observe_ttft(self, req: Request, now: float) -> None:
+        """Count a first token against its SLA class's TTFT target (arrival -> now)."""
+        self.sla_first_tokens[req.sla_class] += 1
+        if now - req.arrival_time > self.sla_ttft_targets_s[req.sla_class]:
+            self.sla_ttft_misses[req.sla_class] += 1
 
     def _check_stop(self, req: Request) -> RequestStatus | None:
         params = req.sampling_params
@@ -290,14 +329,31 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             prefix_cache_queries=self.kv.prefix_cache_queries,
             prefix_cache_hits=self.kv.prefix_cache_hits,
+            num_swaps=self.num_swaps,
+            num_swapped=self.preemptor.num_swapped,
+            host_cache_usage=self.preemptor.host_pool.usage if self.preemptor.host_pool else 0.0,
+            sla_first_tokens=dict(self.sla_first_tokens),
+            sla_ttft_misses=dict(self.sla_ttft_misses),
         )
 
     def check_integrity(self) -> None:
-        """Asserts the block accounting and that queues and the request map agree."""
+        """Asserts the block accounting (device and host pools) and that queues and the
+        request map agree. Between steps only."""
         self.kv.check_integrity()
         for req in self.running:
             assert req.status == RequestStatus.RUNNING, f"{req.req_id} in running as {req.status}"
-        for req in self.waiting:
-            assert req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), req.req_id
+        waiting = list(self.waiting)
+        for req in waiting:
+            assert req.status in _WAITING_STATES, f"{req.req_id} waiting as {req.status}"
             assert not self.kv.get_block_ids(req.req_id), f"waiting {req.req_id} holds blocks"
-        assert len(self.running) + len(self.waiting) == len(self.requests), "request map drift"
+            assert req.status == RequestStatus.SWAPPED or req.num_computed_tokens == 0, (
+                f"waiting {req.req_id} has computed tokens without holding KV"
+            )
+        self.preemptor.check_integrity(waiting)
+        assert len(self.running) + len(waiting) == len(self.requests), "request map drift"
+        assert {r.req_id for r in [*self.running, *waiting]} == self.requests.keys(), (
+            "request map drift"
+        )
+
+
+_WAITING_STATES = (RequestStatus.WAITING, RequestStatus.SWAPPED, RequestStatus.PREEMPTED)

@@ -21,7 +21,7 @@ from pagoda.config import (
     resolve_dtype,
 )
 from pagoda.core.kv_cache_manager import KVCacheManager
-from pagoda.core.request import Request, RequestStatus
+from pagoda.core.request import DEFAULT_SLA_CLASS, SLA_CLASS_RANKS, Request, RequestStatus
 from pagoda.core.scheduler import Scheduler, SchedulerStats
 from pagoda.engine.output_processor import OutputKind, OutputProcessor
 from pagoda.models.factory import build_model
@@ -102,18 +102,52 @@ class LLMEngine:
             max_num_batched_tokens=s.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             enable_chunked_prefill=s.enable_chunked_prefill,
+            policy=s.scheduling_policy,
+            preemption_mode=s.preemption_mode,
+            num_host_blocks=self._num_host_blocks(spec),
+            aging_interval_s=s.aging_interval_s,
+            sla_ttft_targets_s=s.sla_ttft_targets_s,
         )
         self.runner = ModelRunner(
             self.model, kv_caches, block_size, self.vocab_size,
             eos_ids | self.extra_stop_ids, self.device,
+            host_kv_caches=self._host_kv_caches(shape, self.scheduler.preemptor.host_pool),
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.generation_config = ckpt.generation_config
 
+    def _kv_block_bytes(self, spec) -> int:
+        """Bytes of one block over all layers' K and V."""
+        elem = torch.finfo(self.dtype).bits // 8
+        c = self.config.cache
+        return 2 * spec.num_layers * c.block_size * spec.num_kv_heads * spec.head_dim * elem
+
+    def _num_host_blocks(self, spec) -> int:
+        """Swap preemption's host pool size: `swap_space` GiB, only in swap mode."""
+        if self.config.scheduler.preemption_mode != "swap":
+            return 0
+        return int(self.config.cache.swap_space * (1 << 30)) // self._kv_block_bytes(spec)
+
+    def _host_kv_caches(self, shape: tuple[int, ...], host_pool) -> list | None:
+        """One K and one V tensor per layer on the host, shaped like the device cache but
+        with the host pool's block count; None without a host pool.
+
+        NOTE: torch.empty, not zeros: a block is written by a swap-out before it is read,
+        and untouched pages of a large pool are never committed on the CPU.
+        """
+        if host_pool is None:
+            return None
+        host_shape = (host_pool.num_blocks, *shape[1:])
+        pin = self.device.type == "cuda"
+        return [
+            (torch.empty(host_shape, dtype=self.dtype, pin_memory=pin),
+             torch.empty(host_shape, dtype=self.dtype, pin_memory=pin))
+            for _ in range(self.model.spec.num_layers)
+        ]
+
     def _num_kv_blocks(self, spec) -> int:
         c = self.config.cache
-        elem = torch.finfo(self.dtype).bits // 8
-        per_block = 2 * spec.num_layers * c.block_size * spec.num_kv_heads * spec.head_dim * elem
+        per_block = self._kv_block_bytes(spec)
         if c.num_gpu_blocks_override is not None:
             return c.num_gpu_blocks_override
         if self.device.type == "cuda":
@@ -152,9 +186,12 @@ class LLMEngine:
         priority: int = 0,
         output_kind: OutputKind = OutputKind.CUMULATIVE,
         cache_salt: str | None = None,
+        sla_class: str = DEFAULT_SLA_CLASS,
     ) -> None:
         """Validates and queues a request; raises ValueError naming the problem."""
         params = params or SamplingParams()
+        if sla_class not in SLA_CLASS_RANKS:
+            raise ValueError(f"sla_class must be one of {list(SLA_CLASS_RANKS)}, got {sla_class!r}")
         if request_id in self.output_processor.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids = self.tokenize_prompt(prompt)
@@ -180,6 +217,7 @@ class LLMEngine:
                     eos_token_id=self.eos_token_id,
                     arrival_time=arrival_time,
                     priority=priority,
+                    sla_class=sla_class,
                     cache_salt=cache_salt,
                 )
             )

@@ -14,6 +14,9 @@ the HTTP layer counts error responses. Counting rules, exact so that tests can a
 | e2e/queue/prefill/decode seconds    | once per request that finished by stop or length       |
 | request_success_total{reason}       | once per finished sample (stop, length, abort, error)  |
 | num_preemptions, prefix_cache_*     | the scheduler's own counters, mirrored                 |
+| num_swaps                           | (preemptions that swapped, a subset of num_preemptions)|
+| sla_first_tokens{sla_class}         | the scheduler's per-class count of first tokens, and   |
+| sla_ttft_misses{sla_class}          | of those later than the class's TTFT target, mirrored  |
 | http_errors_total{status}           | once per HTTP response with status >= 400              |
 """
 
@@ -87,7 +90,14 @@ class EngineMetrics:
         success = Counter(PREFIX + "request_success", "Finished sequences by finish reason.",
                           ["model_name", "finished_reason"], registry=reg)
         self.request_success = {r: success.labels(model_name, r) for r in _FINISH_REASONS}
-        self.num_preemptions = counter("num_preemptions", "Preemptions (recompute).")
+        self.num_preemptions = counter("num_preemptions", "Preemptions (recompute and swap).")
+        self.num_swaps = counter("num_swaps", "Preemptions that swapped KV to host memory.")
+        self.sla_first_tokens = Counter(PREFIX + "sla_first_tokens",
+                                        "First tokens by SLA class.",
+                                        ["model_name", "sla_class"], registry=reg)
+        self.sla_ttft_misses = Counter(PREFIX + "sla_ttft_misses",
+                                       "First tokens later than their SLA class's TTFT target.",
+                                       ["model_name", "sla_class"], registry=reg)
         self.prefix_cache_queries = counter("prefix_cache_queries",
                                             "Prompt tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter("prefix_cache_hits",
@@ -97,6 +107,7 @@ class EngineMetrics:
         self.num_running = gauge("num_requests_running", "Sequences running in the engine.")
         self.num_waiting = gauge("num_requests_waiting", "Sequences waiting in the engine.")
         self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0..1).")
+        self.num_swapped = gauge("num_requests_swapped", "Sequences swapped out to host memory.")
         self._tracked: dict[str, _Tracked] = {}
         self._last_stats: SchedulerStats | None = None
 
@@ -141,13 +152,22 @@ class EngineMetrics:
         self.num_running.set(stats.num_running)
         self.num_waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_cache_usage)
+        self.num_swapped.set(stats.num_swapped)
         last = self._last_stats
         for counter, name in ((self.num_preemptions, "num_preemptions"),
+                              (self.num_swaps, "num_swaps"),
                               (self.prefix_cache_queries, "prefix_cache_queries"),
                               (self.prefix_cache_hits, "prefix_cache_hits")):
             delta = getattr(stats, name) - (getattr(last, name) if last else 0)
             if delta > 0:
                 counter.inc(delta)
+        for counter, name in ((self.sla_first_tokens, "sla_first_tokens"),
+                              (self.sla_ttft_misses, "sla_ttft_misses")):
+            before = getattr(last, name) if last else {}
+            for sla_class, count in getattr(stats, name).items():
+                delta = count - before.get(sla_class, 0)
+                if delta > 0:
+                    counter.labels(self.model_name, sla_class).inc(delta)
         self._last_stats = stats
 
     # ---- HTTP layer ----------------------------------------------------------------------

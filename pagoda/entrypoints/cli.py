@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from pagoda.core.preemption import PREEMPTION_MODES
+from pagoda.core.request_queue import DEFAULT_AGING_INTERVAL_S, SCHEDULING_POLICIES
 from pagoda.sampling_params import SamplingParams
 
 
@@ -23,6 +25,28 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    action="store_false", default=True)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto")
+    p.add_argument("--scheduling-policy", default="fcfs", choices=sorted(SCHEDULING_POLICIES),
+                   help="priority: SLA class, then request priority (lower first), then "
+                   "arrival, with aging")
+    p.add_argument("--preemption-mode", default="recompute", choices=list(PREEMPTION_MODES))
+    p.add_argument("--swap-space", type=float, default=4.0,
+                   help="GiB of host memory for swapped-out KV blocks (swap mode only)")
+    p.add_argument("--aging-interval-s", type=float, default=DEFAULT_AGING_INTERVAL_S,
+                   help="priority policy: a request ranks one SLA class better per this "
+                   "many seconds it arrived before another")
+    p.add_argument("--sla-ttft-target", action="append", default=[], metavar="CLASS=SECONDS",
+                   type=_sla_target, help="time-to-first-token target of an SLA class "
+                   "(interactive, async, batch); repeatable")
+
+
+def _sla_target(text: str) -> tuple[str, float]:
+    name, sep, seconds = text.partition("=")
+    try:
+        if not sep:
+            raise ValueError
+        return name.strip(), float(seconds)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected CLASS=SECONDS, got {text!r}") from None
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -38,6 +62,11 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "enable_prefix_caching": args.enable_prefix_caching,
         "seed": args.seed,
         "device": args.device,
+        "scheduling_policy": args.scheduling_policy,
+        "preemption_mode": args.preemption_mode,
+        "swap_space": args.swap_space,
+        "aging_interval_s": args.aging_interval_s,
+        "sla_ttft_targets_s": dict(args.sla_ttft_target),
     }
 
 

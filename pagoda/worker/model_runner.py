@@ -48,6 +48,7 @@ class ModelRunner:
         vocab_size: int,
         eos_token_ids: set[int],
         device: torch.device,
+        host_kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -55,6 +56,8 @@ class ModelRunner:
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.device = device
+        # Swap preemption's host pool: the device cache's per-layer layout, own block ids.
+        self.host_kv_caches = host_kv_caches
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
 
@@ -70,6 +73,7 @@ class ModelRunner:
     # ---- one step --------------------------------------------------------------------
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        self.swap_blocks(out)
         self._update_states(out)
         result = ModelRunnerOutput()
         if out.is_empty:
@@ -89,6 +93,18 @@ class ModelRunner:
         if sample_rows:
             self._sample(states, sample_rows, cu, hidden, result)
         return result
+
+    def swap_blocks(self, out: SchedulerOutput) -> None:
+        """Copy the step's swapped blocks between the device cache and the host pool, in
+        every layer, before anything reads or writes the cache.
+
+        NOTE: swap-outs first: a device block a swap-out frees may be the target of a
+        swap-in (or of new tokens) in the same step.
+        """
+        if out.blocks_to_swap_out:
+            _copy_blocks(self.kv_caches, self.host_kv_caches, out.blocks_to_swap_out)
+        if out.blocks_to_swap_in:
+            _copy_blocks(self.host_kv_caches, self.kv_caches, out.blocks_to_swap_in)
 
     @staticmethod
     def _chunk_starts(out: SchedulerOutput, req_ids: list[str]) -> np.ndarray:
@@ -197,6 +213,20 @@ class ModelRunner:
             result.prompt_logprobs[s.req_id] = (
                 start + 1, ids.tolist(), lps.tolist(), ranks.tolist()
             )
+
+
+def _copy_blocks(
+    src_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    dst_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    pairs: list[tuple[int, int]],
+) -> None:
+    """dst[d] = src[s] for every (s, d) in `pairs`, in each layer's K and V."""
+    src_ids, dst_ids = zip(*pairs, strict=True)
+    src_idx = torch.tensor(src_ids, device=src_caches[0][0].device)
+    dst_idx = torch.tensor(dst_ids, device=dst_caches[0][0].device)
+    for src_kv, dst_kv in zip(src_caches, dst_caches, strict=True):
+        for src, dst in zip(src_kv, dst_kv, strict=True):
+            dst[dst_idx] = src[src_idx].to(dst.device)
 
 
 def _new_state(new: NewRequestData) -> CachedRequestState:

@@ -1,0 +1,83 @@
+"""The scheduler's messages: to the runner (diffs of per-request state plus KV block copies),
+back from a step (per-request outputs), and the statistics it exposes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagoda.core.request import RequestStatus
+from pagoda.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    """A request the runner has not seen, or must rebuild after preemption (from scratch
+    after recompute; with its KV swapped back in and num_computed_tokens kept after swap)."""
+
+    req_id: str
+    token_ids: list[int]  # prompt + outputs so far
+    num_prompt_tokens: int
+    block_ids: list[int]
+    num_computed_tokens: int
+    sampling_params: SamplingParams
+    generator: object
+    # Prompt logprobs are wanted until the prompt has been computed once in full.
+    want_prompt_logprobs: bool
+
+
+@dataclass(slots=True)
+class CachedRequestData:
+    """A request the runner knows: only what changed."""
+
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
+    scheduled_cached_reqs: list[CachedRequestData] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    total_num_scheduled_tokens: int = 0
+    # Requests finished or preempted since the last step: the runner drops their state.
+    finished_req_ids: set[str] = field(default_factory=set)
+    # KV block copies the runner performs before the forward, swap-outs first:
+    # (device block, host block) and (host block, device block).
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass(slots=True)
+class EngineCoreOutput:
+    req_id: str
+    new_token_ids: list[int]
+    # (top ids [K+1], logprobs [K+1], rank of the sampled token) for the new token.
+    new_logprobs: tuple[list[int], list[float], int] | None = None
+    # (first prompt position, ids [N][K+1], logprobs [N][K+1], ranks [N])
+    new_prompt_logprobs: tuple | None = None
+    finish_status: RequestStatus | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_preemptions: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    # Preemptions that swapped (a subset of num_preemptions); requests swapped out now;
+    # fraction of host blocks in use.
+    num_swaps: int = 0
+    num_swapped: int = 0
+    host_cache_usage: float = 0.0
+    # Per SLA class: first tokens so far, and how many came later than the class's target.
+    sla_first_tokens: dict[str, int] = field(default_factory=dict)
+    sla_ttft_misses: dict[str, int] = field(default_factory=dict)
