@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+
+# NOTE: before anything imports torch (see pagoda/__init__.py for why).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import json
 from collections.abc import Callable
 from pathlib import Path
