@@ -20,6 +20,11 @@ def oai(server: Server) -> openai.OpenAI:
                          max_retries=0)
 
 
+def counts(usage: dict) -> dict:
+    """The token counts of a usage body (cached_tokens depends on what ran before)."""
+    return {k: usage[k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+
+
 def stream_text(client: httpx.Client, path: str, body: dict) -> tuple[list, dict[int, str]]:
     """(payloads, text per choice index) of one streamed request."""
     with client.stream("POST", path, json={**body, "stream": True}) as r:
@@ -51,11 +56,11 @@ def test_completion_stream_equals_non_stream(client: httpx.Client, oai: openai.O
                                   {**body, "stream_options": {"include_usage": True}})
     assert texts[0] == full["choices"][0]["text"] and len(texts[0]) > 0
     assert payloads[-1] == "[DONE]"
-    assert payloads[-2]["choices"] == [] and payloads[-2]["usage"] == full["usage"]
+    assert payloads[-2]["choices"] == [] and counts(payloads[-2]["usage"]) == counts(full["usage"])
     finishes = [c["finish_reason"] for p in payloads[:-2] for c in p["choices"]]
     assert finishes[-1] == "length" and finishes.count("length") == 1
     n_prompt = client.post("/tokenize", json={"prompt": PROMPT}).json()["count"]
-    assert full["usage"] == {"prompt_tokens": n_prompt, "completion_tokens": 24,
+    assert counts(full["usage"]) == {"prompt_tokens": n_prompt, "completion_tokens": 24,
                              "total_tokens": n_prompt + 24}
     via_sdk = oai.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=24,
                                      temperature=0, extra_body={"ignore_eos": True})
@@ -77,7 +82,7 @@ def test_chat_stream_rules(client: httpx.Client, oai: openai.OpenAI) -> None:
         assert sum(c["finish_reason"] is not None for c in mine) == 1
         assert mine[-1]["finish_reason"] is not None
     assert all(p["object"] == "chat.completion.chunk" for p in chunks)
-    assert payloads[-2]["choices"] == [] and payloads[-2]["usage"] == full["usage"]
+    assert payloads[-2]["choices"] == [] and counts(payloads[-2]["usage"]) == counts(full["usage"])
     stream = oai.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=20,
                                          temperature=0, stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == texts[0]
@@ -119,7 +124,7 @@ def test_batched_prompts_token_ids_and_n(client: httpx.Client) -> None:
     choices = full["choices"]
     assert [c["index"] for c in choices] == [0, 1, 2, 3]
     assert len({c["text"] for c in choices}) == 1  # greedy: same prompt, same text
-    assert full["usage"] == {"prompt_tokens": 2 * len(ids), "completion_tokens": 24,
+    assert counts(full["usage"]) == {"prompt_tokens": 2 * len(ids), "completion_tokens": 24,
                              "total_tokens": 2 * len(ids) + 24}
     _, texts = stream_text(client, "/v1/completions", body)
     assert texts == {c["index"]: c["text"] for c in choices}
@@ -173,3 +178,14 @@ def test_priority_and_cache_salt_accepted(client: httpx.Client) -> None:
     body = {"prompt": PROMPT, "max_tokens": 3, "priority": 2, "cache_salt": "tenant-a"}
     assert client.post("/v1/completions", json=body).status_code == 200
     assert wait_idle(client)["ok"]
+
+
+def test_usage_reports_prefix_cache_hits(client: httpx.Client) -> None:
+    """The second request with the same 70-token prompt is served 64 tokens (4 full blocks)
+    from the prefix cache, and usage says so."""
+    ids = list(range(1000, 1070))
+    body = {"prompt": ids, "max_tokens": 2, "temperature": 0}
+    first = client.post("/v1/completions", json=body).json()["usage"]
+    second = client.post("/v1/completions", json=body).json()["usage"]
+    assert first["prompt_tokens"] == second["prompt_tokens"] == 70
+    assert second["prompt_tokens_details"]["cached_tokens"] == 64

@@ -94,4 +94,5 @@ def test_error_body_and_param_extraction() -> None:
         "message": "slow down", "type": "RateLimitError", "param": None, "code": 429}}
     assert bad_request(ValueError("top_p must be in (0, 1], got 0")).param == "top_p"
     assert bad_request(ValueError("something else broke")).param is None
-    assert usage(3, 4) == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    assert usage(3, 4, 2) == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7,
+                              "prompt_tokens_details": {"cached_tokens": 2}}

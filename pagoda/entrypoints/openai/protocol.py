@@ -222,9 +222,11 @@ def _check_logprobs(name: str, value: int | None, max_logprobs: int) -> None:
         raise ValueError(f"{name} must be at most {max_logprobs} (--max-logprobs), got {value}")
 
 
-def usage(num_prompt: int, num_completion: int) -> dict[str, int]:
+def usage(num_prompt: int, num_completion: int, num_cached: int = 0) -> dict[str, Any]:
+    """OpenAI usage; cached_tokens = prompt tokens served from the prefix cache."""
     return {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
-            "total_tokens": num_prompt + num_completion}
+            "total_tokens": num_prompt + num_completion,
+            "prompt_tokens_details": {"cached_tokens": num_cached}}
 
 
 _PARAM_NAMES = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields) | {

@@ -85,6 +85,7 @@ class _ChatBuilder:
         self.head = {"id": request_id, "created": int(time.time()), "model": model}
         self.choices: dict[int, _Choice] = {}
         self.num_prompt_tokens = 0
+        self.num_cached_tokens = 0
 
     def _logprob_entries(self, c: CompletionOutput) -> list[dict[str, Any]]:
         entries = []
@@ -97,6 +98,7 @@ class _ChatBuilder:
     def _absorb(self, out: RequestOutput, c: CompletionOutput) -> dict[str, Any] | None:
         """Adds one sample's delta; returns its chunk choice, or None if nothing to send."""
         self.num_prompt_tokens = len(out.prompt_token_ids)
+        self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
         ch = self.choices.setdefault(c.index, _Choice(c.index))
         if ch.finish_reason is not None:
             return None  # NOTE: a DELTA output may repeat a sample that finished earlier.
@@ -121,7 +123,8 @@ class _ChatBuilder:
                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
 
     def _usage(self) -> dict[str, int]:
-        return usage(self.num_prompt_tokens, sum(c.num_tokens for c in self.choices.values()))
+        return usage(self.num_prompt_tokens, sum(c.num_tokens for c in self.choices.values()),
+                     self.num_cached_tokens)
 
     def response(self, outputs: list[RequestOutput]) -> dict[str, Any]:
         for out in outputs:

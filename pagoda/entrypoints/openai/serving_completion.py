@@ -68,6 +68,7 @@ class _CompletionBuilder:
                      "model": model}
         self.choices: dict[int, _Choice] = {}
         self.num_prompt_tokens: dict[int, int] = {}
+        self.num_cached_tokens: dict[int, int] = {}
         # NOTE: a DELTA stream carries prompt logprobs once; every choice echoes them.
         self.prompt_logprobs: dict[int, list] = {}
 
@@ -75,6 +76,7 @@ class _CompletionBuilder:
         """Adds one sample's delta; returns its chunk choice, or None if nothing is new."""
         p = int(out.request_id.rsplit("-", 1)[1])
         self.num_prompt_tokens[p] = len(out.prompt_token_ids)
+        self.num_cached_tokens[p] = max(self.num_cached_tokens.get(p, 0), out.num_cached_tokens)
         if out.prompt_logprobs is not None:
             self.prompt_logprobs[p] = out.prompt_logprobs
         index = p * self.n + c.index
@@ -134,7 +136,8 @@ class _CompletionBuilder:
 
     def _usage(self) -> dict[str, int]:
         return usage(sum(self.num_prompt_tokens.values()),
-                     sum(c.num_tokens for c in self.choices.values()))
+                     sum(c.num_tokens for c in self.choices.values()),
+                     sum(self.num_cached_tokens.values()))
 
     def response(self, outputs: list[RequestOutput]) -> dict[str, Any]:
         for out in outputs:
