@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 
 # NOTE: before anything imports torch (see pagoda/__init__.py for why).
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+if "OMP_WAIT_POLICY" not in os.environ:
+    os.environ.setdefault("GOMP_SPINCOUNT", "3000")
 
 import json
 from collections.abc import Callable
