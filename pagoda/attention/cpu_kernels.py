@@ -10,6 +10,7 @@ never retried in this process.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import shutil
@@ -46,6 +47,30 @@ def _ensure_ninja_on_path() -> None:
     os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
+def _cpu_flags_tag() -> str:
+    """A short hash of this CPU's feature flags (the `flags` line of /proc/cpuinfo).
+
+    NOTE: the build uses -march=native, so the same source and flags compile to different
+    code on different CPUs; torch caches builds by name, so the name carries this tag and a
+    shared cache dir never hands one CPU the build of another (e.g. AVX512_BF16 code to a
+    CPU without it). "generic" where /proc/cpuinfo is unreadable (not Linux).
+    """
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in ("flags", "Features"):
+                    flags = " ".join(sorted(value.split()))
+                    return hashlib.sha256(flags.encode()).hexdigest()[:10]
+    except OSError:
+        pass
+    return "generic"
+
+
+def extension_name() -> str:
+    return f"pagoda_paged_attention_cpu_{_cpu_flags_tag()}"
+
+
 def load_extension() -> ModuleType | None:
     """Build (or load the cached build of) the extension; None if it cannot be built."""
     global _module, _load_failed, build_seconds
@@ -60,7 +85,7 @@ def load_extension() -> ModuleType | None:
 
             _ensure_ninja_on_path()
             _module = load(
-                name="pagoda_paged_attention_cpu",
+                name=extension_name(),
                 sources=[str(_SOURCE)],
                 extra_cflags=["-O3", "-march=native", "-fopenmp"],
                 extra_ldflags=["-fopenmp"],

@@ -29,22 +29,32 @@ def _make_case(
     dtype: torch.dtype,
     head_dim: int = HEAD_DIM,
     seed: int = 0,
+    block_size: int = BLOCK_SIZE,
+    q_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Random q/caches; block tables use shuffled, non-contiguous ids and padded rows."""
     g = torch.Generator().manual_seed(seed)
-    blocks_per_req = [math.ceil(n / BLOCK_SIZE) for n in seq_lens]
+    blocks_per_req = [math.ceil(n / block_size) for n in seq_lens]
     max_blocks = max(blocks_per_req) + 1  # NOTE: one extra padding column, never read
     num_blocks = 2 * sum(blocks_per_req) + 3
-    shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
     k_cache = torch.randn(shape, generator=g).to(dtype)
     v_cache = torch.randn(shape, generator=g).to(dtype)
+    # NOTE: large values in the unused slots, so that reading a row past a sequence's end
+    # shows in the output (finite, so that the masked PyTorch reference stays finite).
+    used = torch.zeros(num_blocks, block_size, dtype=torch.bool)
     ids = torch.randperm(num_blocks, generator=g)
     block_tables = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int64)
-    used = 0
-    for i, nb in enumerate(blocks_per_req):
-        block_tables[i, :nb] = ids[used : used + nb]
-        used += nb
-    q = torch.randn(len(seq_lens), num_kv_heads * group, head_dim, generator=g).to(dtype)
+    taken = 0
+    for i, (n, nb) in enumerate(zip(seq_lens, blocks_per_req)):
+        block_tables[i, :nb] = ids[taken : taken + nb]
+        taken += nb
+        pos = torch.arange(n)
+        used[block_tables[i, pos // block_size], pos % block_size] = True
+    k_cache[~used] = 30.0
+    v_cache[~used] = 1000.0
+    q = torch.randn(len(seq_lens), num_kv_heads * group, head_dim, generator=g)
+    q = q.to(dtype if q_dtype is None else q_dtype)
     return q, k_cache, v_cache, block_tables, torch.tensor(seq_lens, dtype=torch.int64)
 
 
@@ -121,16 +131,79 @@ def test_bfloat16_matches_oracle(group: int, window: int | None) -> None:
     torch.testing.assert_close(out, _reference(*case, window), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [128, 80])
-def test_other_head_dims_and_int32_tables(head_dim: int) -> None:
+def test_other_head_dims_and_int32_tables(head_dim: int, dtype: torch.dtype) -> None:
     _ext_or_skip()
-    case = _make_case([7, 40, 1], 1, 4, torch.float32, head_dim=head_dim, seed=3)
+    case = _make_case([7, 40, 1], 1, 4, dtype, head_dim=head_dim, seed=3)
     q, k_cache, v_cache, bt, lens = case
     out = cpu_kernels.paged_decode_attention(
         q, k_cache, v_cache, bt.to(torch.int32), lens, head_dim**-0.5
     )
     assert out is not None
-    torch.testing.assert_close(out.double(), _naive(*case, None), atol=1e-5, rtol=1e-5)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.double(), _naive(*case, None), atol=tol, rtol=tol)
+
+
+@pytest.fixture(params=[True, False], ids=["bf16_dot", "fp32_fma"])
+def bf16_path(request: pytest.FixtureRequest):
+    """Both inner paths of bf16 caches: vdpbf16ps (where the CPU has AVX512_BF16) and the
+    fp32-FMA fallback of CPUs without it (the only path on such CPUs)."""
+    _ext_or_skip()
+    ext = cpu_kernels.load_extension()
+    path = ext.set_bf16_dot(request.param)
+    try:
+        yield path
+    finally:
+        ext.set_bf16_dot(True)
+
+
+@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("window", [None, 33])
+def test_bfloat16_paths_match_oracle(bf16_path: str, group: int, window: int | None) -> None:
+    case = _make_case(SEQ_LENS, num_kv_heads=2, group=group, dtype=torch.bfloat16, seed=group)
+    q, k_cache, v_cache, bt, lens = case
+    out = cpu_kernels.paged_decode_attention(q, k_cache, v_cache, bt, lens, HEAD_DIM**-0.5, window)
+    assert out is not None and out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), _naive(*case, window), atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("group", [1, 3])
+def test_float32_query_on_bfloat16_cache_is_near_exact(bf16_path: str, group: int) -> None:
+    """A float32 q against bf16 caches keeps float32 accuracy (q is never rounded)."""
+    case = _make_case(SEQ_LENS, 3, group, torch.bfloat16, seed=9, q_dtype=torch.float32)
+    q, k_cache, v_cache, bt, lens = case
+    out = cpu_kernels.paged_decode_attention(q, k_cache, v_cache, bt, lens, HEAD_DIM**-0.5, 20)
+    assert out is not None and out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), _naive(*case, 20), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [128, 256])
+@pytest.mark.parametrize("group", [1, 4])
+def test_large_head_dims(dtype: torch.dtype, head_dim: int, group: int) -> None:
+    """Head dims whose query heads are processed in several chunks per kv head."""
+    _ext_or_skip()
+    case = _make_case([70, 1, 33, 16], 2, group, dtype, head_dim=head_dim, seed=head_dim)
+    q, k_cache, v_cache, bt, lens = case
+    out = cpu_kernels.paged_decode_attention(q, k_cache, v_cache, bt, lens, head_dim**-0.5, 40)
+    assert out is not None
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.double(), _naive(*case, 40), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [1, 8, 24, 32])
+@pytest.mark.parametrize("window", [None, 21])
+def test_other_block_sizes(dtype: torch.dtype, block_size: int, window: int | None) -> None:
+    """Tiles of 16 positions that span several blocks, or part of one."""
+    _ext_or_skip()
+    case = _make_case(SEQ_LENS, 3, 3, dtype, seed=block_size, block_size=block_size)
+    q, k_cache, v_cache, bt, lens = case
+    out = cpu_kernels.paged_decode_attention(q, k_cache, v_cache, bt, lens, HEAD_DIM**-0.5, window)
+    assert out is not None
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.double(), _naive(*case, window), atol=tol, rtol=tol)
 
 
 def test_window_larger_than_context_and_long_context() -> None:
@@ -172,3 +245,10 @@ def test_disable_env_var_forces_reference(monkeypatch: pytest.MonkeyPatch) -> No
 def test_unsupported_dtype_returns_none() -> None:
     q, k_cache, v_cache, bt, lens = _make_case([5], 1, 1, torch.float16)
     assert cpu_kernels.paged_decode_attention(q, k_cache, v_cache, bt, lens, 0.125) is None
+
+
+def test_extension_name_carries_a_cpu_tag() -> None:
+    """-march=native builds differ per CPU, so the cached build's name says which CPU."""
+    name = cpu_kernels.extension_name()
+    assert name.startswith("pagoda_paged_attention_cpu_") and name == cpu_kernels.extension_name()
+    assert len(name.rsplit("_", 1)[1]) >= 7

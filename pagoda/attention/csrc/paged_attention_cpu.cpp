@@ -2,13 +2,17 @@
 //
 // One work item is a request (or, with few requests, one kv head of a request): the
 // G = H / Hk query heads that share a kv head are processed together, so every K/V row is
-// read from memory once for all of them. K/V rows
-// are read in place through the block table (no gather copy), and the softmax is computed
-// online, one block at a time, so only one block of scores is ever materialised.
+// read from memory once for all of them. K/V rows are read in place through the block
+// table (no gather copy), and the softmax is computed online, a few positions at a time.
+//
+// Two implementations: an AVX-512 one for head dims 64/128/256 (tiles of 16 positions,
+// vdpbf16ps for bf16 where the CPU has AVX512_BF16; see the comment at its start), and a
+// portable one for everything else (any head dim, CPUs without AVX-512). The build uses
+// -march=native, so the preprocessor (__AVX512F__, __AVX512BF16__) picks what exists.
 //
 // Layouts (all contiguous):
 //   q, out        [B, H, D]          float32 or bfloat16 (same dtype)
-//   k/v_cache     [N, bs, Hk, D]     float32 or bfloat16 (same dtype)
+//   k/v_cache     [N, bs, Hk, D]     float32 or bfloat16 (same dtype; may differ from q's)
 //   block_tables  [B, max_blocks]    int64 (int32 is widened by the caller)
 //   seq_lens      [B]                int64
 // Query b attends to positions [max(0, seq_len - window), seq_len); window < 0 means none.
@@ -22,17 +26,19 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <type_traits>
 #include <vector>
 
 namespace {
 
-// Zero when a test has turned the bf16 dot-product path off (to exercise the fallback).
-bool g_use_bf16_dot = true;
+// False when a test has turned the bf16 dot-product path off (to exercise the fallback).
+std::atomic<bool> g_use_bf16_dot{true};
 
 inline float bits_to_float(uint32_t u) {
   float f;
@@ -139,35 +145,30 @@ inline void prefetch_block(const KV* cache, const Problem& p, int64_t block_id, 
 
 #if defined(__AVX512F__)
 // ---------------------------------------------------------------------------------------
-// AVX-512 path (head dims 64, 128, 256). Work is done in tiles of 16 consecutive positions
-// (aligned to multiples of 16), so that one tile's scores of one query head are exactly one
-// vector: the softmax update is vectorised over the tile and there is no per-token
-// horizontal sum. A tile's rows are found through the block table once per tile (any block
-// size works), and lanes outside [start, seq_len) are masked.
+// AVX-512 path (head dims 64, 128, 256). Positions are processed in tiles of 16 (aligned to
+// multiples of 16) so that one tile's scores for one query head are exactly one vector; the
+// rows of a tile are found through the block table once per tile (any block size works) and
+// lanes outside [start, seq_len) are masked. Each tile runs in three phases:
 //
-// Scores: lanes = head dims, one partial vector per (token, head), then 16 partial vectors
-// are reduced to one vector of 16 scores by a transpose-add tree (sum4 + sum16: 45 ops per
-// 16 scores, against ~8 dependent ops per score for a horizontal sum each).
-// With bf16 caches and AVX512_BF16, q . k uses vdpbf16ps on the raw bf16 rows: bf16 x bf16
-// products are exact in fp32 and are accumulated in fp32, so with a bf16 q this is as exact
-// as converting both to fp32; a float32 q is split into two bf16 terms (hi + lo, ~16
-// significant bits) so it loses almost nothing either. Without AVX512_BF16, or for float32
-// caches, rows are converted to fp32 and use FMAs (float32 caches: the exact path).
+// 1. Scores, lanes = head dims: one vector of partial sums per (token, head), then the 16
+//    vectors of a head are reduced to one vector of 16 scores by a transpose-add tree (sum4
+//    + sum16: 45 ops per 16 scores, against ~8 dependent ops per score for a horizontal sum
+//    each). With a bf16 q, bf16 caches and AVX512_BF16, q . k is vdpbf16ps on the raw bf16
+//    rows: bf16 x bf16 products are exact in fp32 and are accumulated in fp32, so this
+//    equals converting both to fp32. Otherwise (float32 caches: the exact path; a float32
+//    q; no AVX512_BF16) rows are converted to fp32 and use FMAs.
+// 2. The online-softmax update of all the item's heads at once (independent dependency
+//    chains, so their latencies overlap): exp vectorised over the tile; the running sum is
+//    kept per lane and reduced once at the end.
+// 3. Values: acc[h] = acc[h] * rescale + sum_t p[h][t] * v_t with fp32 FMAs, the
+//    accumulators of one kv head's query heads in registers for the whole tile. bf16 rows
+//    are widened with one op per 16 values (even elements: << 16; odd: & 0xFFFF0000), which
+//    leaves the accumulators in an even/odd-permuted dim order, undone once per request.
 //
-// Values: acc[h] += p[h][t] * v[t] with fp32 FMAs, the accumulators of one kv head's query
-// heads held in registers for the whole tile. bf16 rows are widened with one op per 16
-// values (even elements: << 16; odd elements: & 0xFFFF0000), which leaves the accumulator
-// in an even/odd-permuted dim order, undone once per request at the end (see perm_index).
+// The next tile's rows are software-prefetched while the current one is computed.
 // ---------------------------------------------------------------------------------------
 
 constexpr int kTile = 16;
-#ifndef PAGODA_PF_TILES
-#define PAGODA_PF_TILES 2
-#endif
-#ifndef PAGODA_PF_HINT
-#define PAGODA_PF_HINT _MM_HINT_T0
-#endif
-constexpr int64_t kPrefetchTiles = PAGODA_PF_TILES;
 
 // One row of kD values as kD / 16 fp32 vectors: natural order for float rows; for bf16 rows,
 // each 32 values give two vectors (even elements, odd elements).
@@ -186,9 +187,9 @@ inline void load_row_f32(const uint16_t* src, __m512* f) {
   }
 }
 
-// Where dim d lives in a row loaded by load_row_f32 (and so in the accumulators).
+// Where dim d of a row loaded by load_row_f32 lives (and so of q and the accumulators).
 template <typename KV>
-inline int perm_index(int d) {
+inline int row_index(int d) {
   if constexpr (std::is_same_v<KV, float>) {
     return d;
   } else {
@@ -273,47 +274,83 @@ inline void tile_rows(const Problem& p, const int64_t* table, int64_t row_stride
   tr.mask = static_cast<__mmask16>(((1u << tr.hi) - 1u) & ~((1u << tr.lo) - 1u));
 }
 
-// Ask for the K/V rows of kv heads [kvh0, kvh1) of a tile ahead of use.
-template <typename KV>
-inline void prefetch_tile(const KV* k_cache, const KV* v_cache, const TileRows& tr,
-                          int64_t col0, int64_t span_bytes) {
-  for (int t = tr.lo; t < tr.hi; ++t) {
-    const char* kb = reinterpret_cast<const char*>(k_cache + tr.off[t] + col0);
-    const char* vb = reinterpret_cast<const char*>(v_cache + tr.off[t] + col0);
-    for (int64_t o = 0; o < span_bytes; o += 64) {
-      _mm_prefetch(kb + o, PAGODA_PF_HINT);
-      _mm_prefetch(vb + o, PAGODA_PF_HINT);
+// Software prefetch of the next tile's K/V rows, spread over the current tile's work.
+// NOTE (measured, B=64 bf16 benchmark): the block ids are random, so the hardware
+// prefetchers cannot run ahead across blocks and a software prefetch is needed for every
+// line (every other line: 2x slower). All ~200 of a tile at once stall on the core's few
+// miss buffers (2x slower than spreading them); prefetching further than one tile ahead
+// overflows L1 (48 KiB: 2-4 tiles ahead were 10-20% slower), and L2 hints were slower.
+// So issue() is called at a few points per group of tokens and asks for one unit: 128 bytes
+// (two lines) of K and the same of V. Row spans (kv heads x kD x element size) are
+// multiples of 128 bytes for the head dims of this path.
+struct Prefetcher {
+  static constexpr int64_t kUnit = 128;
+  const char* k = nullptr;
+  intptr_t v_minus_k = 0;
+  int64_t off[kTile];  // byte offsets of the rows (plus the first kv head's column)
+  int rows = 0, row = 0;
+  int64_t span = 0;
+  const char* p = nullptr;  // next unit of K; p == end: the current row is done
+  const char* end = nullptr;
+
+  inline void issue() {
+    if (p == end) {
+      if (row >= rows) return;
+      p = k + off[row++];
+      end = p + span;
     }
+    const char* pv = p + v_minus_k;
+    _mm_prefetch(p, _MM_HINT_T0);
+    _mm_prefetch(p + 64, _MM_HINT_T0);
+    _mm_prefetch(pv, _MM_HINT_T0);
+    _mm_prefetch(pv + 64, _MM_HINT_T0);
+    p += kUnit;
   }
-}
+
+  inline void flush() {
+    while (p != end || row < rows) issue();
+  }
+
+  template <typename KV>
+  void start(const KV* k_cache, const KV* v_cache, const TileRows& tr, int64_t col0,
+             int64_t span_bytes) {
+    k = reinterpret_cast<const char*>(k_cache);
+    v_minus_k = reinterpret_cast<intptr_t>(v_cache) - reinterpret_cast<intptr_t>(k_cache);
+    rows = tr.hi - tr.lo;
+    for (int t = 0; t < rows; ++t) off[t] = (tr.off[tr.lo + t] + col0) * sizeof(KV);
+    row = 0;
+    p = end = nullptr;
+    span = span_bytes;
+  }
+};
 
 // Per-thread state of one work item's query heads (head j at j * kD, or j * 16 per vector).
 struct AvxScratch {
-  std::vector<uint16_t> qb;  // bf16 q, 2 terms (hi, lo) per head: [heads][2][kD]
+  std::vector<uint16_t> qb;  // bf16 q: [heads][kD]
   std::vector<float> qf;     // fp32 q in the row layout of load_row_f32: [heads][kD]
   std::vector<float> acc;    // [heads][kD], same layout
   std::vector<float> m, l;   // running max (broadcast) and per-lane sums: [heads][16]
-  std::vector<float> pbuf;   // one tile of probabilities: [heads][16]
+  std::vector<float> p;      // one tile of scores, then probabilities: [heads][16]
+  std::vector<float> corr;   // this tile's rescale of acc (broadcast): [heads][16]
   AvxScratch(int heads, int d, int /*block_size*/)
-      : qb(heads * 2 * d), qf(heads * d), acc(heads * d), m(heads * kTile), l(heads * kTile),
-        pbuf(heads * kTile) {}
+      : qb(heads * d), qf(heads * d), acc(heads * d), m(heads * kTile), l(heads * kTile),
+        p(heads * kTile), corr(heads * kTile) {}
 };
 
-// One tile for NH query heads [j0, j0 + NH) of one kv head (rows at column col): scores,
-// online-softmax update, then the weighted sum of V rows.
-template <typename KV, int kD, int NH, bool kDot, int kQT>
-inline void tile_heads(const KV* __restrict k_cache, const KV* __restrict v_cache,
-                       const TileRows& tr, int64_t col, AvxScratch& s, int j0, __m512 vscale) {
+// Phase 1 of a tile: the scaled, masked scores of query heads [j0, j0 + NH) of one kv head
+// (rows at column col) into s.p. kDot: vdpbf16ps on bf16 q and rows.
+template <typename KV, int kD, int NH, bool kDot>
+inline void tile_scores(const KV* __restrict k_cache, const TileRows& tr, int64_t col,
+                        AvxScratch& s, int j0, __m512 vscale, Prefetcher& pf) {
   constexpr int kNV = kD / 16;
   __m512 w[4][NH];
   if constexpr (kDot) {
 #if defined(__AVX512BF16__)
     constexpr int kNC = kD / 32;
-    __m512i q[NH][kQT][kNC];
+    __m512i q[NH][kNC];
     for (int h = 0; h < NH; ++h)
-      for (int u = 0; u < kQT; ++u)
-        for (int c = 0; c < kNC; ++c)
-          q[h][u][c] = _mm512_loadu_si512(s.qb.data() + ((j0 + h) * 2 + u) * kD + 32 * c);
+      for (int c = 0; c < kNC; ++c)
+        q[h][c] = _mm512_loadu_si512(s.qb.data() + (j0 + h) * kD + 32 * c);
     for (int g = 0; g < 4; ++g) {
       __m512 a[4][NH];
       for (int u = 0; u < 4; ++u) {
@@ -323,12 +360,13 @@ inline void tile_heads(const KV* __restrict k_cache, const KV* __restrict v_cach
         for (int h = 0; h < NH; ++h) {
           __m512 d = _mm512_setzero_ps();
           for (int c = 0; c < kNC; ++c)
-            for (int e = 0; e < kQT; ++e)
-              d = _mm512_dpbf16_ps(d, (__m512bh)q[h][e][c], (__m512bh)kx[c]);
+            d = _mm512_dpbf16_ps(d, (__m512bh)q[h][c], (__m512bh)kx[c]);
           a[u][h] = d;
         }
       }
       for (int h = 0; h < NH; ++h) w[g][h] = sum4(a[0][h], a[1][h], a[2][h], a[3][h]);
+      pf.issue();
+      pf.issue();
     }
 #endif
   } else {
@@ -345,33 +383,58 @@ inline void tile_heads(const KV* __restrict k_cache, const KV* __restrict v_cach
         }
       }
       for (int h = 0; h < NH; ++h) w[g][h] = sum4(a[0][h], a[1][h], a[2][h], a[3][h]);
+      pf.issue();
+      pf.issue();
     }
   }
-
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  __m512 corr[NH];
   for (int h = 0; h < NH; ++h) {
-    const int j = j0 + h;
-    __m512 sc = _mm512_mul_ps(sum16(w[0][h], w[1][h], w[2][h], w[3][h]), vscale);
-    sc = _mm512_mask_mov_ps(neg_inf, tr.mask, sc);
+    const __m512 sc = _mm512_mul_ps(sum16(w[0][h], w[1][h], w[2][h], w[3][h]), vscale);
+    _mm512_storeu_ps(s.p.data() + (j0 + h) * kTile, _mm512_mask_mov_ps(neg_inf, tr.mask, sc));
+  }
+}
+
+// Phase 2: the online-softmax update of heads [0, nh): probabilities into s.p, the rescale
+// of the accumulators into s.corr.
+inline void tile_softmax(AvxScratch& s, int nh, __mmask16 mask) {
+  for (int j = 0; j < nh; ++j) {
+    float* pj = s.p.data() + j * kTile;
+    const __m512 sc = _mm512_loadu_ps(pj);
     const __m512 m_old = _mm512_loadu_ps(s.m.data() + j * kTile);
     const __m512 m_new = _mm512_max_ps(m_old, hmax16(sc));
-    corr[h] = exp16_nonpos(_mm512_sub_ps(m_old, m_new));  // ~0 on the first tile (-inf)
-    const __m512 e = _mm512_maskz_mov_ps(tr.mask, exp16_nonpos(_mm512_sub_ps(sc, m_new)));
+    // NOTE: the max rarely grows after the first tiles; skip the exp then (exp(0) == 1).
+    // On the first tile m_old = -inf and the rescale is exp(-87) ~ 0 (acc and l are 0).
+    __m512 corr = _mm512_set1_ps(1.0f);
+    if (_mm512_cmp_ps_mask(m_new, m_old, _CMP_NEQ_UQ) != 0) {
+      corr = exp16_nonpos(_mm512_sub_ps(m_old, m_new));
+    }
+    const __m512 e = _mm512_maskz_mov_ps(mask, exp16_nonpos(_mm512_sub_ps(sc, m_new)));
+    _mm512_storeu_ps(pj, e);
     const __m512 l_old = _mm512_loadu_ps(s.l.data() + j * kTile);
-    _mm512_storeu_ps(s.l.data() + j * kTile, _mm512_fmadd_ps(l_old, corr[h], e));
+    _mm512_storeu_ps(s.l.data() + j * kTile, _mm512_fmadd_ps(l_old, corr, e));
     _mm512_storeu_ps(s.m.data() + j * kTile, m_new);
-    _mm512_storeu_ps(s.pbuf.data() + h * kTile, e);
+    _mm512_storeu_ps(s.corr.data() + j * kTile, corr);
   }
+}
 
+// Phase 3: acc[j] = acc[j] * corr[j] + sum_t p[j][t] * v_t for query heads [j0, j0 + NH)
+// of one kv head, the accumulators held in registers.
+template <typename KV, int kD, int NH>
+inline void tile_values(const KV* __restrict v_cache, const TileRows& tr, int64_t col,
+                        AvxScratch& s, int j0, Prefetcher& pf) {
+  constexpr int kNV = kD / 16;
   __m512 acc[NH][kNV];
-  for (int h = 0; h < NH; ++h)
+  for (int h = 0; h < NH; ++h) {
+    const __m512 corr = _mm512_loadu_ps(s.corr.data() + (j0 + h) * kTile);
     for (int i = 0; i < kNV; ++i)
-      acc[h][i] = _mm512_mul_ps(_mm512_loadu_ps(s.acc.data() + (j0 + h) * kD + 16 * i), corr[h]);
-  const float* pb = s.pbuf.data();
+      acc[h][i] = _mm512_mul_ps(_mm512_loadu_ps(s.acc.data() + (j0 + h) * kD + 16 * i), corr);
+  }
+  const float* pb = s.p.data() + j0 * kTile;
   for (int t = tr.lo; t < tr.hi; ++t) {
     __m512 vf[kNV];
     load_row_f32<kD>(v_cache + tr.off[t] + col, vf);
+    // NOTE: float rows are twice the bytes, so twice the prefetch units per row.
+    for (int i = 0; i < static_cast<int>(sizeof(KV)) / 2; ++i) pf.issue();
     for (int h = 0; h < NH; ++h) {
       const __m512 wt = _mm512_set1_ps(pb[h * kTile + t]);
       for (int i = 0; i < kNV; ++i) acc[h][i] = _mm512_fmadd_ps(wt, vf[i], acc[h][i]);
@@ -382,12 +445,33 @@ inline void tile_heads(const KV* __restrict k_cache, const KV* __restrict v_cach
       _mm512_storeu_ps(s.acc.data() + (j0 + h) * kD + 16 * i, acc[h][i]);
 }
 
-// Query heads handled together per call of tile_heads: their accumulators (NH * kD / 16
-// vectors) stay in registers.
+// Query heads handled together per call of tile_scores / tile_values: the accumulators
+// (NH * kD / 16 vectors) stay in registers.
 template <int kD>
 constexpr int kMaxHeadsPerStep = kD <= 64 ? 4 : (kD <= 128 ? 2 : 1);
 
-template <typename KV, int kD, bool kDot, int kQT>
+// fn(std::integral_constant<int, NH>, g0) for the chunks [g0, g0 + NH) of G query heads.
+template <int kMax, typename Fn>
+inline void for_head_chunks(int G, Fn&& fn) {
+  for (int g0 = 0; g0 < G; g0 += kMax) {
+    switch (std::min(kMax, G - g0)) {
+      case 1:
+        fn(std::integral_constant<int, 1>{}, g0);
+        break;
+      case 2:
+        if constexpr (kMax >= 2) fn(std::integral_constant<int, 2>{}, g0);
+        break;
+      case 3:
+        if constexpr (kMax >= 3) fn(std::integral_constant<int, 3>{}, g0);
+        break;
+      default:
+        if constexpr (kMax >= 4) fn(std::integral_constant<int, 4>{}, g0);
+        break;
+    }
+  }
+}
+
+template <typename KV, int kD, bool kDot>
 void decode_one_avx(const Problem& p, const KV* k_cache, const KV* v_cache, int64_t b, int kvh0,
                     int kvh1, AvxScratch& s) {
   const int G = p.num_heads / p.num_kv_heads;
@@ -401,17 +485,9 @@ void decode_one_avx(const Problem& p, const KV* k_cache, const KV* v_cache, int6
     for (int d = 0; d < kD; ++d) {
       const int64_t qi = q_base + static_cast<int64_t>(j) * kD + d;
       if constexpr (kDot) {
-        uint16_t* qb = s.qb.data() + j * 2 * kD;
-        if (p.q_is_bf16) {
-          qb[d] = static_cast<const c10::BFloat16*>(p.q)[qi].x;
-        } else {
-          const float x = static_cast<const float*>(p.q)[qi];
-          const c10::BFloat16 hi(x);
-          qb[d] = hi.x;
-          qb[kD + d] = c10::BFloat16(x - static_cast<float>(hi)).x;
-        }
+        s.qb[j * kD + d] = static_cast<const c10::BFloat16*>(p.q)[qi].x;  // q is bf16 here
       } else {
-        s.qf[j * kD + perm_index<KV>(d)] = load_q(p, qi);
+        s.qf[j * kD + row_index<KV>(d)] = load_q(p, qi);
       }
     }
   }
@@ -419,46 +495,40 @@ void decode_one_avx(const Problem& p, const KV* k_cache, const KV* v_cache, int6
   std::fill(s.m.begin(), s.m.begin() + nh * kTile, -std::numeric_limits<float>::infinity());
   std::fill(s.l.begin(), s.l.begin() + nh * kTile, 0.0f);
 
-  const int64_t* table = p.block_tables + b * p.bt_stride;
-  const __m512 vscale = _mm512_set1_ps(p.scale);
-  const int64_t col0 = static_cast<int64_t>(kvh0) * kD;
-  const int64_t span_bytes = static_cast<int64_t>(kvh1 - kvh0) * kD * sizeof(KV);
-  constexpr int kNH = kMaxHeadsPerStep<kD>;
-  TileRows tr, ahead;
   if (start < seq_len) {
+    const int64_t* table = p.block_tables + b * p.bt_stride;
+    const __m512 vscale = _mm512_set1_ps(p.scale);
+    const int64_t col0 = static_cast<int64_t>(kvh0) * kD;
+    const int64_t span_bytes = static_cast<int64_t>(kvh1 - kvh0) * kD * sizeof(KV);
+    constexpr int kNH = kMaxHeadsPerStep<kD>;
     const int64_t first = start / kTile, last = (seq_len - 1) / kTile;
+    TileRows rows[2];
+    Prefetcher pf;
+    tile_rows(p, table, row_stride, first, start, seq_len, rows[0]);
+    pf.start(k_cache, v_cache, rows[0], col0, span_bytes);
     for (int64_t tile = first; tile <= last; ++tile) {
-      // NOTE: block ids are random, so the hardware prefetcher cannot run ahead across
-      // blocks; ask for the tiles kPrefetchTiles ahead (the first iteration covers all).
-      for (int64_t a = tile == first ? 1 : kPrefetchTiles; a <= kPrefetchTiles; ++a) {
-        if (tile + a > last) break;
-        tile_rows(p, table, row_stride, tile + a, start, seq_len, ahead);
-        prefetch_tile(k_cache, v_cache, ahead, col0, span_bytes);
+      const TileRows& tr = rows[(tile - first) & 1];
+      pf.flush();  // the rest of this tile's rows (all of them on the first tile)
+      if (tile < last) {
+        TileRows& next = rows[(tile - first + 1) & 1];
+        tile_rows(p, table, row_stride, tile + 1, start, seq_len, next);
+        pf.start(k_cache, v_cache, next, col0, span_bytes);
       }
-      tile_rows(p, table, row_stride, tile, start, seq_len, tr);
       for (int kvh = kvh0; kvh < kvh1; ++kvh) {
         const int64_t col = static_cast<int64_t>(kvh) * kD;
         const int jk = (kvh - kvh0) * G;
-        for (int g0 = 0; g0 < G; g0 += kNH) {
-          const int j0 = jk + g0;
-          switch (std::min(kNH, G - g0)) {
-            case 1:
-              tile_heads<KV, kD, 1, kDot, kQT>(k_cache, v_cache, tr, col, s, j0, vscale);
-              break;
-            case 2:
-              if constexpr (kNH >= 2)
-                tile_heads<KV, kD, 2, kDot, kQT>(k_cache, v_cache, tr, col, s, j0, vscale);
-              break;
-            case 3:
-              if constexpr (kNH >= 3)
-                tile_heads<KV, kD, 3, kDot, kQT>(k_cache, v_cache, tr, col, s, j0, vscale);
-              break;
-            default:
-              if constexpr (kNH >= 4)
-                tile_heads<KV, kD, 4, kDot, kQT>(k_cache, v_cache, tr, col, s, j0, vscale);
-              break;
-          }
-        }
+        for_head_chunks<kNH>(G, [&](auto nh_c, int g0) {
+          tile_scores<KV, kD, decltype(nh_c)::value, kDot>(k_cache, tr, col, s, jk + g0,
+                                                           vscale, pf);
+        });
+      }
+      tile_softmax(s, nh, tr.mask);
+      for (int kvh = kvh0; kvh < kvh1; ++kvh) {
+        const int64_t col = static_cast<int64_t>(kvh) * kD;
+        const int jk = (kvh - kvh0) * G;
+        for_head_chunks<kNH>(G, [&](auto nh_c, int g0) {
+          tile_values<KV, kD, decltype(nh_c)::value>(v_cache, tr, col, s, jk + g0, pf);
+        });
       }
     }
   }
@@ -468,10 +538,11 @@ void decode_one_avx(const Problem& p, const KV* k_cache, const KV* v_cache, int6
     const float inv = l > 0.0f ? 1.0f / l : 0.0f;
     const float* aj = s.acc.data() + j * kD;
     for (int d = 0; d < kD; ++d) {
-      store_out(p, q_base + static_cast<int64_t>(j) * kD + d, aj[perm_index<KV>(d)] * inv);
+      store_out(p, q_base + static_cast<int64_t>(j) * kD + d, aj[row_index<KV>(d)] * inv);
     }
   }
 }
+
 #endif  // __AVX512F__
 
 // Portable path (any head dim; the only path without AVX-512).
@@ -599,11 +670,11 @@ void for_each_item(const Problem& p, int64_t batch, int scratch_heads_per_kv, Fn
 }
 
 #if defined(__AVX512F__)
-template <typename KV, int kD, bool kDot, int kQT>
+template <typename KV, int kD, bool kDot>
 void decode_all_avx(const Problem& p, const KV* k, const KV* v, int64_t batch) {
   for_each_item<AvxScratch>(p, batch, p.num_heads / p.num_kv_heads,
                             [&](int64_t b, int kvh0, int kvh1, AvxScratch& s) {
-                              decode_one_avx<KV, kD, kDot, kQT>(p, k, v, b, kvh0, kvh1, s);
+                              decode_one_avx<KV, kD, kDot>(p, k, v, b, kvh0, kvh1, s);
                             });
 }
 
@@ -611,13 +682,11 @@ template <typename KV, int kD>
 void dispatch_avx(const Problem& p, const KV* k, const KV* v, int64_t batch) {
   if constexpr (std::is_same_v<KV, uint16_t>) {
 #if defined(__AVX512BF16__)
-    if (g_use_bf16_dot) {
-      if (p.q_is_bf16) return decode_all_avx<KV, kD, true, 1>(p, k, v, batch);
-      return decode_all_avx<KV, kD, true, 2>(p, k, v, batch);
-    }
+    // NOTE: only for a bf16 q: a float32 q would have to be rounded (or split into terms).
+    if (g_use_bf16_dot && p.q_is_bf16) return decode_all_avx<KV, kD, true>(p, k, v, batch);
 #endif
   }
-  decode_all_avx<KV, kD, false, 1>(p, k, v, batch);
+  decode_all_avx<KV, kD, false>(p, k, v, batch);
 }
 #endif
 
@@ -687,8 +756,9 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_
   }
 }
 
-// Which inner path bf16 caches take: "bf16_dot" (vdpbf16ps), "avx512" (fp32 FMAs) or
-// "portable"; enable=false turns the bf16 dot product off (tests of the fallback).
+// Turns the bf16 dot product on or off (tests of the fallback) and returns the inner path
+// that bf16 q on bf16 caches (head dim 64/128/256) now takes: "bf16_dot" (vdpbf16ps),
+// "avx512" (fp32 FMAs) or "portable".
 std::string set_bf16_dot(bool enable) {
   g_use_bf16_dot = enable;
 #if defined(__AVX512BF16__)
