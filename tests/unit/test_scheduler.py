@@ -263,3 +263,19 @@ def test_prompt_logprobs_survive_preemption_mid_prefill() -> None:
         if resumed:
             break
     assert resumed[0].want_prompt_logprobs
+
+
+def test_parallel_samples_share_full_prompt_blocks() -> None:
+    """n = 4 samples of one 10-token prompt (block size 4): admitted in one step, the second
+    to fourth hit the first one's two full blocks (ref count 4) and each computes only its
+    last, partly filled block. Four separate prompts would take 12 blocks; this takes 6."""
+    sched = make_scheduler(enable_caching=True)
+    for i in range(4):
+        sched.add_request(make_request(f"s#{i}", 10))
+    out, _ = step(sched)
+    tables = [sched.kv.get_block_ids(f"s#{i}") for i in range(4)]
+    assert all(t[:2] == tables[0][:2] for t in tables)
+    assert len({t[2] for t in tables}) == 4
+    assert [sched.kv.block_pool.blocks[b].ref_cnt for b in tables[0]] == [4, 4, 1]
+    assert out.num_scheduled_tokens == {"s#0": 10, "s#1": 2, "s#2": 2, "s#3": 2}
+    assert sched.kv.num_blocks - sched.kv.num_free_blocks == 6
