@@ -100,8 +100,6 @@ class _ChatBuilder:
         self.num_prompt_tokens = len(out.prompt_token_ids)
         self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
         ch = self.choices.setdefault(c.index, _Choice(c.index))
-        if ch.finish_reason is not None:
-            return None  # NOTE: a DELTA output may repeat a sample that finished earlier.
         ch.num_tokens += len(c.token_ids)
         ch.texts.append(c.text)
         ch.finish_reason, ch.stop_reason = c.finish_reason, c.stop_reason

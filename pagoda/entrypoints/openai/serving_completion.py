@@ -81,8 +81,6 @@ class _CompletionBuilder:
             self.prompt_logprobs[p] = out.prompt_logprobs
         index = p * self.n + c.index
         ch = self.choices.setdefault(index, _Choice(index))
-        if ch.finish_reason is not None:
-            return None  # NOTE: a DELTA output may repeat a sample that finished earlier.
         text, lp = c.text, None
         want_lp = self.body.logprobs is not None
         if want_lp:
