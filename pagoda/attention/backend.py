@@ -46,6 +46,7 @@ class AttentionBackend(Protocol):
         v: torch.Tensor,  # [T, Hk, D]
         kv_cache: tuple[torch.Tensor, torch.Tensor],  # [num_blocks, block_size, Hk, D] each
         md: AttentionMetadata,
+        kv_written: bool = False,  # True: the caller already wrote k/v into their slots
     ) -> torch.Tensor:  # [T, H * D]
         ...
 

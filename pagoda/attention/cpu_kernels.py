@@ -23,7 +23,10 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"
+_SOURCES = [
+    Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp",
+    Path(__file__).parent / "csrc" / "fused_ops_cpu.cpp",
+]
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 _lock = threading.Lock()
 _module: ModuleType | None = None
@@ -67,8 +70,21 @@ def _cpu_flags_tag() -> str:
     return "generic"
 
 
+def _sources_tag() -> str:
+    """A short hash of the C++ sources.
+
+    NOTE: torch's loader keeps one build per name and rebuilds in place when the sources
+    change; two checkouts (or two installed versions) sharing the cache dir would then
+    rebuild over each other. A name per source version lets them coexist.
+    """
+    digest = hashlib.sha256()
+    for path in _SOURCES:
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:8]
+
+
 def extension_name() -> str:
-    return f"pagoda_paged_attention_cpu_{_cpu_flags_tag()}"
+    return f"pagoda_paged_attention_cpu_{_cpu_flags_tag()}_{_sources_tag()}"
 
 
 def load_extension() -> ModuleType | None:
@@ -86,7 +102,7 @@ def load_extension() -> ModuleType | None:
             _ensure_ninja_on_path()
             _module = load(
                 name=extension_name(),
-                sources=[str(_SOURCE)],
+                sources=[str(p) for p in _SOURCES],
                 extra_cflags=["-O3", "-march=native", "-fopenmp"],
                 extra_ldflags=["-fopenmp"],
                 verbose=False,
@@ -139,3 +155,15 @@ def paged_decode_attention(
         out, q, k_cache, v_cache, block_tables, seq_lens, float(scale), window
     )
     return out
+
+
+# The fused element-wise ops (csrc/fused_ops_cpu.cpp) run in the low-precision dtypes only:
+# float32 stays on PyTorch's ops, the path that matches transformers bit for bit.
+FUSED_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def fused_ops_for(x: torch.Tensor) -> ModuleType | None:
+    """The extension, if its fused ops should handle `x` (CPU, bf16/fp16), else None."""
+    if x.device.type != "cpu" or x.dtype not in FUSED_DTYPES or kernels_disabled():
+        return None
+    return _module if _module is not None else load_extension()

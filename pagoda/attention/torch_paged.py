@@ -32,9 +32,11 @@ class TorchPagedAttention:
         v: torch.Tensor,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         md: AttentionMetadata,
+        kv_written: bool = False,
     ) -> torch.Tensor:
         k_cache, v_cache = kv_cache
-        write_kv(k, v, k_cache, v_cache, md.slot_mapping)
+        if not kv_written:
+            write_kv(k, v, k_cache, v_cache, md.slot_mapping)
         out = torch.empty_like(q)
         nd = md.num_decode_tokens
         if nd:

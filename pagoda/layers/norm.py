@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagoda.attention.cpu_kernels import fused_ops_for
+
 
 class RMSNorm(nn.Module):
     """y = x / rms(x) * weight, computed in float32 like transformers, returned in x's dtype."""
@@ -22,6 +24,10 @@ class RMSNorm(nn.Module):
     def forward_residual(
         self, x: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (norm(x + residual), x + residual)."""
+        """Returns (norm(x + residual), x + residual); may reuse x and residual's storage."""
+        ops = fused_ops_for(x)
+        if ops is not None and x.is_contiguous() and residual.is_contiguous() and x.dim() == 2:
+            ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+            return x, residual
         residual = x + residual
         return self.forward(residual), residual

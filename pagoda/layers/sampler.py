@@ -256,7 +256,9 @@ class Sampler:
 
     @staticmethod
     def _sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-        greedy_ids = None if md.all_random else logits.argmax(dim=-1)
+        # NOTE: argmax over bf16 is 5x slower than a float32 cast plus argmax on CPU; the
+        # cast is exact, so the chosen ids (ties included) are the same.
+        greedy_ids = None if md.all_random else logits.float().argmax(dim=-1)
         if md.all_greedy:
             return greedy_ids
         if not md.needs_processing:

@@ -40,4 +40,5 @@ def build_model(
     model.to_empty(device=device)
     model.load_weights(ckpt.iter_weights(), source=str(ckpt.path))
     model.init_rotary(max_positions, dtype, device)
+    model.process_weights_after_loading()
     return model.eval()

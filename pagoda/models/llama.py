@@ -7,6 +7,7 @@ q/k/v and gate/up are fused; `load_weights` maps the checkpoint's separate tenso
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -16,7 +17,9 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from pagoda.attention.backend import AttentionMetadata, get_backend
+from pagoda.attention.cpu_kernels import fused_ops_for
 from pagoda.layers.activation import silu_and_mul
+from pagoda.layers.linear import Linear, can_pack, pack_weight, packed_linear
 from pagoda.layers.norm import RMSNorm
 from pagoda.layers.rotary import RotaryEmbedding, apply_rotary
 from pagoda.models.registry import register_model
@@ -81,6 +84,26 @@ def _sliding_windows(c: PretrainedConfig, arch: str) -> tuple[int | None, ...]:
     return (None,) * n
 
 
+class RopeInputs:
+    """One step's rotary inputs, shared by every layer: the positions and the full cos/sin
+    tables for the fused kernel, or the rows gathered once (on first use) for PyTorch ops."""
+
+    __slots__ = ("positions", "cos_table", "sin_table", "fused", "_cos_sin")
+
+    def __init__(
+        self, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused
+    ) -> None:
+        self.positions, self.cos_table, self.sin_table, self.fused = positions, cos, sin, fused
+        self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def cos_sin(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin rows of this step's positions: [T, 1, D / 2] each."""
+        if self._cos_sin is None:
+            p = self.positions
+            self._cos_sin = (self.cos_table[p][:, None], self.sin_table[p][:, None])
+        return self._cos_sin
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, spec: LlamaSpec, layer_idx: int, backend: str) -> None:
         super().__init__()
@@ -88,10 +111,10 @@ class LlamaAttention(nn.Module):
         self.head_dim = spec.head_dim
         self.q_size = spec.num_heads * spec.head_dim
         self.kv_size = spec.num_kv_heads * spec.head_dim
-        self.qkv_proj = nn.Linear(
+        self.qkv_proj = Linear(
             spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias
         )
-        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=spec.o_bias)
+        self.o_proj = Linear(self.q_size, spec.hidden_size, bias=spec.o_bias)
         if spec.qk_norm:
             self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
             self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
@@ -103,14 +126,22 @@ class LlamaAttention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        rope: RopeInputs,
         kv_cache: KVCache,
         md: AttentionMetadata,
     ) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x).view(t, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         nq, nqk = self.num_heads, self.num_heads + self.num_kv_heads
-        cos, sin = cos_sin
+        if rope.fused is not None and not self.qk_norm:
+            # One kernel rotates q and k in place and writes k and v to the cache.
+            rope.fused.rotary_and_cache(
+                qkv, rope.cos_table, rope.sin_table, rope.positions, kv_cache[0], kv_cache[1],
+                md.slot_mapping, self.num_heads, self.num_kv_heads,
+            )
+            q, k, v = qkv[:, :nq], qkv[:, nq:nqk], qkv[:, nqk:]
+            return self.o_proj(self.attn.forward(q, k, v, kv_cache, md, kv_written=True))
+        cos, sin = rope.cos_sin()
         if self.qk_norm:
             q = apply_rotary(self.q_norm(qkv[:, :nq]), cos, sin)
             k = apply_rotary(self.k_norm(qkv[:, nq:nqk]), cos, sin)
@@ -125,10 +156,10 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, spec: LlamaSpec) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(
+        self.gate_up_proj = Linear(
             spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias
         )
-        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
+        self.down_proj = Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -146,7 +177,7 @@ class LlamaDecoderLayer(nn.Module):
         self,
         x: torch.Tensor,
         residual: torch.Tensor | None,
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        rope: RopeInputs,
         kv_cache: KVCache,
         md: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,7 +185,7 @@ class LlamaDecoderLayer(nn.Module):
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm.forward_residual(x, residual)
-        x = self.self_attn(x, cos_sin, kv_cache, md)
+        x = self.self_attn(x, rope, kv_cache, md)
         x, residual = self.post_attention_layernorm.forward_residual(x, residual)
         return self.mlp(x), residual
 
@@ -179,8 +210,9 @@ class LlamaForCausalLM(nn.Module):
         self.hf_config = hf_config
         self.model = LlamaModel(spec, attn_backend)
         if not spec.tie_word_embeddings:
-            self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+            self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.rotary: RotaryEmbedding | None = None
+        self._tied_head_packed: torch.Tensor | None = None
 
     def init_rotary(self, max_positions: int, dtype: torch.dtype, device: torch.device) -> None:
         """Builds the cos/sin tables (after weights exist: the model may live on meta first)."""
@@ -197,18 +229,30 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Flat batch [T] -> final hidden states [T, hidden] (normed)."""
         x = self.model.embed_tokens(input_ids)
-        cos_sin = (self.rotary.cos[positions][:, None], self.rotary.sin[positions][:, None])
+        rope = RopeInputs(positions, self.rotary.cos, self.rotary.sin, fused_ops_for(x))
         residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x, residual = layer(x, residual, cos_sin, kv_cache, md)
+            x, residual = layer(x, residual, rope, kv_cache, md)
         x, _ = self.model.norm.forward_residual(x, residual)
         return x
 
+    def process_weights_after_loading(self) -> None:
+        """Repacks the matmul weights for the CPU (see pagoda/layers/linear.py)."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.process_weights_after_loading()
+        embed = self.model.embed_tokens.weight
+        if self.spec.tie_word_embeddings and can_pack(embed):
+            # NOTE: a packed copy beside the embedding table, which lookups still need.
+            with contextlib.suppress(RuntimeError):  # float16 on CPUs oneDNN can't pack for
+                self._tied_head_packed = pack_weight(embed)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.spec.tie_word_embeddings else (
-            self.lm_head.weight
-        )
-        return F.linear(hidden, weight)
+        if not self.spec.tie_word_embeddings:
+            return self.lm_head(hidden)
+        if self._tied_head_packed is not None:
+            return packed_linear(hidden, self._tied_head_packed)
+        return F.linear(hidden, self.model.embed_tokens.weight)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str = "") -> None:
         """Copies checkpoint tensors (HF names) into the fused parameters, converting dtype

@@ -773,7 +773,11 @@ std::string set_bf16_dot(bool enable) {
 
 }  // namespace
 
+// Defined in fused_ops_cpu.cpp (the same extension).
+void register_fused_ops(pybind11::module& m);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  register_fused_ops(m);
   m.def("paged_decode_attention", &paged_decode_attention,
         "Decode attention over a paged KV cache (in place into out)");
   m.def("set_bf16_dot", &set_bf16_dot,

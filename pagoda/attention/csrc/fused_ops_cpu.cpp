@@ -1,0 +1,197 @@
+// Fused element-wise CPU ops for the decoder layer: each replaces 4-12 small ATen ops
+// (and their Python dispatch), which is where a small decode batch spends most of its time.
+//
+//   fused_add_rms_norm: residual += x; x = rms_norm(residual) * weight   (both in place)
+//   rotary_and_cache:   rotate q and k of a fused qkv buffer in place (neox layout), then
+//                       write k and v into the paged caches at their slots
+//   silu_and_mul:       [gate | up] -> silu(gate) * up
+//
+// Rounding follows transformers' bf16 modules where it is cheap to (the residual sum and
+// the normalised value are rounded to the model dtype before the weight multiply; silu is
+// rounded before the product). Math is float32; the rms accumulates in double.
+//
+// NOTE: no FMA contraction, so float32 rotary equals the unfused PyTorch ops bit for bit.
+#pragma GCC optimize("fp-contract=off")
+
+#include <torch/extension.h>
+
+#include <omp.h>
+
+#include <cmath>
+#include <cstdint>
+
+namespace pagoda_fused {
+
+template <typename T>
+inline float to_f(T x) {
+  return static_cast<float>(x);
+}
+
+template <typename T>
+inline T from_f(float x) {
+  return static_cast<T>(x);
+}
+
+// Below this many elements a parallel region costs more than it saves.
+constexpr int64_t kParallelGrain = 1 << 15;
+
+template <typename T>
+void add_rms_norm_impl(T* x, T* residual, const T* weight, int64_t rows, int64_t hidden,
+                       float eps) {
+  const bool par = rows * hidden >= kParallelGrain;
+#pragma omp parallel for if (par) schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    T* xr = x + r * hidden;
+    T* rr = residual + r * hidden;
+    double ss = 0.0;
+    for (int64_t i = 0; i < hidden; ++i) {
+      const T s = from_f<T>(to_f(xr[i]) + to_f(rr[i]));
+      rr[i] = s;
+      const float f = to_f(s);
+      ss += static_cast<double>(f) * f;
+    }
+    const float inv = static_cast<float>(1.0 / std::sqrt(ss / hidden + eps));
+    for (int64_t i = 0; i < hidden; ++i) {
+      const T normed = from_f<T>(to_f(rr[i]) * inv);
+      xr[i] = from_f<T>(to_f(weight[i]) * to_f(normed));
+    }
+  }
+}
+
+void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight,
+                        double eps) {
+  TORCH_CHECK(x.dim() == 2 && residual.sizes() == x.sizes(), "x and residual must be [T, H]");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1), "weight must be [H]");
+  TORCH_CHECK(x.is_contiguous() && residual.is_contiguous() && weight.is_contiguous(),
+              "x, residual and weight must be contiguous");
+  TORCH_CHECK(x.scalar_type() == residual.scalar_type() && x.scalar_type() == weight.scalar_type(),
+              "x, residual and weight must share a dtype");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm", [&] {
+    add_rms_norm_impl<scalar_t>(x.data_ptr<scalar_t>(), residual.data_ptr<scalar_t>(),
+                                weight.data_ptr<scalar_t>(), x.size(0), x.size(1),
+                                static_cast<float>(eps));
+  });
+}
+
+template <typename T>
+inline void rotate_head(T* h, const T* cos, const T* sin, int64_t half) {
+  for (int64_t i = 0; i < half; ++i) {
+    const float x1 = to_f(h[i]);
+    const float x2 = to_f(h[i + half]);
+    const float c = to_f(cos[i]);
+    const float s = to_f(sin[i]);
+    const float a1 = x1 * c;
+    const float b1 = x2 * s;
+    const float a2 = x2 * c;
+    const float b2 = x1 * s;
+    h[i] = from_f<T>(a1 - b1);
+    h[i + half] = from_f<T>(a2 + b2);
+  }
+}
+
+template <typename T>
+void rotary_and_cache_impl(T* qkv, const T* cos, const T* sin, const int64_t* positions,
+                           T* k_cache, T* v_cache, const int64_t* slots, int64_t tokens,
+                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                           int64_t row_stride) {
+  const int64_t half = head_dim / 2;
+  const int64_t kv_row = num_kv_heads * head_dim;
+  const bool par = tokens * row_stride >= kParallelGrain;
+#pragma omp parallel for if (par) schedule(static)
+  for (int64_t t = 0; t < tokens; ++t) {
+    T* row = qkv + t * row_stride;
+    const T* c = cos + positions[t] * half;
+    const T* s = sin + positions[t] * half;
+    for (int64_t h = 0; h < num_heads + num_kv_heads; ++h) {
+      rotate_head(row + h * head_dim, c, s, half);
+    }
+    const T* k = row + num_heads * head_dim;
+    const T* v = k + kv_row;
+    if (slots[t] < 0) continue;  // a padding token: no cache slot
+    T* kd = k_cache + slots[t] * kv_row;
+    T* vd = v_cache + slots[t] * kv_row;
+    for (int64_t i = 0; i < kv_row; ++i) {
+      kd[i] = k[i];
+      vd[i] = v[i];
+    }
+  }
+}
+
+void rotary_and_cache(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
+                      torch::Tensor positions, torch::Tensor k_cache, torch::Tensor v_cache,
+                      torch::Tensor slot_mapping, int64_t num_heads, int64_t num_kv_heads) {
+  TORCH_CHECK(qkv.dim() == 3, "qkv must be [T, H + 2 * Hk, D]");
+  const int64_t tokens = qkv.size(0);
+  const int64_t head_dim = qkv.size(2);
+  TORCH_CHECK(qkv.size(1) == num_heads + 2 * num_kv_heads, "qkv head count mismatch");
+  TORCH_CHECK(head_dim % 2 == 0, "head_dim must be even");
+  TORCH_CHECK(qkv.stride(2) == 1 && qkv.stride(1) == head_dim, "qkv rows must be dense");
+  TORCH_CHECK(cos.dim() == 2 && cos.size(1) == head_dim / 2 && sin.sizes() == cos.sizes(),
+              "cos and sin must be [P, D / 2]");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous(), "cos and sin must be contiguous");
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() &&
+                  k_cache.size(2) == num_kv_heads && k_cache.size(3) == head_dim,
+              "caches must be [N, bs, Hk, D]");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(qkv.scalar_type() == cos.scalar_type() && qkv.scalar_type() == sin.scalar_type() &&
+                  qkv.scalar_type() == k_cache.scalar_type() &&
+                  v_cache.scalar_type() == k_cache.scalar_type(),
+              "qkv, cos/sin and the caches must share a dtype");
+  TORCH_CHECK(positions.dim() == 1 && positions.size(0) == tokens, "positions must be [T]");
+  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == tokens,
+              "slot_mapping must be [T]");
+  auto pos = positions.to(at::kLong).contiguous();
+  auto slots = slot_mapping.to(at::kLong).contiguous();
+  const int64_t num_positions = cos.size(0);
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  const int64_t* p = pos.data_ptr<int64_t>();
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(p[t] >= 0 && p[t] < num_positions, "position ", p[t], " out of range");
+    TORCH_CHECK(sl[t] < num_slots, "slot ", sl[t], " out of range");
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rotary", [&] {
+    rotary_and_cache_impl<scalar_t>(
+        qkv.data_ptr<scalar_t>(), cos.data_ptr<scalar_t>(), sin.data_ptr<scalar_t>(), p,
+        k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), sl, tokens, num_heads,
+        num_kv_heads, head_dim, qkv.stride(0));
+  });
+}
+
+template <typename T>
+void silu_and_mul_impl(const T* x, T* out, int64_t rows, int64_t inter) {
+  const bool par = rows * inter >= kParallelGrain;
+#pragma omp parallel for if (par) schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* g = x + r * 2 * inter;
+    const T* u = g + inter;
+    T* o = out + r * inter;
+    for (int64_t i = 0; i < inter; ++i) {
+      const float gf = to_f(g[i]);
+      const T act = from_f<T>(gf / (1.0f + std::exp(-gf)));
+      o[i] = from_f<T>(to_f(act) * to_f(u[i]));
+    }
+  }
+}
+
+torch::Tensor silu_and_mul(torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0, "x must be [T, 2 * I]");
+  TORCH_CHECK(x.is_contiguous(), "x must be contiguous");
+  const int64_t inter = x.size(1) / 2;
+  auto out = torch::empty({x.size(0), inter}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "silu_and_mul", [&] {
+    silu_and_mul_impl<scalar_t>(x.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), x.size(0),
+                                inter);
+  });
+  return out;
+}
+
+}  // namespace pagoda_fused
+
+void register_fused_ops(pybind11::module& m) {
+  m.def("fused_add_rms_norm", &pagoda_fused::fused_add_rms_norm,
+        "residual += x; x = rms_norm(residual) * weight (both in place)");
+  m.def("rotary_and_cache", &pagoda_fused::rotary_and_cache,
+        "Rotate q and k of a fused qkv buffer in place, then write k and v to the caches");
+  m.def("silu_and_mul", &pagoda_fused::silu_and_mul, "[gate | up] -> silu(gate) * up");
+}
