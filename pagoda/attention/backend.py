@@ -36,6 +36,10 @@ class AttentionMetadata:
     decode_seq_lens: torch.Tensor | None  # [num_decodes] int64
     decode_max_seq_len: int
     prefills: list[PrefillSeq]
+    # Every token as its own query row (kernels that handle prefill rows like decode rows):
+    # its request's block table [T, max_blocks] and its causal context length (position + 1).
+    token_block_tables: torch.Tensor | None = None
+    token_seq_lens: torch.Tensor | None = None
 
 
 class AttentionBackend(Protocol):

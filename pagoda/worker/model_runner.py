@@ -141,6 +141,10 @@ class ModelRunner:
                        bt[i, : blocks_needed[i]])
             for i in range(num_decodes, len(states))
         ]
+        # NOTE: decode rows come first, so with no prefill these are the decode tables.
+        token_tables = bt if num_decodes == len(states) else torch.from_numpy(
+            block_tables[req_of_token]
+        )
         md = AttentionMetadata(
             slot_mapping=torch.from_numpy(slot_mapping).to(self.device),
             num_decode_tokens=num_decodes,
@@ -150,6 +154,8 @@ class ModelRunner:
             else None,
             decode_max_seq_len=int(seq_lens[:num_decodes].max()) if num_decodes else 0,
             prefills=prefills,
+            token_block_tables=token_tables.to(self.device),
+            token_seq_lens=torch.from_numpy(positions + 1).to(self.device),
         )
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         return ids, torch.from_numpy(positions).to(self.device), md

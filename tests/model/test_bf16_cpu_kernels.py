@@ -13,12 +13,19 @@ import transformers
 from pagoda import LLM, SamplingParams
 from pagoda.attention import cpu_kernels
 
-ARCHS = ["LlamaForCausalLM", "Qwen2ForCausalLM"]
+# (arch, config overrides, engine kwargs): plain; a sliding window shorter than the prompt;
+# a prompt prefilled in chunks that read earlier chunks back from the paged cache.
+CASES = [
+    ("LlamaForCausalLM", {}, {}),
+    ("Qwen2ForCausalLM", {}, {}),
+    ("MistralForCausalLM", {"sliding_window": 32}, {}),
+    ("LlamaForCausalLM", {}, {"max_num_batched_tokens": 48, "max_num_seqs": 4}),
+]
 
 
-def _prompt_logprobs(model_dir: Path, ids: list[int]) -> torch.Tensor:
+def _prompt_logprobs(model_dir: Path, ids: list[int], **engine_kwargs) -> torch.Tensor:
     """pagoda bf16: the logprob of each prompt token after the first, then 8 greedy steps."""
-    llm = LLM(str(model_dir), dtype="bfloat16", max_model_len=256)
+    llm = LLM(str(model_dir), dtype="bfloat16", max_model_len=256, **engine_kwargs)
     out = llm.generate(
         [{"prompt_token_ids": ids}],
         SamplingParams(max_tokens=8, temperature=0, prompt_logprobs=0, ignore_eos=True),
@@ -28,23 +35,24 @@ def _prompt_logprobs(model_dir: Path, ids: list[int]) -> torch.Tensor:
     return torch.tensor(lps, dtype=torch.float64), out.outputs[0].token_ids
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize(("arch", "overrides", "engine_kwargs"), CASES)
 def test_fast_paths_are_as_accurate_as_pytorch_ops(
-    arch: str, tiny_model, monkeypatch: pytest.MonkeyPatch
+    arch: str, overrides: dict, engine_kwargs: dict, tiny_model,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     if cpu_kernels.kernels_disabled() or cpu_kernels.load_extension() is None:
         pytest.skip("the C++ extension is unavailable here")
-    model_dir = tiny_model(arch)
+    model_dir = tiny_model(arch, **overrides)
     ids = torch.randint(3, 49152, (120,), generator=torch.Generator().manual_seed(1)).tolist()
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     with torch.no_grad():
         logits = hf(torch.tensor([ids])).logits[0].double()
     oracle = logits.log_softmax(-1)[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
 
-    fast, fast_tokens = _prompt_logprobs(model_dir, ids)
+    fast, fast_tokens = _prompt_logprobs(model_dir, ids, **engine_kwargs)
     monkeypatch.setenv("PAGODA_DISABLE_CPU_KERNELS", "1")
     monkeypatch.setenv("PAGODA_DISABLE_PACKED_LINEAR", "1")
-    plain, plain_tokens = _prompt_logprobs(model_dir, ids)
+    plain, plain_tokens = _prompt_logprobs(model_dir, ids, **engine_kwargs)
 
     fast_err = (fast - oracle).abs().mean().item()
     plain_err = (plain - oracle).abs().mean().item()

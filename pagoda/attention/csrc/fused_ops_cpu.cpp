@@ -17,10 +17,92 @@
 
 #include <omp.h>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
 
 namespace pagoda_fused {
+
+#if defined(__AVX512F__)
+// ---- 16-lane float32 views of bf16 / fp16 memory (masked for tails) --------------------
+inline __mmask16 tail_mask(int64_t n) {
+  return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
+}
+
+template <typename T>
+inline __m512 vload(const T* p, __mmask16 m) {
+  const __m256i raw = _mm256_maskz_loadu_epi16(m, p);
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+  } else {
+    return _mm512_cvtph_ps(raw);
+  }
+}
+
+template <typename T>
+inline __m256i to_half_bits(__m512 x) {
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+#if defined(__AVX512BF16__)
+    return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x));
+#else
+    // Round to nearest even by hand; NaN becomes the canonical quiet NaN as in c10.
+    const __m512i bits = _mm512_castps_si512(x);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(
+        _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb)), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC0));
+    return _mm512_cvtepi32_epi16(r);
+#endif
+  } else {
+    return _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  }
+}
+
+template <typename T>
+inline void vstore(T* p, __m512 x, __mmask16 m) {
+  _mm256_mask_storeu_epi16(p, m, to_half_bits<T>(x));
+}
+
+// x rounded to T and widened back: the value a PyTorch op in T would hand on.
+template <typename T>
+inline __m512 vround(__m512 x) {
+  const __m256i h = to_half_bits<T>(x);
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  } else {
+    return _mm512_cvtph_ps(h);
+  }
+}
+
+// e^x to about 1 float ulp: 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2] (Cody-Waite split).
+inline __m512 vexp(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f)));
+  r = _mm512_sub_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(-2.12194440e-4f)));
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  // NOTE: scalef saturates to inf / 0 outside float range, so no clamping is needed.
+  return _mm512_scalef_ps(p, n);
+}
+
+template <typename T>
+constexpr bool kVec = std::is_same_v<T, at::BFloat16> || std::is_same_v<T, at::Half>;
+#else
+template <typename T>
+constexpr bool kVec = false;
+#endif
 
 template <typename T>
 inline float to_f(T x) {
@@ -43,6 +125,25 @@ void add_rms_norm_impl(T* x, T* residual, const T* weight, int64_t rows, int64_t
   for (int64_t r = 0; r < rows; ++r) {
     T* xr = x + r * hidden;
     T* rr = residual + r * hidden;
+#if defined(__AVX512F__)
+    if constexpr (kVec<T>) {
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t i = 0; i < hidden; i += 16) {
+        const __mmask16 m = tail_mask(hidden - i);
+        const __m512 sum = vround<T>(_mm512_add_ps(vload(xr + i, m), vload(rr + i, m)));
+        vstore(rr + i, sum, m);
+        acc = _mm512_fmadd_ps(sum, sum, acc);
+      }
+      const float mean = _mm512_reduce_add_ps(acc) / static_cast<float>(hidden);
+      const __m512 inv = _mm512_set1_ps(1.0f / std::sqrt(mean + eps));
+      for (int64_t i = 0; i < hidden; i += 16) {
+        const __mmask16 m = tail_mask(hidden - i);
+        const __m512 normed = vround<T>(_mm512_mul_ps(vload(rr + i, m), inv));
+        vstore(xr + i, _mm512_mul_ps(vload(weight + i, m), normed), m);
+      }
+      continue;
+    }
+#endif
     double ss = 0.0;
     for (int64_t i = 0; i < hidden; ++i) {
       const T s = from_f<T>(to_f(xr[i]) + to_f(rr[i]));
@@ -75,6 +176,18 @@ void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w
 
 template <typename T>
 inline void rotate_head(T* h, const T* cos, const T* sin, int64_t half) {
+#if defined(__AVX512F__)
+  if constexpr (kVec<T>) {
+    for (int64_t i = 0; i < half; i += 16) {
+      const __mmask16 m = tail_mask(half - i);
+      const __m512 x1 = vload(h + i, m), x2 = vload(h + half + i, m);
+      const __m512 c = vload(cos + i, m), s = vload(sin + i, m);
+      vstore(h + i, _mm512_sub_ps(_mm512_mul_ps(x1, c), _mm512_mul_ps(x2, s)), m);
+      vstore(h + half + i, _mm512_add_ps(_mm512_mul_ps(x2, c), _mm512_mul_ps(x1, s)), m);
+    }
+    return;
+  }
+#endif
   for (int64_t i = 0; i < half; ++i) {
     const float x1 = to_f(h[i]);
     const float x2 = to_f(h[i + half]);
@@ -110,10 +223,8 @@ void rotary_and_cache_impl(T* qkv, const T* cos, const T* sin, const int64_t* po
     if (slots[t] < 0) continue;  // a padding token: no cache slot
     T* kd = k_cache + slots[t] * kv_row;
     T* vd = v_cache + slots[t] * kv_row;
-    for (int64_t i = 0; i < kv_row; ++i) {
-      kd[i] = k[i];
-      vd[i] = v[i];
-    }
+    std::memcpy(kd, k, kv_row * sizeof(T));
+    std::memcpy(vd, v, kv_row * sizeof(T));
   }
 }
 
@@ -166,6 +277,20 @@ void silu_and_mul_impl(const T* x, T* out, int64_t rows, int64_t inter) {
     const T* g = x + r * 2 * inter;
     const T* u = g + inter;
     T* o = out + r * inter;
+#if defined(__AVX512F__)
+    if constexpr (kVec<T>) {
+      const __m512 one = _mm512_set1_ps(1.0f);
+      const __m512 zero = _mm512_setzero_ps();
+      for (int64_t i = 0; i < inter; i += 16) {
+        const __mmask16 m = tail_mask(inter - i);
+        const __m512 gv = vload(g + i, m);
+        const __m512 e = vexp(_mm512_sub_ps(zero, gv));
+        const __m512 act = vround<T>(_mm512_div_ps(gv, _mm512_add_ps(one, e)));
+        vstore(o + i, _mm512_mul_ps(act, vload(u + i, m)), m);
+      }
+      continue;
+    }
+#endif
     for (int64_t i = 0; i < inter; ++i) {
       const float gf = to_f(g[i]);
       const T act = from_f<T>(gf / (1.0f + std::exp(-gf)));
