@@ -184,6 +184,13 @@ def cmd_bench_prefix_cache(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_parallel_sampling(args: argparse.Namespace) -> int:
+    from pagoda.benchmarks.parallel_sampling import run_parallel_sampling
+
+    run_parallel_sampling(args)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagoda", description="pagoda LLM engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -225,6 +232,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_prefix_cache_args(pc)
     pc.set_defaults(func=cmd_bench_prefix_cache)
+    ps = bench_sub.add_parser("parallel-sampling", help="KV memory of n samples of one prompt "
+                              "vs n separate requests")
+    from pagoda.benchmarks.parallel_sampling import add_parallel_sampling_args
+
+    add_parallel_sampling_args(ps)
+    ps.set_defaults(func=cmd_bench_parallel_sampling)
     return parser
 
 
