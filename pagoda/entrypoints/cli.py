@@ -191,6 +191,13 @@ def cmd_bench_parallel_sampling(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_mixed_sla(args: argparse.Namespace) -> int:
+    from pagoda.benchmarks.mixed_sla import run_mixed_sla
+
+    run_mixed_sla(args)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagoda", description="pagoda LLM engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -238,6 +245,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_parallel_sampling_args(ps)
     ps.set_defaults(func=cmd_bench_parallel_sampling)
+    ms = bench_sub.add_parser("mixed-sla", help="interactive requests over a batch job: TTFT "
+                              "and batch throughput under fcfs and priority scheduling")
+    from pagoda.benchmarks.mixed_sla import add_mixed_sla_args
+
+    add_mixed_sla_args(ms)
+    ms.set_defaults(func=cmd_bench_mixed_sla)
     return parser
 
 

@@ -44,3 +44,30 @@ def test_parallel_sampling_shares_the_prompts_full_blocks(tiny) -> None:
     assert all(r["num_output_tokens"] == 32 for r in report["runs"])
     assert report["saving"] == 0.5 and report["saving_prefix_caching_off"] == 0.0
 
+
+def test_mixed_sla_priority_serves_interactive_first(tiny) -> None:
+    """A batch job of 6 x (64 + 24) over 4 sequence slots and 4 interactive requests
+    arriving on the step clock: under priority each one preempts a batch request and gets
+    its first token in the very next step; under fcfs it waits behind the batch job. TTFT
+    in steps does not depend on the machine's speed."""
+    from pagoda.benchmarks.mixed_sla import run_mixed_sla
+    from pagoda.entrypoints.cli import build_parser
+
+    args = build_parser().parse_args([
+        "bench", "mixed-sla", "--model", str(tiny), "--dtype", "float32",
+        "--num-batch", "6", "--batch-input-len", "64", "--batch-output-len", "24",
+        "--num-interactive", "4", "--interactive-input-len", "8",
+        "--interactive-output-len", "4", "--interactive-rate", "0.2", "--max-num-seqs", "4",
+        "--max-num-batched-tokens", "128"])
+    report = run_mixed_sla(args)
+    fcfs, prio = report["results"]
+    assert (fcfs["policy"], prio["policy"]) == ("fcfs", "priority")
+    assert fcfs["valid"] and prio["valid"]
+    assert prio["interactive_ttft_steps"] == {"p50": 1.0, "p99": 1.0, "max": 1.0}
+    assert fcfs["interactive_ttft_steps"]["p99"] > 5 * prio["interactive_ttft_steps"]["p99"]
+    assert fcfs["num_preemptions"] == 0 and fcfs["preemptions_by_class"] == {}
+    assert prio["num_preemptions"] > 0
+    assert prio["preemptions_by_class"] == {"batch": prio["num_preemptions"]}
+    assert fcfs["batch_output_tokens"] == prio["batch_output_tokens"] == 6 * 24
+    assert prio["interactive_ttft_s"]["p99"] > 0 and fcfs["batch_output_tokens_per_s"] > 0
+    assert report["comparison"]["ttft_p99_fcfs_over_priority_steps"] > 5
