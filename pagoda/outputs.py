@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagoda.core.request import DEFAULT_SLA_CLASS
+
 
 @dataclass(slots=True)
 class Logprob:
@@ -39,6 +41,9 @@ class RequestMetrics:
     finished_time: float | None = None
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    # pagoda extension: the request's SLA class (interactive / async / batch), so that
+    # per-class latencies can be told apart (engine/metrics.py).
+    sla_class: str = DEFAULT_SLA_CLASS
 
 
 @dataclass(slots=True)

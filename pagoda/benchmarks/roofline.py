@@ -305,6 +305,12 @@ def measure_machine(
 # ---------------------------------------------------------------- reporting
 
 
+def machine_line(m: dict[str, Any]) -> str:
+    """`describe_machine()` in one line, for a benchmark's setup printout."""
+    return (f"{m['cpu']}, {m['num_cpus']} CPUs ({m['cpus_usable']} usable), "
+            f"{' '.join(m['isa']) or '-'}; torch {m['torch']} ({m['torch_threads']} threads)")
+
+
 def describe_machine() -> dict[str, Any]:
     """What every number depends on: CPU, cores, memory, library versions, threads."""
     import os

@@ -1,7 +1,8 @@
 """`pagoda bench throughput`: offline throughput of pagoda against its peers, one run.
 
 Every system gets the same seeded workload (random prompt token ids, output lengths forced
-with `ignore_eos`, greedy): pagoda's `LLM.generate`, transformers `generate` with static
+with `ignore_eos`, greedy): pagoda's engine (stepped as `LLM.generate` does, with its KV
+memory waste sampled after every step: `kv_waste.py`), transformers `generate` with static
 batches (`hf_baseline.py`), and vLLM's CPU build when its interpreter exists
 (`vllm_peer.py`). Model loading and a tiny warm-up stay out of every timing. The machine's
 roofline (`roofline.py`) says how close to the best possible each system came: the
@@ -30,6 +31,8 @@ from pagoda.benchmarks.hf_baseline import (
     resolve_model,
     run_hf,
 )
+from pagoda.benchmarks.kv_waste import KVWasteMeter
+from pagoda.benchmarks.kv_waste import sample as sample_kv
 from pagoda.benchmarks.workload import Workload, make_workload, workload_stats
 
 SYSTEMS = ("pagoda", "transformers", "vllm")
@@ -68,7 +71,8 @@ def add_throughput_args(parser: argparse.ArgumentParser) -> None:
         help="torch threads (pagoda, transformers, the roofline) and cores vLLM binds "
         "(default: all)",
     )
-    p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset")
+    p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset "
+                   "(pagoda alone, e.g. for its KV waste: --systems pagoda --no-roofline)")
     p.add_argument(
         "--hf-batch-sizes",
         type=_int_list,
@@ -116,8 +120,38 @@ def _rates(workload: Workload, num_output: int, elapsed: float) -> dict[str, flo
     }
 
 
+def _generate_measuring_kv(llm: Any, workload: Workload) -> tuple[list[int], float, KVWasteMeter]:
+    """What `LLM.generate` does (all requests queued, then steps until done), with the KV
+    occupancy sampled after every step. Returns the output token counts in workload order,
+    the elapsed seconds without the sampling's own time, and the meter.
+    """
+    from pagoda import SamplingParams
+    from pagoda.engine.output_processor import OutputKind
+
+    engine = llm.llm_engine
+    counts = [0] * len(workload)
+    meter = KVWasteMeter()
+    start = time.perf_counter()
+    for i, (prompt, num_output) in enumerate(workload):
+        params = SamplingParams(max_tokens=num_output, ignore_eos=True, temperature=0.0)
+        engine.add_request(f"w{i}", {"prompt_token_ids": prompt}, params,
+                           output_kind=OutputKind.FINAL_ONLY)
+    overhead = 0.0
+    step_start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                counts[int(out.request_id[1:])] = len(out.outputs[0].token_ids)
+        step_end = time.perf_counter()
+        meter.add(sample_kv(engine), step_end - step_start)
+        step_start = time.perf_counter()
+        overhead += step_start - step_end
+    return counts, time.perf_counter() - start - overhead, meter
+
+
 def run_pagoda(workload: Workload, args: argparse.Namespace) -> dict[str, Any]:
-    """Time pagoda's `LLM.generate` over the workload (load and warm-up excluded)."""
+    """Time pagoda's engine over the workload (load and warm-up excluded), measuring the
+    KV memory waste as it goes."""
     from pagoda import LLM, SamplingParams
 
     engine_kwargs = {
@@ -133,13 +167,9 @@ def run_pagoda(workload: Workload, args: argparse.Namespace) -> dict[str, Any]:
     warm = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)
     llm.generate([{"prompt_token_ids": workload[0][0][:16]}], warm, use_tqdm=False)
 
-    prompts = [{"prompt_token_ids": p} for p, _ in workload]
-    params = [SamplingParams(max_tokens=o, ignore_eos=True, temperature=0.0) for _, o in workload]
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
-    counts = [len(out.outputs[0].token_ids) for out in outputs]
-    del llm, outputs  # NOTE: free the engine's KV cache before the next system loads
+    counts, elapsed, meter = _generate_measuring_kv(llm, workload)
+    block_size = llm.llm_engine.kv_cache_manager.block_size
+    del llm  # NOTE: free the engine's KV cache before the next system loads
     gc.collect()
 
     num_short = sum(c != o for c, (_, o) in zip(counts, workload, strict=True))
@@ -150,6 +180,7 @@ def run_pagoda(workload: Workload, args: argparse.Namespace) -> dict[str, Any]:
         "num_output_tokens": sum(counts),
         "num_short_requests": num_short,
         **_rates(workload, sum(counts), elapsed),
+        "kv_waste": {**meter.summary(), "block_size": block_size},
         "valid": sum(counts) == sum(o for _, o in workload) and num_short == 0,
     }
 
@@ -278,6 +309,14 @@ def print_table(results: dict[str, dict[str, Any]]) -> None:
         print(
             f"{name:<14}{tps:>11,.1f}{r['requests_per_s']:>8.2f}{r['total_tokens_per_s']:>13,.1f}"
             f"{_ratio(tps, hf):>17}{_ratio(tps, vl):>9}{frac:>10}{note}"
+        )
+    waste = results.get("pagoda", {}).get("kv_waste")
+    if waste:
+        print(
+            f"pagoda KV memory waste (allocated slots - tokens stored, over allocated; "
+            f"block size {waste['block_size']}): {waste['waste_pct']:.2f}% time-averaged, "
+            f"{waste['waste_pct_by_step']:.2f}% by step, over {waste['num_samples']} steps; "
+            f"peak {waste['peak_blocks']} blocks (target < 4%)"
         )
 
 

@@ -17,7 +17,8 @@ are shared), so sharing needs no copy-on-write here.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from itertools import islice
 from typing import Protocol
 
@@ -33,6 +34,19 @@ class _CacheRequest(Protocol):
 
     @property
     def num_tokens(self) -> int: ...
+
+
+@dataclass(frozen=True, slots=True)
+class KVOccupancy:
+    """How full the blocks of a set of requests are (see `KVCacheManager.occupancy`)."""
+
+    num_blocks: int  # distinct blocks the requests hold
+    num_slots: int  # num_blocks * block_size: token slots allocated
+    num_tokens: int  # tokens whose K/V those blocks store
+
+    @property
+    def num_wasted_slots(self) -> int:
+        return self.num_slots - self.num_tokens
 
 
 class KVCacheManager:
@@ -56,6 +70,8 @@ class KVCacheManager:
         self.num_cached_blocks: dict[str, int] = {}
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        # High-water mark of blocks held by requests (see `reset_peak_num_used_blocks`).
+        self.peak_num_used_blocks = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -114,6 +130,7 @@ class KVCacheManager:
                 new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
                 blocks.extend(new_blocks)
                 self.req_to_block_ids[request.req_id].extend(b.block_id for b in new_blocks)
+                self._note_usage()
         else:
             if blocks:
                 raise ValueError(f"request {request.req_id} already holds blocks")
@@ -152,6 +169,7 @@ class KVCacheManager:
         self.req_to_blocks[req_id] = blocks
         self.req_to_block_ids[req_id] = [block.block_id for block in blocks]
         self.num_cached_blocks[req_id] = len(computed_blocks)
+        self._note_usage()
         if self.enable_caching and request.num_preemptions == 0:
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += num_hit_tokens
@@ -197,6 +215,34 @@ class KVCacheManager:
         self.num_cached_blocks.pop(req_id, None)
         if blocks:
             self.block_pool.free_blocks(reversed(blocks))
+
+    def _note_usage(self) -> None:
+        used = self.num_blocks - self.block_pool.get_num_free_blocks()
+        self.peak_num_used_blocks = max(self.peak_num_used_blocks, used)
+
+    def reset_peak_num_used_blocks(self) -> None:
+        """Restart the high-water mark from the blocks held now."""
+        self.peak_num_used_blocks = self.num_blocks - self.block_pool.get_num_free_blocks()
+
+    def occupancy(self, requests: Iterable[_CacheRequest]) -> KVOccupancy:
+        """Read-only: the distinct blocks that `requests` hold, their slots, and the tokens
+        stored in them. A block shared by several requests (prefix hits, n > 1 samples)
+        counts once, holding as many tokens as its fullest holder has computed in it: a
+        request with c computed tokens fills its table's block j with
+        min(block_size, c - j * block_size) tokens, at least 0.
+        """
+        block_size = self.block_size
+        fill: dict[int, int] = {}
+        for request in requests:
+            block_ids = self.req_to_block_ids.get(request.req_id)
+            if not block_ids:
+                continue
+            num_full, rest = divmod(request.num_computed_tokens, block_size)
+            for j, block_id in enumerate(block_ids):
+                n = block_size if j < num_full else (rest if j == num_full else 0)
+                if n > fill.get(block_id, -1):
+                    fill[block_id] = n
+        return KVOccupancy(len(fill), len(fill) * block_size, sum(fill.values()))
 
     def get_block_ids(self, req_id: str) -> list[int]:
         """The request's block table as ids ([] if it holds none). The live list, so

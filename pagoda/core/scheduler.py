@@ -64,6 +64,8 @@ class Scheduler:
         self.sla_ttft_targets_s = {**DEFAULT_SLA_TTFT_TARGETS_S, **(sla_ttft_targets_s or {})}
         self.sla_first_tokens: Counter[str] = Counter()
         self.sla_ttft_misses: Counter[str] = Counter()
+        # Preemptions by the preempted request's SLA class (sums to num_preemptions).
+        self.sla_preemptions: Counter[str] = Counter()
 
     @property
     def num_preemptions(self) -> int:
@@ -258,8 +260,10 @@ class Scheduler:
         return True
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
-        """Give `req`'s device blocks back (swap or recompute) and requeue it."""
+        """Give `req`'s device blocks back (swap or recompute) and requeue it; the
+        preemption counts against `req`'s SLA class."""
         out.blocks_to_swap_out.extend(self.preemptor.preempt(req))
+        self.sla_preemptions[req.sla_class] += 1
         self.finished_req_ids.add(req.req_id)
         self.waiting.prepend(req)
 
@@ -334,6 +338,7 @@ class Scheduler:
             host_cache_usage=self.preemptor.host_pool.usage if self.preemptor.host_pool else 0.0,
             sla_first_tokens=dict(self.sla_first_tokens),
             sla_ttft_misses=dict(self.sla_ttft_misses),
+            sla_preemptions=dict(self.sla_preemptions),
         )
 
     def check_integrity(self) -> None:
@@ -350,6 +355,9 @@ class Scheduler:
                 f"waiting {req.req_id} has computed tokens without holding KV"
             )
         self.preemptor.check_integrity(waiting)
+        assert sum(self.sla_preemptions.values()) == self.num_preemptions, (
+            "per-class preemptions do not add up"
+        )
         assert len(self.running) + len(waiting) == len(self.requests), "request map drift"
         assert {r.req_id for r in [*self.running, *waiting]} == self.requests.keys(), (
             "request map drift"

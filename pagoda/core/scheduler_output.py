@@ -81,3 +81,5 @@ class SchedulerStats:
     # Per SLA class: first tokens so far, and how many came later than the class's target.
     sla_first_tokens: dict[str, int] = field(default_factory=dict)
     sla_ttft_misses: dict[str, int] = field(default_factory=dict)
+    # Per SLA class: preemptions of requests of that class (sums to num_preemptions).
+    sla_preemptions: dict[str, int] = field(default_factory=dict)

@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from pagoda.core.request import DEFAULT_SLA_CLASS
 from pagoda.core.scheduler import SchedulerStats
 from pagoda.engine.llm_engine import LLMEngine, PromptType
 from pagoda.engine.metrics import EngineMetrics
@@ -63,6 +64,7 @@ class EngineRequest:
     params: SamplingParams
     priority: int = 0
     cache_salt: str | None = None
+    sla_class: str = DEFAULT_SLA_CLASS
 
 
 class OutputStream:
@@ -298,6 +300,7 @@ class AsyncLLMEngine:
                 self.engine.add_request(
                     r.request_id, r.prompt, r.params, arrival_time=command.arrival_time,
                     priority=r.priority, output_kind=OutputKind.DELTA, cache_salt=r.cache_salt,
+                    sla_class=r.sla_class,
                 )
                 added.append(r.request_id)
         except Exception as e:  # noqa: BLE001 - handed to the caller, who re-raises it

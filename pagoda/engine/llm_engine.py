@@ -201,7 +201,7 @@ class LLMEngine:
             f"{request_id}#{i}" for i in range(params.n)
         ]
         self.output_processor.add_request(
-            request_id, text, token_ids, params, child_ids, output_kind, arrival_time
+            request_id, text, token_ids, params, child_ids, output_kind, arrival_time, sla_class
         )
         for i, child in enumerate(child_ids):
             child_params = params

@@ -17,7 +17,16 @@ the HTTP layer counts error responses. Counting rules, exact so that tests can a
 | num_swaps                           | (preemptions that swapped, a subset of num_preemptions)|
 | sla_first_tokens{sla_class}         | the scheduler's per-class count of first tokens, and   |
 | sla_ttft_misses{sla_class}          | of those later than the class's TTFT target, mirrored  |
+| sla_time_to_first_token_seconds     | as time_to_first_token_seconds, by the request's class |
+|   {sla_class}                       | (the classes' counts add up to the unlabeled series)   |
+| sla_request_queue_time_seconds      | as request_queue_time_seconds (requests finished by    |
+|   {sla_class}                       | stop or length), by the request's class                |
+| sla_num_preemptions{sla_class}      | the scheduler's preemptions by the preempted request's |
+|                                     | class, mirrored (they add up to num_preemptions)       |
 | http_errors_total{status}           | once per HTTP response with status >= 400              |
+
+The per-class series are pagoda's own (vLLM has no SLA classes); every class's series
+exists from the start, at zero. The class comes from `RequestOutput.metrics.sla_class`.
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from pagoda.core.request import SLA_CLASS_RANKS
 from pagoda.core.scheduler import SchedulerStats
 from pagoda.outputs import RequestOutput
 
@@ -74,6 +84,13 @@ class EngineMetrics:
         def gauge(name: str, doc: str) -> Gauge:
             return Gauge(PREFIX + name, doc, labels, registry=reg).labels(model_name)
 
+        def per_class(kind: type, name: str, doc: str, **kwargs) -> Histogram | Counter:
+            metric = kind(PREFIX + name, doc, ["model_name", "sla_class"], registry=reg,
+                          **kwargs)
+            for sla_class in SLA_CLASS_RANKS:
+                metric.labels(model_name, sla_class)  # NOTE: every class's series, at zero
+            return metric
+
         self.ttft = hist("time_to_first_token_seconds", "Arrival to first token.",
                          _TTFT_BUCKETS)
         self.itl = hist("inter_token_latency_seconds", "Time between output tokens.",
@@ -98,6 +115,14 @@ class EngineMetrics:
         self.sla_ttft_misses = Counter(PREFIX + "sla_ttft_misses",
                                        "First tokens later than their SLA class's TTFT target.",
                                        ["model_name", "sla_class"], registry=reg)
+        self.sla_ttft = per_class(Histogram, "sla_time_to_first_token_seconds",
+                                  "Arrival to first token, by SLA class.",
+                                  buckets=_TTFT_BUCKETS)
+        self.sla_queue_time = per_class(Histogram, "sla_request_queue_time_seconds",
+                                        "Arrival to first scheduling, by SLA class.",
+                                        buckets=_REQUEST_BUCKETS)
+        self.sla_preemptions = per_class(Counter, "sla_num_preemptions",
+                                         "Preemptions by the preempted request's SLA class.")
         self.prefix_cache_queries = counter("prefix_cache_queries",
                                             "Prompt tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter("prefix_cache_hits",
@@ -125,7 +150,9 @@ class EngineMetrics:
                     m = out.metrics
                     first = m.first_token_time if m and m.first_token_time else now
                     if m is not None:
-                        self.ttft.observe(max(first - m.arrival_time, 0.0))
+                        ttft = max(first - m.arrival_time, 0.0)
+                        self.ttft.observe(ttft)
+                        self.sla_ttft.labels(self.model_name, m.sla_class).observe(ttft)
                 else:
                     self.itl.observe(max(now - tracked.last_token_time, 0.0))
                 tracked.last_token_time = now
@@ -162,7 +189,8 @@ class EngineMetrics:
             if delta > 0:
                 counter.inc(delta)
         for counter, name in ((self.sla_first_tokens, "sla_first_tokens"),
-                              (self.sla_ttft_misses, "sla_ttft_misses")):
+                              (self.sla_ttft_misses, "sla_ttft_misses"),
+                              (self.sla_preemptions, "sla_preemptions")):
             before = getattr(last, name) if last else {}
             for sla_class, count in getattr(stats, name).items():
                 delta = count - before.get(sla_class, 0)
@@ -186,7 +214,9 @@ class EngineMetrics:
         finished = m.finished_time or now
         self.e2e.observe(max(finished - m.arrival_time, 0.0))
         if m.first_scheduled_time is not None:
-            self.queue_time.observe(max(m.first_scheduled_time - m.arrival_time, 0.0))
+            queue_time = max(m.first_scheduled_time - m.arrival_time, 0.0)
+            self.queue_time.observe(queue_time)
+            self.sla_queue_time.labels(self.model_name, m.sla_class).observe(queue_time)
             if m.first_token_time is not None:
                 self.prefill_time.observe(max(m.first_token_time - m.first_scheduled_time, 0.0))
         if m.first_token_time is not None:

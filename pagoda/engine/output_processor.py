@@ -8,7 +8,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from pagoda.core.request import RequestStatus
+from pagoda.core.request import DEFAULT_SLA_CLASS, RequestStatus
 from pagoda.core.scheduler import EngineCoreOutput
 from pagoda.engine.detokenizer import IncrementalDetokenizer, decode_token
 from pagoda.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -69,6 +69,7 @@ class OutputProcessor:
         child_ids: list[str],
         kind: OutputKind,
         arrival_time: float,
+        sla_class: str = DEFAULT_SLA_CLASS,
     ) -> None:
         samples = []
         for i, child in enumerate(child_ids):
@@ -87,7 +88,7 @@ class OutputProcessor:
             prompt_lps = [None] * len(prompt_token_ids)
         self.requests[request_id] = RequestState(
             request_id, prompt, prompt_token_ids, params, kind, samples,
-            RequestMetrics(arrival_time=arrival_time), prompt_lps,
+            RequestMetrics(arrival_time=arrival_time, sla_class=sla_class), prompt_lps,
         )
 
     def remove(self, request_id: str) -> list[str]:

@@ -184,6 +184,20 @@ def cmd_bench_prefix_cache(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_parallel_sampling(args: argparse.Namespace) -> int:
+    from pagoda.benchmarks.parallel_sampling import run_parallel_sampling
+
+    run_parallel_sampling(args)
+    return 0
+
+
+def cmd_bench_mixed_sla(args: argparse.Namespace) -> int:
+    from pagoda.benchmarks.mixed_sla import run_mixed_sla
+
+    run_mixed_sla(args)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagoda", description="pagoda LLM engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -225,6 +239,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_prefix_cache_args(pc)
     pc.set_defaults(func=cmd_bench_prefix_cache)
+    ps = bench_sub.add_parser("parallel-sampling", help="KV memory of n samples of one prompt "
+                              "vs n separate requests")
+    from pagoda.benchmarks.parallel_sampling import add_parallel_sampling_args
+
+    add_parallel_sampling_args(ps)
+    ps.set_defaults(func=cmd_bench_parallel_sampling)
+    ms = bench_sub.add_parser("mixed-sla", help="interactive requests over a batch job: TTFT "
+                              "and batch throughput under fcfs and priority scheduling")
+    from pagoda.benchmarks.mixed_sla import add_mixed_sla_args
+
+    add_mixed_sla_args(ms)
+    ms.set_defaults(func=cmd_bench_mixed_sla)
     return parser
 
 

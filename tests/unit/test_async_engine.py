@@ -28,11 +28,13 @@ class FakeEngine:
         self.left: dict[str, int] = {}
         self.output_processor = SimpleNamespace(requests=self.left, child_to_parent={})
         self.scheduler = SimpleNamespace(running=[])
+        self.added: dict[str, tuple[int, str | None, str]] = {}  # priority, salt, class
 
     def add_request(self, request_id, prompt, params, arrival_time=None, priority=0,
-                    output_kind=None, cache_salt=None) -> None:
+                    output_kind=None, cache_salt=None, sla_class="interactive") -> None:
         if not prompt:
             raise ValueError("prompt is empty")
+        self.added[request_id] = (priority, cache_salt, sla_class)
         self.left[request_id] = params.max_tokens
         self.output_processor.child_to_parent[request_id] = (request_id, 0)
         self.scheduler.running.append(SimpleNamespace(req_id=request_id))
@@ -167,3 +169,16 @@ def test_waiting_queue_limit() -> None:
         raise AssertionError("the queue never freed up")
 
     assert len(run(body, max_queued_requests=1)) == 1
+
+
+def test_priority_salt_and_sla_class_reach_the_engine() -> None:
+    async def body(engine: AsyncLLMEngine):
+        params = SamplingParams(max_tokens=1)
+        stream = await engine.generate([
+            EngineRequest("a", "p", params, priority=5, cache_salt="s", sla_class="batch"),
+            EngineRequest("b", "p", params),
+        ])
+        [out async for out in stream]
+        return engine.engine.added
+
+    assert run(body) == {"a": (5, "s", "batch"), "b": (0, None, "interactive")}

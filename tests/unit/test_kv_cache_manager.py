@@ -8,7 +8,7 @@ import pytest
 
 from pagoda.core.block_pool import KVCacheBlock
 from pagoda.core.hashing import update_block_hashes
-from pagoda.core.kv_cache_manager import KVCacheManager
+from pagoda.core.kv_cache_manager import KVCacheManager, KVOccupancy
 from pagoda.core.request import Request
 from pagoda.sampling_params import SamplingParams
 
@@ -285,3 +285,39 @@ def test_check_integrity_catches_corruption() -> None:
     manager.req_to_blocks["a"].append(manager.req_to_blocks["a"][0])
     with pytest.raises(AssertionError, match="a block twice in table"):
         manager.check_integrity()
+
+
+def test_occupancy_counts_shared_blocks_once_and_partial_blocks_by_fill() -> None:
+    manager = KVCacheManager(num_blocks=16, block_size=BS)
+    a = make_request("a", range(10))  # blocks of 4, 4, 2 tokens
+    assert schedule(manager, a) == [0, 1, 2]
+    b = make_request("b", [*range(8), 50, 51, 52])  # hits a's 2 full blocks, then 3 tokens
+    assert schedule(manager, b) == [3]
+    c = make_request("c", range(100, 109))
+    assert schedule(manager, c, 5) == [4, 5]  # chunked prefill: 4 + 1 tokens so far
+    assert manager.occupancy([a]) == KVOccupancy(3, 12, 10)
+    both = manager.occupancy([a, b])
+    assert both == KVOccupancy(4, 16, 13) and both.num_wasted_slots == 3
+    # Slots allocated for tokens not computed yet hold nothing: c's table grows to cover
+    # 9 tokens (3 blocks) while num_computed_tokens stays 5.
+    assert ids(manager.allocate_slots(c, 4)) == [6]
+    assert manager.occupancy([a, b, c]) == KVOccupancy(7, 28, 18)
+    assert manager.occupancy([make_request("idle", [1])]) == KVOccupancy(0, 0, 0)
+    manager.check_integrity()
+
+
+def test_peak_num_used_blocks_is_a_high_water_mark() -> None:
+    manager = KVCacheManager(num_blocks=16, block_size=BS)
+    a = make_request("a", range(10))
+    schedule(manager, a)
+    b = make_request("b", [*range(8), 50, 51, 52])
+    schedule(manager, b)  # 2 shared blocks: 4 in use, not 6
+    assert manager.peak_num_used_blocks == 4
+    manager.free(a)
+    manager.free(b)
+    assert manager.peak_num_used_blocks == 4 and manager.usage == 0.0
+    manager.reset_peak_num_used_blocks()
+    assert manager.peak_num_used_blocks == 0
+    again = make_request("again", range(10))  # 2 hits on freed cached blocks + 1 new
+    schedule(manager, again)
+    assert manager.peak_num_used_blocks == 3

@@ -84,3 +84,61 @@ def test_stats_gauges_and_counter_deltas() -> None:
                                        {"model_name": "m", "status": "429"}) == 1
     text = generate_latest(m.registry).decode()
     assert 'pagoda:kv_cache_usage_perc{model_name="m"}' in text
+
+
+def test_per_class_ttft_and_queue_time() -> None:
+    """Each request counts in its own class's series, as in the unlabeled ones; the other
+    classes' series exist at zero."""
+    m = EngineMetrics("m")
+    batch = RequestMetrics(arrival_time=0.0, first_scheduled_time=2.0, first_token_time=3.0,
+                           sla_class="batch")
+    inter = RequestMetrics(arrival_time=1.0, first_scheduled_time=1.25, first_token_time=1.5)
+    assert inter.sla_class == "interactive"
+    m.observe_outputs([delta("i", [(0, 1, None)], False, inter)], now=1.5)
+    m.observe_outputs([delta("b", [(0, 1, None)], False, batch),
+                       delta("i", [(0, 1, "length")], True, inter)], now=3.0)
+    # NOTE: b finished by abort: its TTFT counts, its queue time does not (as unlabeled).
+    m.observe_outputs([delta("b", [(0, 1, "abort")], True, batch)], now=4.0)
+    m.observe_outputs([delta("b2", [(0, 2, "stop")], True, batch)], now=4.0)
+
+    def cls(name: str, sla_class: str) -> float:
+        return value(m, f"pagoda:{name}", sla_class=sla_class)
+
+    assert cls("sla_time_to_first_token_seconds_count", "interactive") == 1
+    assert cls("sla_time_to_first_token_seconds_sum", "interactive") == 0.5
+    assert cls("sla_time_to_first_token_seconds_count", "batch") == 2
+    assert cls("sla_time_to_first_token_seconds_sum", "batch") == 6.0
+    assert cls("sla_request_queue_time_seconds_count", "interactive") == 1
+    assert cls("sla_request_queue_time_seconds_sum", "interactive") == 0.25
+    assert cls("sla_request_queue_time_seconds_count", "batch") == 1
+    assert cls("sla_request_queue_time_seconds_sum", "batch") == 2.0
+    assert value(m, "pagoda:time_to_first_token_seconds_count") == 3
+    assert value(m, "pagoda:request_queue_time_seconds_count") == 2
+    assert value(m, "pagoda:request_queue_time_seconds_sum") == 2.25
+    # Buckets: the interactive TTFT (0.5 s) is in le=0.5, the batch ones (3 s) are not.
+    le = {"model_name": "m", "sla_class": "interactive", "le": "0.5"}
+    assert m.registry.get_sample_value("pagoda:sla_time_to_first_token_seconds_bucket", le) == 1
+    le["sla_class"] = "batch"
+    assert m.registry.get_sample_value("pagoda:sla_time_to_first_token_seconds_bucket", le) == 0
+    assert m.registry.get_sample_value(
+        "pagoda:sla_time_to_first_token_seconds_count",
+        {"model_name": "m", "sla_class": "async"}) == 0
+    text = generate_latest(m.registry).decode()
+    assert 'pagoda:sla_num_preemptions_total{model_name="m",sla_class="async"} 0.0' in text
+
+
+def test_per_class_preemptions_follow_scheduler_deltas() -> None:
+    m = EngineMetrics("m")
+
+    def stats(preempted: int, by_class: dict[str, int]) -> SchedulerStats:
+        return SchedulerStats(num_running=0, num_waiting=0, kv_cache_usage=0.0,
+                              num_preemptions=preempted, prefix_cache_queries=0,
+                              prefix_cache_hits=0, sla_preemptions=by_class)
+
+    m.observe_stats(stats(2, {"batch": 2}))
+    m.observe_stats(stats(5, {"batch": 4, "interactive": 1}))
+    m.observe_stats(stats(5, {"batch": 4, "interactive": 1}))
+    assert value(m, "pagoda:sla_num_preemptions_total", sla_class="batch") == 4
+    assert value(m, "pagoda:sla_num_preemptions_total", sla_class="interactive") == 1
+    assert value(m, "pagoda:sla_num_preemptions_total", sla_class="async") == 0
+    assert value(m, "pagoda:num_preemptions_total") == 5

@@ -64,6 +64,7 @@ def test_max_num_seqs_preempts_the_newest_of_the_lowest_rank() -> None:
     assert [r.req_id for r in sched.running] == ["b1", "hi"]
     assert list(sched.waiting) == [b2]
     assert sched.num_preemptions == 1 and sched.get_stats().num_preemptions == 1
+    assert sched.get_stats().sla_preemptions == {"batch": 1}
     run_to_end(sched)
     assert b2.output_token_ids == [TOKEN] * 8 and b2.num_preemptions == 1
     assert b1.num_preemptions == 0 and hi.num_preemptions == 0
@@ -143,6 +144,33 @@ def test_running_phase_victim_is_lowest_rank() -> None:
     run_to_end(sched)
     assert inter.num_preemptions == 0
     assert batch.output_token_ids == [TOKEN] * 12 and inter.output_token_ids == [TOKEN] * 12
+
+
+def test_preemptions_count_against_the_victims_class() -> None:
+    """Both preemption paths attribute to the preempted request's class: a waiting
+    interactive request preempts an async one (max_num_seqs), then KV pressure in the
+    running phase preempts the newest interactive request under FCFS order of equals."""
+    sched = make_scheduler(num_blocks=6, max_num_seqs=2)
+    slow = make_request("async", 4, 0.0, "async", max_tokens=12)
+    first = make_request("i1", 4, 1.0, max_tokens=12, first_token=100)
+    sched.add_request(slow)
+    sched.add_request(first)
+    step(sched)
+    second = make_request("i2", 4, 2.0, max_tokens=12, first_token=200)
+    sched.add_request(second)
+    step(sched)
+    assert slow.status == RequestStatus.PREEMPTED
+    assert sched.get_stats().sla_preemptions == {"async": 1}
+    # i1 and i2 grow to 4 blocks each in 6 blocks: the newer interactive one gives way.
+    while second.num_preemptions == 0:
+        step(sched)
+    assert first.num_preemptions == 0
+    assert sched.get_stats().sla_preemptions == {"async": 1, "interactive": 1}
+    run_to_end(sched)
+    stats = sched.get_stats()
+    assert sum(stats.sla_preemptions.values()) == stats.num_preemptions
+    assert stats.sla_preemptions["interactive"] == first.num_preemptions + second.num_preemptions
+    assert stats.sla_preemptions["async"] == slow.num_preemptions
 
 
 def run_stream(aging_interval_s: float, num_steps: int) -> int | None:

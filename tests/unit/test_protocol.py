@@ -96,3 +96,18 @@ def test_error_body_and_param_extraction() -> None:
     assert bad_request(ValueError("something else broke")).param is None
     assert usage(3, 4, 2) == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7,
                               "prompt_tokens_details": {"cached_tokens": 2}}
+
+
+def test_sla_class_and_priority_fields() -> None:
+    msgs = [{"role": "user", "content": "hi"}]
+    assert CompletionRequest(prompt="x").engine_sla_class() == "interactive"
+    assert CompletionRequest(prompt="x", sla_class=None).engine_sla_class() == "interactive"
+    req = ChatCompletionRequest(messages=msgs, sla_class="batch", priority=3)
+    assert req.engine_sla_class() == "batch" and req.priority == 3
+    with pytest.raises(ValueError) as e:
+        CompletionRequest(prompt="x", sla_class="gold").engine_sla_class()
+    err = bad_request(e.value)
+    assert err.status == 400 and err.param == "sla_class"
+    assert err.message == "sla_class must be one of ['interactive', 'async', 'batch'], got 'gold'"
+    with pytest.raises(ValidationError):
+        CompletionRequest(prompt="x", sla_class=["batch"])

@@ -11,6 +11,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from pagoda.core.request import DEFAULT_SLA_CLASS, SLA_CLASS_RANKS
 from pagoda.sampling_params import SamplingParams
 
 # NOTE: every sample is a sequence in the engine; a bound keeps one request from flooding it.
@@ -86,13 +87,26 @@ class _GenerationRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # vLLM's: lower is served first under --scheduling-policy priority.
     priority: int = 0
     cache_salt: str | None = None
+    # pagoda extension: interactive (the default), async or batch; ranks before priority
+    # under the priority policy, and labels the per-class metrics.
+    sla_class: str | None = None
 
     def check_stream_options(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed when stream is true",
                            "stream_options")
+
+    def engine_sla_class(self) -> str:
+        """The SLA class to schedule under; raises ValueError naming sla_class if unknown."""
+        if self.sla_class is None:
+            return DEFAULT_SLA_CLASS
+        if self.sla_class not in SLA_CLASS_RANKS:
+            raise ValueError(f"sla_class must be one of {list(SLA_CLASS_RANKS)}, "
+                             f"got {self.sla_class!r}")
+        return self.sla_class
 
     def _sampling(self, max_tokens: int | None, logprobs: int | None,
                   prompt_logprobs: int | None) -> SamplingParams:

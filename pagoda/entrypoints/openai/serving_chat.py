@@ -64,11 +64,12 @@ async def create_chat_completion(
         prompt_ids = chat_prompt_ids(state, messages, body.add_generation_prompt)
         params = body.to_sampling_params(state.max_logprobs)
         params.verify_token_ids(state.vocab_size)
+        sla_class = body.engine_sla_class()
     except ValueError as e:
         raise bad_request(e) from e
     request_id = new_request_id("chatcmpl")
     request = EngineRequest(request_id, {"prompt_token_ids": prompt_ids}, params,
-                            body.priority, body.cache_salt)
+                            body.priority, body.cache_salt, sla_class)
     stream = await submit(state, [request], arrival)
     builder = _ChatBuilder(state, body, request_id, model, params.logprobs)
     if body.stream:

@@ -46,10 +46,12 @@ async def create_completion(state: ServerState, body: CompletionRequest, raw: Re
         prompts = body.prompts()
         params = body.to_sampling_params(state.max_logprobs)
         params.verify_token_ids(state.vocab_size)
+        sla_class = body.engine_sla_class()
     except ValueError as e:
         raise bad_request(e) from e
     request_id = new_request_id("cmpl")
-    requests = [EngineRequest(f"{request_id}-{i}", p, params, body.priority, body.cache_salt)
+    requests = [EngineRequest(f"{request_id}-{i}", p, params, body.priority, body.cache_salt,
+                              sla_class)
                 for i, p in enumerate(prompts)]
     stream = await submit(state, requests, arrival)
     builder = _CompletionBuilder(state, body, request_id, model, params.n)

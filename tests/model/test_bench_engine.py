@@ -1,0 +1,73 @@
+"""The engine-driven benchmarks on a tiny model: what they count is exact (KV waste by
+step, peak blocks, TTFT in steps); their timings are only checked to exist."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from pagoda import LLM
+from pagoda.benchmarks.throughput import _generate_measuring_kv
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model):
+    return tiny_model("LlamaForCausalLM")
+
+
+def test_throughput_kv_waste_by_step(tiny) -> None:
+    """One 20-token prompt, 4 outputs, block size 16: after steps 1-3 it holds 2 blocks
+    (32 slots) with 20, 21, 22 tokens stored; after step 4 it has finished (nothing held).
+    By step: (12 + 11 + 10) / 96."""
+    llm = LLM(str(tiny), dtype="float32", kv_cache_memory_bytes=1 << 20)
+    counts, elapsed, meter = _generate_measuring_kv(llm, [(list(range(100, 120)), 4)])
+    assert counts == [4] and elapsed > 0
+    assert meter.num_samples == 4 and meter.peak_blocks == 2
+    assert (meter.num_slots, meter.num_wasted_slots) == (96, 33)
+    assert meter.waste_pct_by_step == pytest.approx(100 * 33 / 96)
+    assert 100 * 10 / 32 <= meter.waste_pct <= 100 * 12 / 32
+
+
+def test_parallel_sampling_shares_the_prompts_full_blocks(tiny) -> None:
+    """A 40-token prompt, n = 4 x 8 tokens, block size 16: each sample stores 47 tokens
+    (3 blocks). Sharing the first 2 full blocks: 2 + 4 x 1 = 6 blocks at peak; four
+    separate requests without the prefix cache: 12."""
+    from pagoda.benchmarks.parallel_sampling import run_parallel_sampling
+
+    args = argparse.Namespace(model=str(tiny), dtype="float32", prompt_len=40, max_tokens=8,
+                              n=4, block_size=16, seed=0, output_json=None)
+    report = run_parallel_sampling(args)
+    peaks = [(r["shape"], r["prefix_caching"], r["peak_blocks"]) for r in report["runs"]]
+    assert peaks == [("n=4 in one request", True, 6), ("4 separate requests", True, 6),
+                     ("n=4 in one request", False, 12), ("4 separate requests", False, 12)]
+    assert all(r["num_output_tokens"] == 32 for r in report["runs"])
+    assert report["saving"] == 0.5 and report["saving_prefix_caching_off"] == 0.0
+
+
+def test_mixed_sla_priority_serves_interactive_first(tiny) -> None:
+    """A batch job of 6 x (64 + 24) over 4 sequence slots and 4 interactive requests
+    arriving on the step clock: under priority each one preempts a batch request and gets
+    its first token in the very next step; under fcfs it waits behind the batch job. TTFT
+    in steps does not depend on the machine's speed."""
+    from pagoda.benchmarks.mixed_sla import run_mixed_sla
+    from pagoda.entrypoints.cli import build_parser
+
+    args = build_parser().parse_args([
+        "bench", "mixed-sla", "--model", str(tiny), "--dtype", "float32",
+        "--num-batch", "6", "--batch-input-len", "64", "--batch-output-len", "24",
+        "--num-interactive", "4", "--interactive-input-len", "8",
+        "--interactive-output-len", "4", "--interactive-rate", "0.2", "--max-num-seqs", "4",
+        "--max-num-batched-tokens", "128"])
+    report = run_mixed_sla(args)
+    fcfs, prio = report["results"]
+    assert (fcfs["policy"], prio["policy"]) == ("fcfs", "priority")
+    assert fcfs["valid"] and prio["valid"]
+    assert prio["interactive_ttft_steps"] == {"p50": 1.0, "p99": 1.0, "max": 1.0}
+    assert fcfs["interactive_ttft_steps"]["p99"] > 5 * prio["interactive_ttft_steps"]["p99"]
+    assert fcfs["num_preemptions"] == 0 and fcfs["preemptions_by_class"] == {}
+    assert prio["num_preemptions"] > 0
+    assert prio["preemptions_by_class"] == {"batch": prio["num_preemptions"]}
+    assert fcfs["batch_output_tokens"] == prio["batch_output_tokens"] == 6 * 24
+    assert prio["interactive_ttft_s"]["p99"] > 0 and fcfs["batch_output_tokens_per_s"] > 0
+    assert report["comparison"]["ttft_p99_fcfs_over_priority_steps"] > 5
