@@ -84,3 +84,13 @@ def test_stats_gauges_and_counter_deltas() -> None:
                                        {"model_name": "m", "status": "429"}) == 1
     text = generate_latest(m.registry).decode()
     assert 'pagoda:kv_cache_usage_perc{model_name="m"}' in text
+
+
+def test_prefix_cache_host_hits_counter_follows_the_scheduler() -> None:
+    m = EngineMetrics("m")
+    for host_hits in (0, 32, 48, 48):
+        m.observe_stats(SchedulerStats(num_running=0, num_waiting=0, kv_cache_usage=0.0,
+                                       num_preemptions=0, prefix_cache_queries=100,
+                                       prefix_cache_hits=64, prefix_cache_host_hits=host_hits))
+    assert value(m, "pagoda:prefix_cache_host_hits_total") == 48
+    assert value(m, "pagoda:prefix_cache_hits_total") == 64
