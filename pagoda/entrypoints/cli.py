@@ -189,6 +189,13 @@ def cmd_bench_prefix_cache(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_multi_turn(args: argparse.Namespace) -> int:
+    from pagoda.benchmarks.multi_turn import run_multi_turn
+
+    run_multi_turn(args)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagoda", description="pagoda LLM engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -230,6 +237,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_prefix_cache_args(pc)
     pc.set_defaults(func=cmd_bench_prefix_cache)
+    mt = bench_sub.add_parser("multi-turn", help="multi-turn conversations evicted by other "
+                              "traffic: the prefix cache's host tier off/on")
+    from pagoda.benchmarks.multi_turn import add_multi_turn_args
+
+    add_multi_turn_args(mt)
+    mt.set_defaults(func=cmd_bench_multi_turn)
     return parser
 
 
