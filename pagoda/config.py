@@ -72,6 +72,10 @@ class CacheConfig:
     # Host memory (GiB) for swap preemption's block pool; allocated only when
     # preemption_mode is "swap". Pinned when the device is CUDA.
     swap_space: float = 4.0
+    # Host memory (GiB) for the prefix cache's second tier (vLLM's flag name): cached
+    # blocks the device pool evicts are kept there and loaded back on a later hit.
+    # 0 = off. Its own buffer, apart from swap_space (pinned when the device is CUDA).
+    kv_offloading_size: float = 0.0
 
 
 @dataclass
@@ -130,6 +134,15 @@ class EngineConfig:
         c, s = self.cache, self.scheduler
         if not c.swap_space >= 0:
             raise ValueError(f"swap_space must be >= 0 GiB, got {c.swap_space}")
+        if not c.kv_offloading_size >= 0:
+            raise ValueError(
+                f"kv_offloading_size must be >= 0 GiB, got {c.kv_offloading_size}"
+            )
+        if c.kv_offloading_size > 0 and not c.enable_prefix_caching:
+            raise ValueError(
+                "kv_offloading_size > 0 (the prefix cache's host tier) needs "
+                "enable_prefix_caching"
+            )
         if s.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(
                 f"scheduling_policy must be one of {sorted(SCHEDULING_POLICIES)}, "

@@ -41,6 +41,7 @@ class LLM:
         scheduling_policy: str = "fcfs",
         preemption_mode: str = "recompute",
         swap_space: float = 4.0,
+        kv_offloading_size: float = 0.0,
         aging_interval_s: float = DEFAULT_AGING_INTERVAL_S,
         sla_ttft_targets_s: dict[str, float] | None = None,
     ) -> None:
@@ -53,6 +54,7 @@ class LLM:
                 num_gpu_blocks_override=num_gpu_blocks_override,
                 enable_prefix_caching=enable_prefix_caching,
                 swap_space=swap_space,
+                kv_offloading_size=kv_offloading_size,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=max_num_seqs,

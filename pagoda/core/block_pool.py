@@ -12,13 +12,21 @@ The free queue is the eviction order: blocks are allocated from its head and fre
 tail, so the least recently freed block is evicted first. A prefix hit takes a free
 cached block out of the middle of the queue in O(1) (intrusive doubly linked list).
 Block 0 is an ordinary block.
+
+With a host tier (core/host_tier.py), evicting a cached block offloads it: its hash and KV
+move to a host slot (the copy is queued there) instead of being forgotten. The tiers are
+exclusive: registering a block under a hash the host tier holds drops the host entry.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 from pagoda.core.hashing import BlockHash
+
+if TYPE_CHECKING:
+    from pagoda.core.host_tier import HostPrefixTier
 
 
 class KVCacheBlock:
@@ -110,11 +118,16 @@ class BlockPool:
     at the same time, the first to register wins and the other block stays uncached.
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+    def __init__(
+        self, num_blocks: int, enable_caching: bool, host_tier: HostPrefixTier | None = None
+    ) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        if host_tier is not None and not enable_caching:
+            raise ValueError("a host tier needs prefix caching")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
+        self.host_tier = host_tier
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
@@ -138,8 +151,12 @@ class BlockPool:
         return blocks
 
     def _evict(self, block: KVCacheBlock) -> None:
-        """Drop `block` from the prefix cache: its contents are about to be overwritten."""
+        """Drop `block` from the prefix cache: its contents are about to be overwritten.
+        With a host tier they are copied there first (the copy runs before the forward).
+        """
         del self.cached_block_hash_to_block[block.block_hash]
+        if self.host_tier is not None:
+            self.host_tier.offload(block.block_hash, block.block_id)
         block.block_hash = None
 
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
@@ -182,6 +199,7 @@ class BlockPool:
         if not self.enable_caching:
             return
         hash_to_block = self.cached_block_hash_to_block
+        host_tier = self.host_tier
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
             if block.block_hash is not None:
@@ -194,6 +212,10 @@ class BlockPool:
                 continue
             block.block_hash = block_hash
             hash_to_block[block_hash] = block
+            if host_tier is not None:
+                # NOTE: computed again (e.g. by a request that skipped the cache): the
+                # device copy wins, so that no hash is held by both tiers.
+                host_tier.discard(block_hash)
 
     def get_num_free_blocks(self) -> int:
         """Blocks in the free queue (including cached ones, which are evictable)."""
@@ -213,11 +235,14 @@ class BlockPool:
         for block in self.cached_block_hash_to_block.values():
             block.block_hash = None
         self.cached_block_hash_to_block.clear()
+        if self.host_tier is not None:
+            self.host_tier.reset()
         return True
 
     def check_integrity(self) -> None:
         """Assert the table in the module docstring (AssertionError with a message):
-        free queue == blocks with ref 0, and the hash map agrees with the blocks' hashes.
+        free queue == blocks with ref 0, and the hash map agrees with the blocks' hashes;
+        the host tier's own invariants, and no hash in both tiers. Between steps only.
         """
         free_blocks = self.free_block_queue.get_all_free_blocks()
         free_ids = {block.block_id for block in free_blocks}
@@ -239,6 +264,8 @@ class BlockPool:
             self.enable_caching or not self.cached_block_hash_to_block,
             "blocks are cached although caching is off",
         )
+        if self.host_tier is not None:
+            self.host_tier.check_integrity(self.cached_block_hash_to_block)
 
 
 def assert_that(condition: bool, message: str) -> None:

@@ -12,6 +12,13 @@ are shared), so sharing needs no copy-on-write here.
 | req_to_block_ids  | the same table as ids, kept in step so reading it costs nothing  |
 | num_cached_blocks | leading blocks already offered to the prefix cache (registered,  |
 |                   | or skipped as duplicates); the next registration starts there    |
+
+With a host tier (`num_host_tier_blocks` > 0, core/host_tier.py), a prefix lookup that runs
+out of device hits continues its chain in host memory. Admission gives each host hit a new
+device block, queues the host -> device copy (performed before the step's forward) and
+registers the block like any other full one; the request skips those tokens as computed.
+The step's copies, device -> host offloads of evicted blocks included, are handed to the
+scheduler by `end_step()`.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from typing import Protocol
 
 from pagoda.core.block_pool import BlockPool, KVCacheBlock, assert_that
 from pagoda.core.hashing import BlockHash
+from pagoda.core.host_tier import HostPrefixTier
 
 
 class _CacheRequest(Protocol):
@@ -54,17 +62,29 @@ class KVCacheManager:
 
     `prefix_cache_queries` / `prefix_cache_hits` count tokens: each request counts once,
     at its first successful allocation if it was never preempted (queries += its token
-    count, hits += its prefix-hit tokens). Counting at commit rather than in
+    count, hits += its prefix-hit tokens, device and host). `prefix_cache_host_hits` is the
+    part of the hits loaded from the host tier. Counting at commit rather than in
     `get_computed_blocks` means a request whose admission is retried is not counted twice.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        num_host_tier_blocks: int = 0,
+    ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
+        if num_host_tier_blocks < 0:
+            raise ValueError(f"num_host_tier_blocks must be >= 0, got {num_host_tier_blocks}")
+        if num_host_tier_blocks and not enable_caching:
+            raise ValueError("a host tier (num_host_tier_blocks > 0) needs prefix caching")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.host_tier = HostPrefixTier(num_host_tier_blocks) if num_host_tier_blocks else None
+        self.block_pool = BlockPool(num_blocks, enable_caching, self.host_tier)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.req_to_block_ids: dict[str, list[int]] = {}
         self.num_cached_blocks: dict[str, int] = {}
@@ -72,6 +92,7 @@ class KVCacheManager:
         self.prefix_cache_hits = 0
         # High-water mark of blocks held by requests (see `reset_peak_num_used_blocks`).
         self.peak_num_used_blocks = 0
+        self.prefix_cache_host_hits = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -84,8 +105,10 @@ class KVCacheManager:
         return self.block_pool.get_usage()
 
     def get_computed_blocks(self, request: _CacheRequest) -> tuple[list[KVCacheBlock], int]:
-        """The longest run of cached blocks matching `request.block_hashes` from the start,
-        and the number of tokens they cover. Never covers the last token (it must be
+        """The longest run of device-cached blocks matching `request.block_hashes` from the
+        start, and the number of tokens that the prefix cache covers: those blocks plus the
+        run of host-tier hits that continues the chain (tokens past the blocks' coverage are
+        host hits, which `allocate_slots` loads). Never covers the last token (it must be
         computed to get logits). ([], 0) when caching is off. Changes no state: pass the
         result to `allocate_slots` before any other allocation.
         """
@@ -99,7 +122,14 @@ class KVCacheManager:
             if block is None:
                 break
             blocks.append(block)
-        return blocks, len(blocks) * self.block_size
+        num_hits = len(blocks)
+        if self.host_tier is not None:
+            host_tier = self.host_tier
+            for block_hash in islice(request.block_hashes, num_hits, max_num_blocks):
+                if block_hash not in host_tier:
+                    break
+                num_hits += 1
+        return blocks, num_hits * self.block_size
 
     def allocate_slots(
         self,
@@ -113,8 +143,10 @@ class KVCacheManager:
         None, with no state change, if the pool is short.
 
         `new_computed_blocks` (from `get_computed_blocks`, only for a request that holds no
-        blocks) are shared and prepended. With caching on, blocks that become full with
-        these tokens and have a hash in `request.block_hashes` are registered.
+        blocks) are shared and prepended. Computed tokens past them are host-tier hits:
+        each gets a new device block and a queued host -> device copy. With caching on,
+        blocks that become full with these tokens and have a hash in
+        `request.block_hashes` are registered.
         """
         block_size = self.block_size
         num_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
@@ -152,18 +184,27 @@ class KVCacheManager:
         num_hit_tokens: int,
     ) -> list[KVCacheBlock] | None:
         """Create the table of a request that holds no blocks: share `computed_blocks`,
-        then allocate the rest. None (and no change) if the pool is short.
+        load the host hits that follow them, then allocate the rest. None (and no change)
+        if the pool is short.
         """
         self._check_still_cached(request, computed_blocks)
+        host_hashes = self._host_hit_hashes(request, len(computed_blocks), num_hit_tokens)
         num_new_blocks = max(0, -(-num_tokens // self.block_size) - len(computed_blocks))
         # NOTE: hits on freed blocks sit in the free queue; touching them takes them out,
         # so they are not capacity for the new blocks.
         num_reused_free = sum(1 for block in computed_blocks if block.ref_cnt == 0)
         if num_new_blocks > self.block_pool.get_num_free_blocks() - num_reused_free:
             return None
-        # NOTE: touch before allocating, or get_new_blocks could evict the hits.
+        # NOTE: touch before allocating, or get_new_blocks could evict the hits; take the
+        # host hits out of the host tier first too, or the offloads of the blocks evicted
+        # now could evict them there.
         self.block_pool.touch(computed_blocks)
+        host_slots = self.host_tier.take(host_hashes) if host_hashes else []
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
+        if host_slots:
+            self.host_tier.load(host_slots, [b.block_id for b in new_blocks[: len(host_slots)]])
+            if request.num_preemptions == 0:
+                self.prefix_cache_host_hits += len(host_slots) * self.block_size
         blocks = computed_blocks + new_blocks
         req_id = request.req_id
         self.req_to_blocks[req_id] = blocks
@@ -189,6 +230,34 @@ class KVCacheManager:
                     f"request {request.req_id}: prefix hit {block} was evicted before "
                     "allocate_slots; call get_computed_blocks right before it"
                 )
+
+    def _host_hit_hashes(
+        self, request: _CacheRequest, num_device_hits: int, num_hit_tokens: int
+    ) -> list[BlockHash]:
+        """The hashes of the host hits among `num_hit_tokens` (those past the device hits),
+        checked to be still in the host tier (RuntimeError otherwise).
+        """
+        num_host_tokens = num_hit_tokens - num_device_hits * self.block_size
+        if num_host_tokens <= 0:
+            # NOTE: a swap-in passes its device hits with no hit tokens (its computed
+            # tokens already cover them): nothing to load.
+            return []
+        if num_host_tokens % self.block_size or self.host_tier is None:
+            raise ValueError(
+                f"request {request.req_id}: {num_hit_tokens} hit tokens do not match "
+                f"{num_device_hits} device hits and whole host-tier blocks"
+            )
+        hashes = request.block_hashes[
+            num_device_hits : num_device_hits + num_host_tokens // self.block_size
+        ]
+        if len(hashes) * self.block_size != num_host_tokens or any(
+            h not in self.host_tier for h in hashes
+        ):
+            raise RuntimeError(
+                f"request {request.req_id}: a host-tier hit was evicted before "
+                "allocate_slots; call get_computed_blocks right before it"
+            )
+        return hashes
 
     def _cache_full_blocks(
         self, request: _CacheRequest, blocks: list[KVCacheBlock], num_tokens: int
@@ -243,6 +312,21 @@ class KVCacheManager:
                 if n > fill.get(block_id, -1):
                     fill[block_id] = n
         return KVOccupancy(len(fill), len(fill) * block_size, sum(fill.values()))
+    def end_step(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The step's host-tier copies, (device, host slot) offloads and (host slot, device)
+        loads, for the runner to perform before the forward; host slots the step reserved
+        become reusable. ([], []) without a host tier. Once per step, after its allocations.
+        """
+        if self.host_tier is None:
+            return [], []
+        copies = self.host_tier.take_copies()
+        self.host_tier.end_step()
+        return copies
+
+    @property
+    def host_tier_usage(self) -> float:
+        """Fraction of host-tier slots holding a block, in [0, 1] (0 without a tier)."""
+        return self.host_tier.usage if self.host_tier is not None else 0.0
 
     def get_block_ids(self, req_id: str) -> list[int]:
         """The request's block table as ids ([] if it holds none). The live list, so
@@ -251,7 +335,8 @@ class KVCacheManager:
         return self.req_to_block_ids.get(req_id, [])
 
     def reset_prefix_cache(self) -> bool:
-        """Forget all cached hashes; False (no change) while any block is in use."""
+        """Forget all cached hashes, host tier included; False (no change) while any block
+        is in use."""
         return self.block_pool.reset_prefix_cache()
 
     def check_integrity(self) -> None:

@@ -114,6 +114,7 @@ class Scheduler:
         preempted = self._schedule_running(out)
         if not preempted:
             self._schedule_waiting(out)
+        out.blocks_to_offload, out.blocks_to_onload = self.kv.end_step()
         self.preemptor.end_step()
         out.finished_req_ids = self.finished_req_ids
         self.finished_req_ids = set()
@@ -333,6 +334,8 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             prefix_cache_queries=self.kv.prefix_cache_queries,
             prefix_cache_hits=self.kv.prefix_cache_hits,
+            prefix_cache_host_hits=self.kv.prefix_cache_host_hits,
+            host_tier_usage=self.kv.host_tier_usage,
             num_swaps=self.num_swaps,
             num_swapped=self.preemptor.num_swapped,
             host_cache_usage=self.preemptor.host_pool.usage if self.preemptor.host_pool else 0.0,
@@ -342,8 +345,8 @@ class Scheduler:
         )
 
     def check_integrity(self) -> None:
-        """Asserts the block accounting (device and host pools) and that queues and the
-        request map agree. Between steps only."""
+        """Asserts the block accounting (device pool, prefix-cache host tier, swap host
+        pool) and that queues and the request map agree. Between steps only."""
         self.kv.check_integrity()
         for req in self.running:
             assert req.status == RequestStatus.RUNNING, f"{req.req_id} in running as {req.status}"

@@ -43,10 +43,14 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int = 0
     # Requests finished or preempted since the last step: the runner drops their state.
     finished_req_ids: set[str] = field(default_factory=set)
-    # KV block copies the runner performs before the forward, swap-outs first:
-    # (device block, host block) and (host block, device block).
+    # KV block copies the runner performs before the forward, every device -> host copy
+    # before any host -> device one. Swap preemption's pool: (device block, host block)
+    # and (host block, device block). The prefix cache's host tier: evicted cached blocks
+    # (device block, host slot) and host hits (host slot, device block).
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_offload: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_onload: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -78,6 +82,10 @@ class SchedulerStats:
     num_swaps: int = 0
     num_swapped: int = 0
     host_cache_usage: float = 0.0
+    # Prompt tokens loaded from the prefix cache's host tier (a part of prefix_cache_hits,
+    # counted by the same rule); fraction of its slots holding a block.
+    prefix_cache_host_hits: int = 0
+    host_tier_usage: float = 0.0
     # Per SLA class: first tokens so far, and how many came later than the class's target.
     sla_first_tokens: dict[str, int] = field(default_factory=dict)
     sla_ttft_misses: dict[str, int] = field(default_factory=dict)

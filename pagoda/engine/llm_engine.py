@@ -94,7 +94,10 @@ class LLMEngine:
         self.extra_stop_ids = _generation_eos_ids(ckpt.generation_config) - {self.eos_token_id}
         eos_ids = {self.eos_token_id} if self.eos_token_id is not None else set()
         self.kv_cache_manager = KVCacheManager(
-            num_blocks, block_size, enable_caching=config.cache.enable_prefix_caching
+            num_blocks,
+            block_size,
+            enable_caching=config.cache.enable_prefix_caching,
+            num_host_tier_blocks=self._num_host_tier_blocks(spec),
         )
         self.scheduler = Scheduler(
             self.kv_cache_manager,
@@ -108,10 +111,15 @@ class LLMEngine:
             aging_interval_s=s.aging_interval_s,
             sla_ttft_targets_s=s.sla_ttft_targets_s,
         )
+        swap_pool = self.scheduler.preemptor.host_pool
+        host_tier = self.kv_cache_manager.host_tier
         self.runner = ModelRunner(
             self.model, kv_caches, block_size, self.vocab_size,
             eos_ids | self.extra_stop_ids, self.device,
-            host_kv_caches=self._host_kv_caches(shape, self.scheduler.preemptor.host_pool),
+            host_kv_caches=self._host_kv_caches(
+                shape, None if swap_pool is None else swap_pool.num_blocks),
+            host_tier_kv_caches=self._host_kv_caches(
+                shape, None if host_tier is None else host_tier.num_slots),
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.generation_config = ckpt.generation_config
@@ -128,16 +136,27 @@ class LLMEngine:
             return 0
         return int(self.config.cache.swap_space * (1 << 30)) // self._kv_block_bytes(spec)
 
-    def _host_kv_caches(self, shape: tuple[int, ...], host_pool) -> list | None:
-        """One K and one V tensor per layer on the host, shaped like the device cache but
-        with the host pool's block count; None without a host pool.
+    def _num_host_tier_blocks(self, spec) -> int:
+        """The prefix cache's host tier size: `kv_offloading_size` GiB (0: no tier)."""
+        size = self.config.cache.kv_offloading_size
+        if size <= 0:
+            return 0
+        num_blocks = int(size * (1 << 30)) // self._kv_block_bytes(spec)
+        if num_blocks == 0:
+            logger.warning("kv_offloading_size %s GiB holds no KV block (%d bytes): the "
+                           "host tier is off", size, self._kv_block_bytes(spec))
+        return num_blocks
 
-        NOTE: torch.empty, not zeros: a block is written by a swap-out before it is read,
-        and untouched pages of a large pool are never committed on the CPU.
+    def _host_kv_caches(self, shape: tuple[int, ...], num_blocks: int | None) -> list | None:
+        """One K and one V tensor per layer on the host, shaped like the device cache but
+        with `num_blocks` blocks (the swap pool's or the host tier's); None for None.
+
+        NOTE: torch.empty, not zeros: a block is written by a swap-out (offload) before it
+        is read, and untouched pages of a large pool are never committed on the CPU.
         """
-        if host_pool is None:
+        if num_blocks is None:
             return None
-        host_shape = (host_pool.num_blocks, *shape[1:])
+        host_shape = (num_blocks, *shape[1:])
         pin = self.device.type == "cuda"
         return [
             (torch.empty(host_shape, dtype=self.dtype, pin_memory=pin),

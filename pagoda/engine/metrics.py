@@ -14,6 +14,8 @@ the HTTP layer counts error responses. Counting rules, exact so that tests can a
 | e2e/queue/prefill/decode seconds    | once per request that finished by stop or length       |
 | request_success_total{reason}       | once per finished sample (stop, length, abort, error)  |
 | num_preemptions, prefix_cache_*     | the scheduler's own counters, mirrored                 |
+| prefix_cache_host_hits              | (prefix-cache hit tokens loaded from the host tier, a  |
+|                                     | subset of prefix_cache_hits)                           |
 | num_swaps                           | (preemptions that swapped, a subset of num_preemptions)|
 | sla_first_tokens{sla_class}         | the scheduler's per-class count of first tokens, and   |
 | sla_ttft_misses{sla_class}          | of those later than the class's TTFT target, mirrored  |
@@ -127,6 +129,9 @@ class EngineMetrics:
                                             "Prompt tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter("prefix_cache_hits",
                                          "Prompt tokens found in the prefix cache.")
+        self.prefix_cache_host_hits = counter(
+            "prefix_cache_host_hits",
+            "Prompt tokens found in the prefix cache's host tier (part of the hits).")
         self.http_errors = Counter(PREFIX + "http_errors", "HTTP error responses by status.",
                                    ["model_name", "status"], registry=reg)
         self.num_running = gauge("num_requests_running", "Sequences running in the engine.")
@@ -184,7 +189,8 @@ class EngineMetrics:
         for counter, name in ((self.num_preemptions, "num_preemptions"),
                               (self.num_swaps, "num_swaps"),
                               (self.prefix_cache_queries, "prefix_cache_queries"),
-                              (self.prefix_cache_hits, "prefix_cache_hits")):
+                              (self.prefix_cache_hits, "prefix_cache_hits"),
+                              (self.prefix_cache_host_hits, "prefix_cache_host_hits")):
             delta = getattr(stats, name) - (getattr(last, name) if last else 0)
             if delta > 0:
                 counter.inc(delta)

@@ -31,6 +31,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preemption-mode", default="recompute", choices=list(PREEMPTION_MODES))
     p.add_argument("--swap-space", type=float, default=4.0,
                    help="GiB of host memory for swapped-out KV blocks (swap mode only)")
+    p.add_argument("--kv-offloading-size", type=float, default=0.0,
+                   help="GiB of host memory for the prefix cache's second tier: cached "
+                   "blocks evicted from the KV cache are kept there and loaded back on a "
+                   "later prefix hit (0: off)")
     p.add_argument("--aging-interval-s", type=float, default=DEFAULT_AGING_INTERVAL_S,
                    help="priority policy: a request ranks one SLA class better per this "
                    "many seconds it arrived before another")
@@ -65,6 +69,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "scheduling_policy": args.scheduling_policy,
         "preemption_mode": args.preemption_mode,
         "swap_space": args.swap_space,
+        "kv_offloading_size": args.kv_offloading_size,
         "aging_interval_s": args.aging_interval_s,
         "sla_ttft_targets_s": dict(args.sla_ttft_target),
     }
@@ -198,6 +203,13 @@ def cmd_bench_mixed_sla(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_multi_turn(args: argparse.Namespace) -> int:
+    from pagoda.benchmarks.multi_turn import run_multi_turn
+
+    run_multi_turn(args)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagoda", description="pagoda LLM engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -251,6 +263,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_mixed_sla_args(ms)
     ms.set_defaults(func=cmd_bench_mixed_sla)
+    mt = bench_sub.add_parser("multi-turn", help="multi-turn conversations evicted by other "
+                              "traffic: the prefix cache's host tier off/on")
+    from pagoda.benchmarks.multi_turn import add_multi_turn_args
+
+    add_multi_turn_args(mt)
+    mt.set_defaults(func=cmd_bench_multi_turn)
     return parser
 
 

@@ -49,6 +49,7 @@ class ModelRunner:
         eos_token_ids: set[int],
         device: torch.device,
         host_kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+        host_tier_kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -58,6 +59,8 @@ class ModelRunner:
         self.device = device
         # Swap preemption's host pool: the device cache's per-layer layout, own block ids.
         self.host_kv_caches = host_kv_caches
+        # The prefix cache's host tier: same layout, own slot ids, its own buffer.
+        self.host_tier_kv_caches = host_tier_kv_caches
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
 
@@ -95,16 +98,22 @@ class ModelRunner:
         return result
 
     def swap_blocks(self, out: SchedulerOutput) -> None:
-        """Copy the step's swapped blocks between the device cache and the host pool, in
-        every layer, before anything reads or writes the cache.
+        """Copy the step's blocks between the device cache and host memory (swap pool and
+        prefix-cache host tier), in every layer, before anything reads or writes the cache.
 
-        NOTE: swap-outs first: a device block a swap-out frees may be the target of a
-        swap-in (or of new tokens) in the same step.
+        NOTE: every device -> host copy first: a device block that a swap-out frees or an
+        offload evicts may be the target of a swap-in, a host-tier load or new tokens in the
+        same step. (The host tier never hands a slot a load reads to an offload of the same
+        step, so host slots need no such order.)
         """
         if out.blocks_to_swap_out:
             _copy_blocks(self.kv_caches, self.host_kv_caches, out.blocks_to_swap_out)
+        if out.blocks_to_offload:
+            _copy_blocks(self.kv_caches, self.host_tier_kv_caches, out.blocks_to_offload)
         if out.blocks_to_swap_in:
             _copy_blocks(self.host_kv_caches, self.kv_caches, out.blocks_to_swap_in)
+        if out.blocks_to_onload:
+            _copy_blocks(self.host_tier_kv_caches, self.kv_caches, out.blocks_to_onload)
 
     @staticmethod
     def _chunk_starts(out: SchedulerOutput, req_ids: list[str]) -> np.ndarray:

@@ -142,3 +142,11 @@ def test_per_class_preemptions_follow_scheduler_deltas() -> None:
     assert value(m, "pagoda:sla_num_preemptions_total", sla_class="interactive") == 1
     assert value(m, "pagoda:sla_num_preemptions_total", sla_class="async") == 0
     assert value(m, "pagoda:num_preemptions_total") == 5
+def test_prefix_cache_host_hits_counter_follows_the_scheduler() -> None:
+    m = EngineMetrics("m")
+    for host_hits in (0, 32, 48, 48):
+        m.observe_stats(SchedulerStats(num_running=0, num_waiting=0, kv_cache_usage=0.0,
+                                       num_preemptions=0, prefix_cache_queries=100,
+                                       prefix_cache_hits=64, prefix_cache_host_hits=host_hits))
+    assert value(m, "pagoda:prefix_cache_host_hits_total") == 48
+    assert value(m, "pagoda:prefix_cache_hits_total") == 64
