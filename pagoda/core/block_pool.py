@@ -217,6 +217,16 @@ class BlockPool:
                 # device copy wins, so that no hash is held by both tiers.
                 host_tier.discard(block_hash)
 
+    def uncache_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Unregister `blocks` from the prefix cache without offloading them: their K/V
+        were never computed (a step undone after its blocks were registered)."""
+        for block in blocks:
+            if block.block_hash is None:
+                continue
+            if self.cached_block_hash_to_block.get(block.block_hash) is block:
+                del self.cached_block_hash_to_block[block.block_hash]
+            block.block_hash = None
+
     def get_num_free_blocks(self) -> int:
         """Blocks in the free queue (including cached ones, which are evictable)."""
         return self.free_block_queue.num_free_blocks

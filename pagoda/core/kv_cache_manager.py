@@ -273,6 +273,25 @@ class KVCacheManager:
             )
             self.num_cached_blocks[request.req_id] = num_full_blocks
 
+    def uncomputed_cached_blocks(self, request: _CacheRequest) -> list[KVCacheBlock]:
+        """The request's blocks registered in the prefix cache in this step, ahead of its
+        computed tokens (registration happens at allocation, before the forward; the
+        scheduler advances num_computed_tokens only once the step is scheduled).
+        """
+        first = request.num_computed_tokens // self.block_size
+        num_cached = self.num_cached_blocks.get(request.req_id, 0)
+        blocks = self.req_to_blocks.get(request.req_id, [])
+        return [b for b in blocks[first:num_cached] if b.block_hash is not None]
+
+    def uncache_uncomputed(self, request: _CacheRequest) -> None:
+        """Undo this step's registrations of the request's blocks (its step is undone)."""
+        self.block_pool.uncache_blocks(self.uncomputed_cached_blocks(request))
+        if request.req_id in self.num_cached_blocks:
+            first = request.num_computed_tokens // self.block_size
+            self.num_cached_blocks[request.req_id] = min(
+                self.num_cached_blocks[request.req_id], first
+            )
+
     def free(self, request: _CacheRequest) -> None:
         """Release the request's blocks (no-op if it holds none). Frees the table in
         reverse so that a sequence's tail is evicted before its head, which other

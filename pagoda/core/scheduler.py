@@ -247,10 +247,18 @@ class Scheduler:
         victim = self.waiting.pick_victim(candidates)
         if not self.waiting.outranks(req, victim):
             return False
+        # NOTE: blocks the victim's undone tokens would fill are already registered in
+        # the prefix cache (registration happens at allocation). A request admitted in
+        # this step may have hit one of them, counting on this step to compute it: then
+        # the victim's step cannot be undone. Otherwise they are unregistered below,
+        # or a later hit would read K/V that were never written.
+        if any(b.ref_cnt > 1 for b in self.kv.uncomputed_cached_blocks(victim)):
+            return False
         # NOTE: the victim was scheduled in the running phase of this step: undo that
         # before its blocks go (its num_computed_tokens only advances at the end).
         n = out.num_scheduled_tokens.pop(victim.req_id, 0)
         if n:
+            self.kv.uncache_uncomputed(victim)
             out.total_num_scheduled_tokens -= n
             out.scheduled_cached_reqs = [
                 c for c in out.scheduled_cached_reqs if c.req_id != victim.req_id

@@ -11,6 +11,7 @@ import time
 import pytest
 
 from pagoda.config import CacheConfig, EngineConfig, SchedulerConfig
+from pagoda.core.hashing import update_block_hashes
 from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.request import Request, RequestStatus
 from pagoda.core.scheduler import Scheduler
@@ -240,3 +241,58 @@ def test_config_rejects_bad_policy_and_preemption_fields() -> None:
     ):
         with pytest.raises(ValueError, match=field):
             EngineConfig(cache=cache, scheduler=sched).validate()
+
+
+def test_undone_step_unregisters_blocks_it_would_have_filled() -> None:
+    """A batch request's chunk registers block 2 when scheduled; a better request then
+    preempts it in the same step, so block 2 is never computed and must not stay in the
+    prefix cache (a later hit would read K/V nobody wrote)."""
+    kv = KVCacheManager(16, BLOCK_SIZE, enable_caching=True)
+    sched = Scheduler(kv, 1, 8, 128, policy="priority", aging_interval_s=math.inf)
+    batch = make_request("batch", 14, 0.0, "batch", max_tokens=2)
+    sched.add_request(batch)
+    step(sched)  # tokens 0..7: blocks 0 and 1 full, registered and computed
+    assert batch.num_computed_tokens == 8
+    cached_before = set(kv.block_pool.cached_block_hash_to_block)
+    assert cached_before == set(batch.block_hashes[:2])
+    hi = make_request("hi", 3, 1.0, max_tokens=2, first_token=500)
+    sched.add_request(hi)
+    out, _ = step(sched)  # batch's tokens 8..13 scheduled (fills block 2), then undone
+    assert out.num_scheduled_tokens == {"hi": 3}
+    assert batch.status == RequestStatus.PREEMPTED and batch.num_computed_tokens == 0
+    assert batch.block_hashes[2] not in kv.block_pool.cached_block_hash_to_block
+    assert set(kv.block_pool.cached_block_hash_to_block) == cached_before
+    # A copy of the batch prompt now hits only the two computed blocks.
+    twin = make_request("twin", 14, 2.0, "batch", max_tokens=2)
+    update_block_hashes(twin, BLOCK_SIZE)
+    blocks, num_tokens = kv.get_computed_blocks(twin)
+    assert num_tokens == 8 and [b.block_id for b in blocks] == [0, 1]
+    run_to_end(sched)
+    assert batch.num_preemptions == 1 and len(batch.output_token_ids) == 2
+
+
+def test_victim_whose_fresh_block_was_hit_this_step_is_not_preempted() -> None:
+    """b1's chunk registers block 1 (tokens 4..7) in the running phase; b2, admitted next
+    with the same prompt, hits it. A request that outranks b1 arriving then must not undo
+    b1's step: b2 counts on it to compute block 1."""
+    kv = KVCacheManager(32, BLOCK_SIZE, enable_caching=True)
+    sched = Scheduler(kv, 2, 64, 128, policy="priority", aging_interval_s=math.inf)
+    b1 = make_request("b1", 12, 0.0, "batch", max_tokens=2)
+    sched.add_request(b1)
+    sched.max_num_batched_tokens = 4
+    step(sched)  # b1 computes tokens 0..3 (block 0)
+    sched.max_num_batched_tokens = 64
+    # Waiting order: b2 (interactive) first, then mid (async), which outranks b1 (batch).
+    b2 = make_request("b2", 12, 1.0, "interactive", max_tokens=2)
+    mid = make_request("mid", 3, 2.0, "async", max_tokens=2, first_token=500)
+    sched.add_request(b2)
+    sched.add_request(mid)
+    out, _ = step(sched)
+    # b1 runs tokens 4..11, registering blocks 1 and 2; b2 hits blocks 0 and 1 (not 2:
+    # the last prompt token is always computed) and fills max_num_seqs. b1 is the only
+    # candidate victim (b2 was admitted in this step) and its fresh block 1 is shared.
+    assert out.num_scheduled_tokens == {"b1": 8, "b2": 4}
+    assert kv.get_block_ids("b2")[:2] == kv.get_block_ids("b1")[:2]
+    assert sched.num_preemptions == 0 and list(sched.waiting) == [mid]
+    run_to_end(sched)
+    assert b1.output_token_ids and b2.output_token_ids and mid.output_token_ids
