@@ -88,7 +88,7 @@ class RopeInputs:
     """One step's rotary inputs, shared by every layer: the positions and the full cos/sin
     tables for the fused kernel, or the rows gathered once (on first use) for PyTorch ops."""
 
-    __slots__ = ("positions", "cos_table", "sin_table", "fused", "_cos_sin")
+    __slots__ = ("_cos_sin", "cos_table", "fused", "positions", "sin_table")
 
     def __init__(
         self, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused

@@ -4,6 +4,7 @@ waiting-queue limit, without a model or a server."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -182,3 +183,42 @@ def test_priority_salt_and_sla_class_reach_the_engine() -> None:
         return engine.engine.added
 
     assert run(body) == {"a": (5, "s", "batch"), "b": (0, None, "interactive")}
+
+
+def test_build_creates_and_runs_the_engine_on_one_thread() -> None:
+    """build() runs the factory on the engine thread, and that same thread steps it
+    (the OpenMP reason is in AsyncLLMEngine.build)."""
+    threads: dict[str, object] = {}
+
+    class RecordingEngine(FakeEngine):
+        def __init__(self) -> None:
+            super().__init__()
+            threads["built"] = threading.current_thread()
+
+        def step(self) -> list[RequestOutput]:
+            threads["stepped"] = threading.current_thread()
+            return super().step()
+
+    engine = AsyncLLMEngine.build(RecordingEngine)
+    assert threads["built"].name == "pagoda-engine"
+    assert threads["built"] is not threading.main_thread()
+
+    async def main():
+        engine.start()
+        try:
+            stream = await engine.generate([req("a", 2)])
+            return [o.outputs[0].text async for o in stream]
+        finally:
+            await engine.shutdown()
+
+    assert asyncio.run(main()) == ["t", "t"]
+    assert threads["stepped"] is threads["built"]
+    assert not engine.is_alive
+
+
+def test_build_reraises_the_factory_error() -> None:
+    def factory():
+        raise ValueError("no such model")
+
+    with pytest.raises(ValueError, match="no such model"):
+        AsyncLLMEngine.build(factory)

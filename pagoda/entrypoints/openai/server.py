@@ -295,13 +295,19 @@ def build_state(args: argparse.Namespace) -> ServerState:
     if args.max_queued_requests is not None and args.max_queued_requests < 0:
         raise ValueError("--max-queued-requests must be >= 0")
     chat_template = _load_chat_template(args.chat_template)
-    engine = LLM(model, **engine_kwargs(args)).llm_engine
+    # NOTE: the model loads on the engine thread (see AsyncLLMEngine.build); the metrics,
+    # which need the served name, are attached before the thread starts stepping.
+    async_engine = AsyncLLMEngine.build(
+        lambda: LLM(model, **engine_kwargs(args)).llm_engine,
+        max_queued_requests=args.max_queued_requests,
+    )
+    engine = async_engine.engine
     path = Path(engine.model_path)
     names = args.served_model_name or [model or (path.stem if path.suffix == ".gguf" else
                                                  path.name)]
-    metrics = EngineMetrics(names[0])
+    metrics = async_engine.metrics = EngineMetrics(names[0])
     return ServerState(
-        engine=AsyncLLMEngine(engine, metrics, args.max_queued_requests),
+        engine=async_engine,
         tokenizer=engine.tokenizer, model_names=names, model_root=engine.model_path,
         max_model_len=engine.max_model_len, vocab_size=engine.vocab_size, metrics=metrics,
         chat_template=chat_template, max_logprobs=args.max_logprobs,
