@@ -1,13 +1,13 @@
 """`pagoda bench parallel-sampling`: KV memory of n samples of one prompt (one request with
 `n`) against the same prompt sent as n separate requests, with prefix caching on and off.
 
-The n samples of one request are n sequences in the scheduler; they share the prompt's
-full blocks through the prefix cache (admitted in the same step, the later samples hit the
-first one's blocks), so with prefix caching off nothing is shared. Only full blocks are
-shared (no copy-on-write): each sample keeps its own copy of the prompt's last, partly
-filled block, recomputing up to block_size - 1 prompt tokens. Peak = the most KV blocks
-in use at any moment of the run (`KVCacheManager.peak_num_used_blocks`), output lengths
-forced with `ignore_eos`.
+The n samples of one request are n sequences in the scheduler. The first computes the
+prompt; each later one forks from it once it has (pagoda/core/scheduler.py `_admit_fork`):
+it shares the prompt's full blocks, gets a copy of the partly filled last block
+(copy-on-write: its first token lands there) and computes only the last prompt token, for
+its own first sample. So they share with prefix caching on or off; four separate requests
+share only through the prefix cache. Peak = the most KV blocks in use at any moment of the
+run (`KVCacheManager.peak_num_used_blocks`), output lengths forced with `ignore_eos`.
 
 Reported: peak blocks (and MiB) of each of the four runs, and the saving
 1 - peak(n samples) / peak(n separate requests, prefix caching off).
@@ -130,8 +130,8 @@ def run_parallel_sampling(args: argparse.Namespace) -> dict:
     saving_off = 1 - n_off["peak_blocks"] / sep_off["peak_blocks"]
     print(f"KV saving of n={args.n} (prefix caching on, the default) over {args.n} separate "
           f"requests (prefix caching off): {saving:.1%}  (vLLM reports up to 55%)")
-    print(f"with prefix caching off for both: {saving_off:.1%} (samples share blocks only "
-          "through the prefix cache)")
+    print(f"with prefix caching off for both: {saving_off:.1%} (n samples fork the prompt's "
+          "blocks; separate requests share nothing)")
     setup = {k: v for k, v in vars(args).items() if k != "func"}
     report = {"setup": {**setup, "machine": machine}, "runs": runs,
               "saving": saving, "saving_prefix_caching_off": saving_off}

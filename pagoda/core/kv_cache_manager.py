@@ -273,6 +273,40 @@ class KVCacheManager:
             )
             self.num_cached_blocks[request.req_id] = num_full_blocks
 
+    def fork(
+        self, parent: _CacheRequest, child: _CacheRequest, num_tokens: int
+    ) -> list[tuple[int, int]] | None:
+        """Give `child` (holding no blocks) the KV of `parent`'s first `num_tokens` tokens,
+        which the parent has computed: its full blocks are shared (reference counts), and a
+        partly covered last block is copied into a new block (copy-on-write: the child's
+        next token is written there, where the parent writes its own). Returns the copies
+        [(parent block, child block)] for the runner, or None (no change) if the pool is
+        short. The child then grows like any running request.
+        """
+        if self.req_to_blocks.get(child.req_id):
+            raise ValueError(f"request {child.req_id} already holds blocks")
+        parent_blocks = self.req_to_blocks.get(parent.req_id, [])
+        num_full, rest = divmod(num_tokens, self.block_size)
+        if len(parent_blocks) < num_full + (rest > 0):
+            raise ValueError(f"request {parent.req_id} holds fewer than {num_tokens} tokens")
+        if rest and self.block_pool.get_num_free_blocks() < 1:
+            return None
+        shared = parent_blocks[:num_full]
+        self.block_pool.touch(shared)
+        blocks = list(shared)
+        copies = []
+        if rest:
+            (copy,) = self.block_pool.get_new_blocks(1)
+            copies.append((parent_blocks[num_full].block_id, copy.block_id))
+            blocks.append(copy)
+        self.req_to_blocks[child.req_id] = blocks
+        self.req_to_block_ids[child.req_id] = [b.block_id for b in blocks]
+        # NOTE: the shared full blocks are the parent's to register; the child registers
+        # from its own copy on.
+        self.num_cached_blocks[child.req_id] = num_full
+        self._note_usage()
+        return copies
+
     def uncomputed_cached_blocks(self, request: _CacheRequest) -> list[KVCacheBlock]:
         """The request's blocks registered in the prefix cache in this step, ahead of its
         computed tokens (registration happens at allocation, before the forward; the

@@ -71,6 +71,9 @@ class Request:
     # NOTE: extra keys folded into this request's block hashes (e.g. a cache salt) so that
     # requests that must not share KV never hit each other's cached blocks.
     cache_salt: str | None = None
+    # n > 1: the id of the group's first sample, whose computed prompt this sample forks
+    # (shares) instead of computing it again; None for the first sample and n == 1.
+    fork_of: str | None = None
 
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(init=False)

@@ -34,6 +34,8 @@ from pagoda.core.scheduler_output import (  # NOTE: also imported from here by o
     SchedulerStats,
 )
 
+_WAIT_FOR_PARENT = object()  # a forked sample's parent is still computing the prompt
+
 
 class Scheduler:
     def __init__(
@@ -190,6 +192,11 @@ class Scheduler:
         want_prompt_logprobs = (
             req.sampling_params.prompt_logprobs is not None and req.num_output_tokens == 0
         )
+        parent = self._fork_parent(req, want_prompt_logprobs)
+        if parent is _WAIT_FOR_PARENT:
+            return 0
+        if parent is not None:
+            return self._admit_fork(req, parent, budget, out, now)
         if req.status == RequestStatus.SWAPPED:
             computed_blocks, num_computed = [], req.num_computed_tokens
         elif want_prompt_logprobs:
@@ -212,6 +219,13 @@ class Scheduler:
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_computed
             req.num_computed_tokens = num_computed
+        return self._start_running(req, n, num_computed, want_prompt_logprobs, out, now)
+
+    def _start_running(
+        self, req: Request, n: int, num_computed: int, want_prompt_logprobs: bool,
+        out: SchedulerOutput, now: float,
+    ) -> int:
+        """Move the waiting head `req` (its blocks allocated) to running with `n` tokens."""
         self.waiting.pop()
         if req.first_scheduled_time is None:
             req.first_scheduled_time = now
@@ -232,6 +246,43 @@ class Scheduler:
         out.num_scheduled_tokens[req.req_id] = n
         out.total_num_scheduled_tokens += n
         return n
+
+    def _fork_parent(self, req: Request, want_prompt_logprobs: bool) -> Request | None | object:
+        """For a later sample of an n > 1 request that has not started: its group's first
+        sample if that one runs with its prompt computed (fork from it), _WAIT_FOR_PARENT
+        while that one is still computing its prompt, else None (admit as usual)."""
+        if req.fork_of is None or req.num_output_tokens or req.num_preemptions:
+            return None
+        if want_prompt_logprobs or req.status != RequestStatus.WAITING:
+            return None
+        parent = self.requests.get(req.fork_of)
+        if parent is None or parent.status != RequestStatus.RUNNING:
+            return None
+        if parent.num_computed_tokens < req.num_prompt_tokens:
+            # NOTE: it progresses every step it runs, so this wait always ends.
+            return _WAIT_FOR_PARENT
+        return parent
+
+    def _admit_fork(
+        self, req: Request, parent: Request, budget: int, out: SchedulerOutput, now: float
+    ) -> int | None:
+        """Admit `req` sharing `parent`'s computed prompt but its last token, which it
+        computes itself for its own first sample; None if the blocks are short."""
+        if budget < 1:
+            return 0
+        num_shared = req.num_prompt_tokens - 1
+        copies = self.kv.fork(parent, req, num_shared)
+        if copies is None:
+            return None
+        req.num_computed_tokens = num_shared
+        if self.kv.allocate_slots(req, 1) is None:
+            self.kv.free(req)
+            req.num_computed_tokens = 0
+            return None
+        out.blocks_to_copy.extend(copies)
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = num_shared
+        return self._start_running(req, 1, num_shared, False, out, now)
 
     def _preempt_for(
         self, req: Request, out: SchedulerOutput, admitted: set[str], preempted: set[str]

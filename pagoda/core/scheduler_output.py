@@ -51,6 +51,9 @@ class SchedulerOutput:
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_offload: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_onload: list[tuple[int, int]] = field(default_factory=list)
+    # Copy-on-write within the device cache (src block, dst block): a forked sample's copy
+    # of the partly filled block it shared; done after the device -> host copies.
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

@@ -231,6 +231,7 @@ class LLMEngine:
             self.scheduler.add_request(
                 Request(
                     req_id=child,
+                    fork_of=child_ids[0] if i > 0 else None,
                     prompt_token_ids=token_ids,
                     sampling_params=child_params,
                     eos_token_id=self.eos_token_id,

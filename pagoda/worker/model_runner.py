@@ -110,6 +110,8 @@ class ModelRunner:
             _copy_blocks(self.kv_caches, self.host_kv_caches, out.blocks_to_swap_out)
         if out.blocks_to_offload:
             _copy_blocks(self.kv_caches, self.host_tier_kv_caches, out.blocks_to_offload)
+        if out.blocks_to_copy:
+            _copy_blocks(self.kv_caches, self.kv_caches, out.blocks_to_copy)
         if out.blocks_to_swap_in:
             _copy_blocks(self.host_kv_caches, self.kv_caches, out.blocks_to_swap_in)
         if out.blocks_to_onload:
