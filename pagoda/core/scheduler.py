@@ -4,6 +4,9 @@ There are no prefill/decode phases. Every request has `num_computed_tokens` catc
 `num_tokens`; a step gives each chosen request up to the remaining budget of new tokens.
 Chunked prefill, prefix-cache hits and recompute after preemption are all this one rule.
 
+n > 1: the later samples of a request wait until its first sample has computed the
+prompt, then fork from it (shared full blocks, a copy of the partly filled last one).
+
 Preemption (carried out by core/preemption.py, victims chosen by the policy in
 core/request_queue.py):
 - KV pressure while growing a running request: the policy's last running request (FCFS:
@@ -184,8 +187,9 @@ class Scheduler:
 
     def _admit(self, req: Request, budget: int, out: SchedulerOutput, now: float) -> int | None:
         """Move the waiting head `req` to running with up to `budget` new tokens; returns
-        that count, 0 if its prompt would have to be split with chunked prefill off, or
-        None if the blocks are short (no change in either case).
+        that count, 0 if its prompt would have to be split with chunked prefill off or it
+        waits to fork from its group's first sample, or None if the blocks are short (no
+        change in any case).
         """
         # NOTE: prompt logprobs need logits at every prompt position, so such a request
         # skips the prefix cache until its prompt has been computed once in full.
