@@ -6,9 +6,10 @@
 //                       write k and v into the paged caches at their slots
 //   silu_and_mul:       [gate | up] -> silu(gate) * up
 //
-// Rounding follows transformers' bf16 modules where it is cheap to (the residual sum and
-// the normalised value are rounded to the model dtype before the weight multiply; silu is
-// rounded before the product). Math is float32; the rms accumulates in double.
+// Rounding: the residual sum is rounded to the model dtype (as transformers' bf16 modules
+// do); the normalised value times the weight is rounded once, as torch's fused rms_norm
+// does (transformers rounds before the weight multiply too: less accurate); silu is
+// rounded before the product, as F.silu(gate) * up does. Math is float32.
 //
 // NOTE: no FMA contraction, so float32 rotary equals the unfused PyTorch ops bit for bit.
 #pragma GCC optimize("fp-contract=off")
@@ -138,7 +139,7 @@ void add_rms_norm_impl(T* x, T* residual, const T* weight, int64_t rows, int64_t
       const __m512 inv = _mm512_set1_ps(1.0f / std::sqrt(mean + eps));
       for (int64_t i = 0; i < hidden; i += 16) {
         const __mmask16 m = tail_mask(hidden - i);
-        const __m512 normed = vround<T>(_mm512_mul_ps(vload(rr + i, m), inv));
+        const __m512 normed = _mm512_mul_ps(vload(rr + i, m), inv);
         vstore(xr + i, _mm512_mul_ps(vload(weight + i, m), normed), m);
       }
       continue;
@@ -153,8 +154,7 @@ void add_rms_norm_impl(T* x, T* residual, const T* weight, int64_t rows, int64_t
     }
     const float inv = static_cast<float>(1.0 / std::sqrt(ss / hidden + eps));
     for (int64_t i = 0; i < hidden; ++i) {
-      const T normed = from_f<T>(to_f(rr[i]) * inv);
-      xr[i] = from_f<T>(to_f(weight[i]) * to_f(normed));
+      xr[i] = from_f<T>(to_f(weight[i]) * (to_f(rr[i]) * inv));
     }
   }
 }
