@@ -37,8 +37,6 @@ class TorchPagedAttention:
         k_cache, v_cache = kv_cache
         if not kv_written:
             write_kv(k, v, k_cache, v_cache, md.slot_mapping)
-        out = torch.empty_like(q)
-        nd = md.num_decode_tokens
         if md.prefills and q.dtype in FUSED_DTYPES and md.token_seq_lens is not None:
             # NOTE: the decode kernel, with each prefill token as its own query row, reads
             # the paged cache in place (no gather) and runs 2-3x faster than SDPA's CPU
@@ -49,6 +47,8 @@ class TorchPagedAttention:
             )
             if fast is not None:
                 return fast.view(q.shape[0], -1)
+        out = torch.empty_like(q)
+        nd = md.num_decode_tokens
         if nd:
             out[:nd] = self._decode(q[:nd], k_cache, v_cache, md)
         for seq in md.prefills:
