@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
 from pagoda.core.preemption import PREEMPTION_MODES
@@ -131,13 +132,6 @@ def cmd_chat(args: argparse.Namespace) -> int:
         history.append({"role": "assistant", "content": reply})
 
 
-def cmd_bench_throughput(args: argparse.Namespace) -> int:
-    from pagoda.benchmarks.throughput import run_throughput
-
-    run_throughput(args)
-    return 0
-
-
 def add_server_args(p: argparse.ArgumentParser) -> None:
     """The flags of `pagoda serve` beyond the engine's (vLLM's names where they mean the same).
 
@@ -182,32 +176,30 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     return 0 if all(r["summary"]["num_failed"] == 0 for r in report["runs"]) else 1
 
 
-def cmd_bench_prefix_cache(args: argparse.Namespace) -> int:
-    from pagoda.benchmarks.prefix_cache import run_prefix_cache
-
-    run_prefix_cache(args)
-    return 0
-
-
-def cmd_bench_parallel_sampling(args: argparse.Namespace) -> int:
-    from pagoda.benchmarks.parallel_sampling import run_parallel_sampling
-
-    run_parallel_sampling(args)
-    return 0
-
-
-def cmd_bench_mixed_sla(args: argparse.Namespace) -> int:
-    from pagoda.benchmarks.mixed_sla import run_mixed_sla
-
-    run_mixed_sla(args)
-    return 0
+# `pagoda bench NAME` that run and exit 0: NAME -> (module of pagoda/benchmarks, which
+# defines add_<module>_args(parser) and run_<module>(args), help).
+_BENCHES = {
+    "throughput": ("throughput", "offline throughput vs transformers (and vLLM)"),
+    "prefix-cache": ("prefix_cache", "shared system prompt: prefix caching on/off"),
+    "parallel-sampling": ("parallel_sampling",
+                          "KV memory of n samples of one prompt vs n separate requests"),
+    "mixed-sla": ("mixed_sla", ("interactive requests over a batch job: TTFT and batch "
+                                "throughput under fcfs and priority scheduling")),
+    "multi-turn": ("multi_turn", ("multi-turn conversations evicted by other traffic: the "
+                                  "prefix cache's host tier off/on")),
+}
 
 
-def cmd_bench_multi_turn(args: argparse.Namespace) -> int:
-    from pagoda.benchmarks.multi_turn import run_multi_turn
+def _add_bench(bench_sub: argparse._SubParsersAction, name: str, module: str, help_: str) -> None:
+    mod = importlib.import_module(f"pagoda.benchmarks.{module}")
+    p = bench_sub.add_parser(name, help=help_)
+    getattr(mod, f"add_{module}_args")(p)
 
-    run_multi_turn(args)
-    return 0
+    def run(args: argparse.Namespace) -> int:
+        getattr(mod, f"run_{module}")(args)
+        return 0
+
+    p.set_defaults(func=run)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -235,40 +227,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    tp = bench_sub.add_parser("throughput", help="offline throughput vs transformers (and vLLM)")
-    from pagoda.benchmarks.throughput import add_throughput_args
-
-    add_throughput_args(tp)
-    tp.set_defaults(func=cmd_bench_throughput)
     bs = bench_sub.add_parser("serve", help="latency and throughput of OpenAI-compatible "
                               "servers (pagoda, vLLM, llama.cpp) under load")
     from pagoda.benchmarks.serve import add_serve_bench_args
 
     add_serve_bench_args(bs)
     bs.set_defaults(func=cmd_bench_serve)
-    pc = bench_sub.add_parser("prefix-cache", help="shared system prompt: prefix caching on/off")
-    from pagoda.benchmarks.prefix_cache import add_prefix_cache_args
-
-    add_prefix_cache_args(pc)
-    pc.set_defaults(func=cmd_bench_prefix_cache)
-    ps = bench_sub.add_parser("parallel-sampling", help="KV memory of n samples of one prompt "
-                              "vs n separate requests")
-    from pagoda.benchmarks.parallel_sampling import add_parallel_sampling_args
-
-    add_parallel_sampling_args(ps)
-    ps.set_defaults(func=cmd_bench_parallel_sampling)
-    ms = bench_sub.add_parser("mixed-sla", help="interactive requests over a batch job: TTFT "
-                              "and batch throughput under fcfs and priority scheduling")
-    from pagoda.benchmarks.mixed_sla import add_mixed_sla_args
-
-    add_mixed_sla_args(ms)
-    ms.set_defaults(func=cmd_bench_mixed_sla)
-    mt = bench_sub.add_parser("multi-turn", help="multi-turn conversations evicted by other "
-                              "traffic: the prefix cache's host tier off/on")
-    from pagoda.benchmarks.multi_turn import add_multi_turn_args
-
-    add_multi_turn_args(mt)
-    mt.set_defaults(func=cmd_bench_multi_turn)
+    for name, (module, help_) in _BENCHES.items():
+        _add_bench(bench_sub, name, module, help_)
     return parser
 
 
