@@ -207,10 +207,7 @@ class KVCacheManager:
                 self.prefix_cache_host_hits += len(host_slots) * self.block_size
         blocks = computed_blocks + new_blocks
         req_id = request.req_id
-        self.req_to_blocks[req_id] = blocks
-        self.req_to_block_ids[req_id] = [block.block_id for block in blocks]
-        self.num_cached_blocks[req_id] = len(computed_blocks)
-        self._note_usage()
+        self._set_table(req_id, blocks, len(computed_blocks))
         if self.enable_caching and request.num_preemptions == 0:
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += num_hit_tokens
@@ -299,12 +296,9 @@ class KVCacheManager:
             (copy,) = self.block_pool.get_new_blocks(1)
             copies.append((parent_blocks[num_full].block_id, copy.block_id))
             blocks.append(copy)
-        self.req_to_blocks[child.req_id] = blocks
-        self.req_to_block_ids[child.req_id] = [b.block_id for b in blocks]
         # NOTE: the shared full blocks are the parent's to register; the child registers
         # from its own copy on.
-        self.num_cached_blocks[child.req_id] = num_full
-        self._note_usage()
+        self._set_table(child.req_id, blocks, num_full)
         return copies
 
     def uncomputed_cached_blocks(self, request: _CacheRequest) -> list[KVCacheBlock]:
@@ -337,6 +331,14 @@ class KVCacheManager:
         self.num_cached_blocks.pop(req_id, None)
         if blocks:
             self.block_pool.free_blocks(reversed(blocks))
+
+    def _set_table(self, req_id: str, blocks: list[KVCacheBlock], num_cached: int) -> None:
+        """Install a new request's block table; its first `num_cached` blocks are already
+        offered to the prefix cache."""
+        self.req_to_blocks[req_id] = blocks
+        self.req_to_block_ids[req_id] = [block.block_id for block in blocks]
+        self.num_cached_blocks[req_id] = num_cached
+        self._note_usage()
 
     def _note_usage(self) -> None:
         used = self.num_blocks - self.block_pool.get_num_free_blocks()
