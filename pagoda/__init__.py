@@ -1,20 +1,29 @@
-"""pagoda: a small, measured LLM inference and serving engine on PyTorch."""
+"""pagoda: a small, measured LLM inference and serving engine on PyTorch.
 
-import os
+Importing the package loads nothing heavy and leaves the process environment alone: the
+names below are imported on first use (the entrypoints set OpenMP up before torch loads,
+see pagoda/omp_env.py).
+"""
 
-# NOTE: torch's OpenMP threads spin at every barrier for a long time by default. On a small
-# machine where anything else wants a core (the HTTP event loop, a benchmark client, another
-# process) a spinning thread starves the one it waits for. Measured here, a 32-request decode
-# step: spinning 40 ms idle but 1,726 ms with one other busy process; fully passive 54 ms in
-# both cases; a short spin (3,000) 42 ms idle and 77 ms loaded. The spin count must be set
-# before torch loads its OpenMP runtime, so it is set here, before any torch import; an
-# explicit GOMP_SPINCOUNT or OMP_WAIT_POLICY in the environment wins.
-if "OMP_WAIT_POLICY" not in os.environ:
-    os.environ.setdefault("GOMP_SPINCOUNT", "3000")
+from __future__ import annotations
 
-from pagoda.llm import LLM
-from pagoda.outputs import CompletionOutput, Logprob, RequestOutput
-from pagoda.sampling_params import SamplingParams
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams"]
+
+_EXPORTS = {
+    "LLM": "pagoda.llm",
+    "CompletionOutput": "pagoda.outputs",
+    "Logprob": "pagoda.outputs",
+    "RequestOutput": "pagoda.outputs",
+    "SamplingParams": "pagoda.sampling_params",
+    "EngineArgs": "pagoda.config",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'pagoda' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

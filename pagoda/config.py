@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -17,6 +18,14 @@ _DTYPES = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
     "half": torch.float16,
+}
+
+# --kv-cache-dtype values (vLLM's flag); None = the model dtype.
+KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
+    "auto": None,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
 }
 
 
@@ -36,6 +45,15 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     return resolved
 
 
+def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's element type: "auto" = the model's, else the named one."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(
+            f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}"
+        )
+    return KV_CACHE_DTYPES[kv_cache_dtype] or model_dtype
+
+
 def cpu_has_bf16() -> bool:
     try:
         with open("/proc/cpuinfo") as f:
@@ -53,57 +71,62 @@ def resolve_device(device: str) -> torch.device:
 
 @dataclass
 class ModelConfig:
-    model: str | None = None  # HF dir or .gguf file; None = the embedded default
-    dtype: str | torch.dtype = "auto"
-    max_model_len: int | None = None  # None = the model's max_position_embeddings
-    seed: int = 0
-    attn_backend: str = "torch_paged"
+    model: str | None  # HF dir or .gguf file; None = the embedded default
+    dtype: str | torch.dtype
+    max_model_len: int | None  # None = the model's max_position_embeddings
+    seed: int
+    attn_backend: str
 
 
 @dataclass
 class CacheConfig:
-    block_size: int = 16
-    gpu_memory_utilization: float = 0.9
+    block_size: int
+    gpu_memory_utilization: float
     # NOTE: on CPU the pool is sized by bytes, not a fraction: the KV cache shares RAM with
     # everything else on the machine. None = min(4 GiB, 25% of available RAM).
-    kv_cache_memory_bytes: int | None = None
-    num_gpu_blocks_override: int | None = None
-    enable_prefix_caching: bool = True
+    kv_cache_memory_bytes: int | None
+    num_gpu_blocks_override: int | None
+    enable_prefix_caching: bool
     # Host memory (GiB) for swap preemption's block pool; allocated only when
     # preemption_mode is "swap". Pinned when the device is CUDA.
-    swap_space: float = 4.0
+    swap_space: float
     # Host memory (GiB) for the prefix cache's second tier (vLLM's flag name): cached
     # blocks the device pool evicts are kept there and loaded back on a later hit.
     # 0 = off. Its own buffer, apart from swap_space (pinned when the device is CUDA).
-    kv_offloading_size: float = 0.0
+    kv_offloading_size: float
+    # The KV cache's element type, independent of the model's: "auto" = the model dtype.
+    kv_cache_dtype: str
 
 
 @dataclass
 class SchedulerConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    enable_chunked_prefill: bool = True
-    max_model_len: int = 0  # filled in by the engine once the model is known
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    enable_chunked_prefill: bool
     # "fcfs" or "priority" (SLA class, then request priority, then arrival; with aging).
-    scheduling_policy: str = "fcfs"
+    scheduling_policy: str
     # "recompute" or "swap" (to the host pool of cache.swap_space; recompute when full).
-    preemption_mode: str = "recompute"
+    preemption_mode: str
     # Priority policy: a request ranks one SLA class better per this many seconds it
     # arrived before another (inf: no aging).
-    aging_interval_s: float = DEFAULT_AGING_INTERVAL_S
+    aging_interval_s: float
     # Time-to-first-token target per SLA class (seconds): counted as met or missed in the
-    # scheduler's stats. Classes not given keep their default.
-    sla_ttft_targets_s: dict[str, float] = field(
-        default_factory=lambda: dict(DEFAULT_SLA_TTFT_TARGETS_S)
-    )
+    # scheduler's stats; every class has one.
+    sla_ttft_targets_s: dict[str, float]
 
 
 @dataclass
 class EngineConfig:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    cache: CacheConfig = field(default_factory=CacheConfig)
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    device: str = "auto"
+    """The engine's configuration in slices; built by `EngineArgs.create_engine_config()`,
+    which holds every default."""
+
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    device: str
+    # How the engine reaches its workers (pagoda.worker.executor.EXECUTORS): "uni" = one
+    # worker in this process.
+    distributed_executor_backend: str
 
     def validate(self) -> None:
         c, s = self.cache, self.scheduler
@@ -138,6 +161,10 @@ class EngineConfig:
             raise ValueError(
                 f"kv_offloading_size must be >= 0 GiB, got {c.kv_offloading_size}"
             )
+        if c.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {c.kv_cache_dtype!r}"
+            )
         if c.kv_offloading_size > 0 and not c.enable_prefix_caching:
             raise ValueError(
                 "kv_offloading_size > 0 (the prefix cache's host tier) needs "
@@ -163,6 +190,130 @@ class EngineConfig:
                 )
             if not target > 0:
                 raise ValueError(f"sla_ttft_targets_s[{name!r}] must be > 0, got {target}")
+
+
+@dataclass
+class EngineArgs:
+    """Every engine option with its default, in one place: `pagoda generate/chat/serve`
+    (`add_cli_args` / `from_cli_args`), `LLM(...)` and the server all build their
+    `EngineConfig` from one of these. Flag names are the fields' (vLLM's names)."""
+
+    model: str | None = None
+    dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None
+    num_gpu_blocks_override: int | None = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    seed: int = 0
+    device: str = "auto"
+    attn_backend: str = "torch_paged"
+    distributed_executor_backend: str = "uni"
+    scheduling_policy: str = "fcfs"
+    preemption_mode: str = "recompute"
+    swap_space: float = 4.0
+    kv_offloading_size: float = 0.0
+    aging_interval_s: float = DEFAULT_AGING_INTERVAL_S
+    # Classes not given keep DEFAULT_SLA_TTFT_TARGETS_S.
+    sla_ttft_targets_s: dict[str, float] | None = None
+
+    @classmethod
+    def add_cli_args(cls, p: argparse.ArgumentParser) -> None:
+        """Add one flag per field to `p`, defaulting to the field's default."""
+        d = cls()
+        bool_flag = argparse.BooleanOptionalAction
+        p.add_argument("--model", default=d.model, help="HF directory or .gguf file "
+                       "(default: the embedded SmolLM2-135M-Instruct GGUF)")
+        p.add_argument("--dtype", default=d.dtype, choices=["auto", *_DTYPES])
+        p.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype,
+                       choices=list(KV_CACHE_DTYPES), help="the KV cache's element type "
+                       "(auto: the model's dtype)")
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
+                     "kv_cache_memory_bytes", "num_gpu_blocks_override", "seed"):
+            p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(d, name))
+        p.add_argument("--gpu-memory-utilization", type=float,
+                       default=d.gpu_memory_utilization)
+        p.add_argument("--enable-prefix-caching", action=bool_flag,
+                       default=d.enable_prefix_caching)
+        p.add_argument("--enable-chunked-prefill", action=bool_flag,
+                       default=d.enable_chunked_prefill)
+        p.add_argument("--device", default=d.device)
+        p.add_argument("--attn-backend", default=d.attn_backend)
+        p.add_argument("--distributed-executor-backend", default=d.distributed_executor_backend,
+                       help="uni: one worker in this process")
+        p.add_argument("--scheduling-policy", default=d.scheduling_policy,
+                       choices=sorted(SCHEDULING_POLICIES), help="priority: SLA class, then "
+                       "request priority (lower first), then arrival, with aging")
+        p.add_argument("--preemption-mode", default=d.preemption_mode,
+                       choices=list(PREEMPTION_MODES))
+        p.add_argument("--swap-space", type=float, default=d.swap_space,
+                       help="GiB of host memory for swapped-out KV blocks (swap mode only)")
+        p.add_argument("--kv-offloading-size", type=float, default=d.kv_offloading_size,
+                       help="GiB of host memory for the prefix cache's second tier: cached "
+                       "blocks evicted from the KV cache are kept there and loaded back on a "
+                       "later prefix hit (0: off)")
+        p.add_argument("--aging-interval-s", type=float, default=d.aging_interval_s,
+                       help="priority policy: a request ranks one SLA class better per this "
+                       "many seconds it arrived before another")
+        p.add_argument("--sla-ttft-target", dest="sla_ttft_targets_s", action="append",
+                       default=None, metavar="CLASS=SECONDS", type=_sla_target,
+                       help="time-to-first-token target of an SLA class (interactive, "
+                       "async, batch); repeatable")
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        """The EngineArgs of a namespace parsed by a parser given `add_cli_args`."""
+        values = {f.name: getattr(args, f.name) for f in fields(cls)}
+        if values["sla_ttft_targets_s"] is not None:
+            values["sla_ttft_targets_s"] = dict(values["sla_ttft_targets_s"])
+        return cls(**values)
+
+    def create_engine_config(self) -> EngineConfig:
+        """The validated EngineConfig; raises ValueError naming a bad field."""
+        config = EngineConfig(
+            model=ModelConfig(model=self.model, dtype=self.dtype,
+                              max_model_len=self.max_model_len, seed=self.seed,
+                              attn_backend=self.attn_backend),
+            cache=CacheConfig(
+                block_size=self.block_size,
+                gpu_memory_utilization=self.gpu_memory_utilization,
+                kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+                num_gpu_blocks_override=self.num_gpu_blocks_override,
+                enable_prefix_caching=self.enable_prefix_caching,
+                swap_space=self.swap_space,
+                kv_offloading_size=self.kv_offloading_size,
+                kv_cache_dtype=self.kv_cache_dtype,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=self.max_num_batched_tokens,
+                enable_chunked_prefill=self.enable_chunked_prefill,
+                scheduling_policy=self.scheduling_policy,
+                preemption_mode=self.preemption_mode,
+                aging_interval_s=self.aging_interval_s,
+                sla_ttft_targets_s={**DEFAULT_SLA_TTFT_TARGETS_S,
+                                    **(self.sla_ttft_targets_s or {})},
+            ),
+            device=self.device,
+            distributed_executor_backend=self.distributed_executor_backend,
+        )
+        config.validate()
+        return config
+
+
+def _sla_target(text: str) -> tuple[str, float]:
+    name, sep, seconds = text.partition("=")
+    try:
+        if not sep:
+            raise ValueError
+        return name.strip(), float(seconds)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected CLASS=SECONDS, got {text!r}") from None
 
 
 def available_memory_bytes() -> int:

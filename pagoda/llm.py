@@ -2,71 +2,34 @@
 
 from __future__ import annotations
 
+from pagoda.omp_env import apply_openmp_defaults
+
+# NOTE: this module is the offline API's entrypoint: OpenMP's setting must be in the
+# environment before torch loads (see pagoda/omp_env.py).
+apply_openmp_defaults()
+
 import itertools
 from collections.abc import Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
 
-from pagoda.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from pagoda.core.request import DEFAULT_SLA_CLASS, DEFAULT_SLA_TTFT_TARGETS_S
-from pagoda.core.request_queue import DEFAULT_AGING_INTERVAL_S
+from pagoda.config import EngineArgs
+from pagoda.core.request import DEFAULT_SLA_CLASS
 from pagoda.engine.llm_engine import LLMEngine, PromptType
 from pagoda.engine.output_processor import OutputKind
+from pagoda.entrypoints.chat_template import Message, apply_chat_template
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
-
-Message = dict[str, Any]
 
 
 class LLM:
     """Loads a model and generates for batches of prompts with continuous batching."""
 
-    def __init__(
-        self,
-        model: str | None = None,
-        *,
-        dtype: str = "auto",
-        block_size: int = 16,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 2048,
-        max_model_len: int | None = None,
-        gpu_memory_utilization: float = 0.9,
-        kv_cache_memory_bytes: int | None = None,
-        num_gpu_blocks_override: int | None = None,
-        enable_prefix_caching: bool = True,
-        enable_chunked_prefill: bool = True,
-        seed: int = 0,
-        device: str = "auto",
-        scheduling_policy: str = "fcfs",
-        preemption_mode: str = "recompute",
-        swap_space: float = 4.0,
-        kv_offloading_size: float = 0.0,
-        aging_interval_s: float = DEFAULT_AGING_INTERVAL_S,
-        sla_ttft_targets_s: dict[str, float] | None = None,
-    ) -> None:
-        config = EngineConfig(
-            model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed),
-            cache=CacheConfig(
-                block_size=block_size,
-                gpu_memory_utilization=gpu_memory_utilization,
-                kv_cache_memory_bytes=kv_cache_memory_bytes,
-                num_gpu_blocks_override=num_gpu_blocks_override,
-                enable_prefix_caching=enable_prefix_caching,
-                swap_space=swap_space,
-                kv_offloading_size=kv_offloading_size,
-            ),
-            scheduler=SchedulerConfig(
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
-                enable_chunked_prefill=enable_chunked_prefill,
-                scheduling_policy=scheduling_policy,
-                preemption_mode=preemption_mode,
-                aging_interval_s=aging_interval_s,
-                sla_ttft_targets_s={**DEFAULT_SLA_TTFT_TARGETS_S, **(sla_ttft_targets_s or {})},
-            ),
-            device=device,
-        )
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        """`kwargs` are EngineArgs fields (vLLM's names); their defaults are EngineArgs'.
+        An unknown name raises TypeError naming it."""
+        config = EngineArgs(model=model, **kwargs).create_engine_config()
         self.llm_engine = LLMEngine(config)
         self._counter = itertools.count()
 
@@ -159,24 +122,3 @@ class LLM:
             bar.close()
         return results  # type: ignore[return-value]
 
-
-def apply_chat_template(
-    tokenizer,
-    messages: list[Message],
-    chat_template: str | None = None,
-    add_generation_prompt: bool = True,
-) -> list[int]:
-    """Token ids of a templated conversation.
-
-    NOTE: the template is rendered to text and encoded without special tokens, because
-    templates already write the BOS they want; encoding with them would double it.
-    """
-    if chat_template is None and not getattr(tokenizer, "chat_template", None):
-        raise ValueError("the model has no chat template; pass chat_template")
-    text = tokenizer.apply_chat_template(
-        messages,
-        chat_template=chat_template,
-        add_generation_prompt=add_generation_prompt,
-        tokenize=False,
-    )
-    return tokenizer.encode(text, add_special_tokens=False)

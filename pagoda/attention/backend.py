@@ -1,8 +1,9 @@
 """The attention-backend interface and its registry.
 
-A backend owns two things: how new K/V are written into the paged cache, and how queries
-read the cache through block tables. The model runner builds one `AttentionMetadata` per
-step; every layer reuses it.
+A backend owns three things: how new K/V are written into the paged cache, how queries
+read the cache through block tables, and the per-step metadata it needs for that: the
+runner hands the step's common arrays (`CommonAttentionMetadata`) to the backend's
+`build_metadata` once per step, and every layer reuses what it returns.
 
 Batch layout contract (the runner guarantees it): the flat token batch holds the decode
 requests (query length 1) first, then the requests with longer queries (prefill chunks,
@@ -15,7 +16,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
+
+from pagoda.attention.cpu_kernels import FUSED_DTYPES
 
 
 @dataclass(slots=True)
@@ -42,7 +46,59 @@ class AttentionMetadata:
     token_seq_lens: torch.Tensor | None = None
 
 
+@dataclass(slots=True)
+class CommonAttentionMetadata:
+    """One step's arrays every backend starts from (numpy on the host; B requests in the
+    batch layout order, T tokens)."""
+
+    query_start_loc: np.ndarray  # [B + 1] int64: request i's tokens are [q[i], q[i + 1])
+    seq_lens: np.ndarray  # [B] int64: tokens in context after this step (cached + new)
+    num_decodes: int  # the first num_decodes requests have query length 1
+    block_tables: np.ndarray  # [B, max_blocks_this_step] int64; row i valid up to seq_lens[i]
+    block_size: int
+    positions: np.ndarray  # [T] int64
+    req_of_token: np.ndarray  # [T] int64: the request (row) of each token
+    slot_mapping: torch.Tensor  # [T] int64 on the device (the runner computes it once)
+    dtype: torch.dtype  # the activations' dtype
+    device: torch.device
+
+
+def build_paged_metadata(c: CommonAttentionMetadata) -> AttentionMetadata:
+    """The paged backends' AttentionMetadata from the step's common arrays (no per-token
+    Python loops; one loop over the prefill requests)."""
+    nd, num_reqs = c.num_decodes, len(c.seq_lens)
+    query_lens = np.diff(c.query_start_loc)
+    blocks_needed = -(-c.seq_lens // c.block_size)
+    bt = torch.from_numpy(c.block_tables)
+    prefills = [
+        PrefillSeq(int(c.query_start_loc[i]), int(query_lens[i]), int(c.seq_lens[i]),
+                   bt[i, : blocks_needed[i]])
+        for i in range(nd, num_reqs)
+    ]
+    token_tables = token_seq_lens = None
+    if prefills and c.dtype in FUSED_DTYPES:
+        # NOTE: only the kernel that reads prefill tokens as query rows needs a table per
+        # token (gathered here, once per step, from the request rows).
+        token_tables = torch.from_numpy(c.block_tables[c.req_of_token]).to(c.device)
+        token_seq_lens = torch.from_numpy(c.positions + 1).to(c.device)
+    return AttentionMetadata(
+        slot_mapping=c.slot_mapping,
+        num_decode_tokens=nd,
+        decode_block_tables=bt[:nd].to(c.device) if nd else None,
+        decode_seq_lens=torch.from_numpy(c.seq_lens[:nd]).to(c.device) if nd else None,
+        decode_max_seq_len=int(c.seq_lens[:nd].max()) if nd else 0,
+        prefills=prefills,
+        token_block_tables=token_tables,
+        token_seq_lens=token_seq_lens,
+    )
+
+
 class AttentionBackend(Protocol):
+    @staticmethod
+    def build_metadata(common: CommonAttentionMetadata) -> AttentionMetadata:
+        """This step's metadata, shared by every layer."""
+        ...
+
     def forward(
         self,
         q: torch.Tensor,  # [T, H, D]

@@ -10,12 +10,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagoda.attention.backend import AttentionMetadata, register_backend
+from pagoda.attention.backend import AttentionMetadata, build_paged_metadata, register_backend
 from pagoda.attention.cpu_kernels import FUSED_DTYPES, paged_decode_attention
 
 
 @register_backend("torch_paged")
 class TorchPagedAttention:
+    build_metadata = staticmethod(build_paged_metadata)
+
     def __init__(
         self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None = None
     ) -> None:
@@ -72,8 +74,9 @@ class TorchPagedAttention:
         if fast is not None:  # NOTE: None when the C++ kernel is unavailable or disabled
             return fast
         b = q.shape[0]
-        keys = gather_blocks(k_cache, bt, md.decode_max_seq_len)  # [B, L, Hk, D]
-        values = gather_blocks(v_cache, bt, md.decode_max_seq_len)
+        # NOTE: the cache may hold another dtype than q (--kv-cache-dtype).
+        keys = gather_blocks(k_cache, bt, md.decode_max_seq_len).to(q.dtype)  # [B, L, Hk, D]
+        values = gather_blocks(v_cache, bt, md.decode_max_seq_len).to(q.dtype)
         key_pos = torch.arange(keys.shape[1])
         valid = key_pos[None, :] < seq_lens[:, None]
         if self.sliding_window is not None:

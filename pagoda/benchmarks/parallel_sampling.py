@@ -55,15 +55,6 @@ def _engine(args: argparse.Namespace, caching: bool) -> Any:
     return llm.llm_engine
 
 
-def _block_bytes(engine: Any) -> int:
-    import torch
-
-    spec = engine.model.spec
-    elem = torch.finfo(engine.dtype).bits // 8
-    return 2 * spec.num_layers * engine.kv_cache_manager.block_size * spec.num_kv_heads * (
-        spec.head_dim * elem)
-
-
 def _run(engine: Any, args: argparse.Namespace, prompt: list[int], together: bool) -> dict:
     """One prompt as one request with n samples (`together`) or as n requests; the peak
     number of blocks in use, from an empty cache."""
@@ -98,7 +89,7 @@ def _run(engine: Any, args: argparse.Namespace, prompt: list[int], together: boo
         "shape": f"n={args.n} in one request" if together else f"{args.n} separate requests",
         "prefix_caching": kv.enable_caching,
         "peak_blocks": peak,
-        "peak_kv_mib": peak * _block_bytes(engine) / (1 << 20),
+        "peak_kv_mib": peak * engine.kv_block_bytes / (1 << 20),
         "num_output_tokens": num_tokens,
         "elapsed_s": elapsed,
     }

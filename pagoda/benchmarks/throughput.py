@@ -50,9 +50,9 @@ def _int_list(text: str) -> list[int]:
 
 def add_throughput_args(parser: argparse.ArgumentParser) -> None:
     """The flags of `pagoda bench throughput`; names follow vLLM's where they mean the same."""
-    from pagoda.config import SchedulerConfig
+    from pagoda.config import EngineArgs
 
-    sched = SchedulerConfig()
+    sched = EngineArgs()
     p = parser
     p.add_argument("--model", default=None, help="HF folder or .gguf file (default: embedded)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])

@@ -11,8 +11,6 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from pagoda.sampling_params import SamplingParams
 
 
@@ -85,7 +83,6 @@ class Request:
     block_hashes: list = field(default_factory=list)
     # Number of prompt tokens served from the prefix cache at first scheduling.
     num_cached_tokens: int = -1
-    generator: torch.Generator | None = None
     # Timestamps (time.monotonic) for metrics.
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -98,9 +95,6 @@ class Request:
                 f"sla_class must be one of {list(SLA_CLASS_RANKS)}, got {self.sla_class!r}"
             )
         self.all_token_ids = list(self.prompt_token_ids)
-        seed = self.sampling_params.seed
-        if seed is not None and self.generator is None:
-            self.generator = torch.Generator().manual_seed(seed)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -65,6 +65,7 @@ class Scheduler:
         self.waiting = create_request_queue(policy, aging_interval_s)
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()
+        self.preempted_req_ids: set[str] = set()
         self.preemptor = Preemptor(kv_cache_manager, preemption_mode, num_host_blocks)
         self.sla_ttft_targets_s = {**DEFAULT_SLA_TTFT_TARGETS_S, **(sla_ttft_targets_s or {})}
         self.sla_first_tokens: Counter[str] = Counter()
@@ -121,8 +122,8 @@ class Scheduler:
             self._schedule_waiting(out)
         out.blocks_to_offload, out.blocks_to_onload = self.kv.end_step()
         self.preemptor.end_step()
-        out.finished_req_ids = self.finished_req_ids
-        self.finished_req_ids = set()
+        out.finished_req_ids, out.preempted_req_ids = self.finished_req_ids, self.preempted_req_ids
+        self.finished_req_ids, self.preempted_req_ids = set(), set()
         for req_id, n in out.num_scheduled_tokens.items():
             self.requests[req_id].num_computed_tokens += n
         return out
@@ -243,7 +244,6 @@ class Scheduler:
                 block_ids=self.kv.get_block_ids(req.req_id),
                 num_computed_tokens=num_computed,
                 sampling_params=req.sampling_params,
-                generator=req.generator,
                 want_prompt_logprobs=want_prompt_logprobs,
             )
         )
@@ -329,6 +329,7 @@ class Scheduler:
         out.blocks_to_swap_out.extend(self.preemptor.preempt(req))
         self.sla_preemptions[req.sla_class] += 1
         self.finished_req_ids.add(req.req_id)
+        self.preempted_req_ids.add(req.req_id)
         self.waiting.prepend(req)
 
     # ---- after the model ran ---------------------------------------------------------
@@ -341,12 +342,14 @@ class Scheduler:
             req = self.requests.get(req_id)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue
-            token_id = runner_out.sampled_token_ids.get(req_id)
+            sampled = runner_out.sampled_token_ids.get(req_id)
             prompt_lps = runner_out.prompt_logprobs.get(req_id)
-            if token_id is None:
+            if not sampled:
                 if prompt_lps is not None:
                     outputs.append(EngineCoreOutput(req_id, [], new_prompt_logprobs=prompt_lps))
                 continue
+            # NOTE: one token per step until speculative decoding (core-commit rewrites this).
+            token_id = sampled[0]
             req.append_output_token_ids(token_id)
             if req.first_token_time is None:
                 req.first_token_time = now
@@ -357,7 +360,7 @@ class Scheduler:
                 EngineCoreOutput(
                     req_id,
                     [token_id],
-                    new_logprobs=runner_out.logprobs.get(req_id),
+                    new_logprobs=runner_out.logprobs.get(req_id, [None])[0],
                     new_prompt_logprobs=prompt_lps,
                     finish_status=status,
                     stop_reason=req.stop_reason,

@@ -20,8 +20,7 @@ class NewRequestData:
     num_prompt_tokens: int
     block_ids: list[int]
     num_computed_tokens: int
-    sampling_params: SamplingParams
-    generator: object
+    sampling_params: SamplingParams  # the runner makes the generator from its seed
     # Prompt logprobs are wanted until the prompt has been computed once in full.
     want_prompt_logprobs: bool
 
@@ -43,6 +42,9 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int = 0
     # Requests finished or preempted since the last step: the runner drops their state.
     finished_req_ids: set[str] = field(default_factory=set)
+    # Those of finished_req_ids that were preempted: they come back as new requests later,
+    # so the runner keeps their generators (a seeded stream resumes where it stopped).
+    preempted_req_ids: set[str] = field(default_factory=set)
     # KV block copies the runner performs before the forward, every device -> host copy
     # before any host -> device one. Swap preemption's pool: (device block, host block)
     # and (host block, device block). The prefix cache's host tier: evicted cached blocks

@@ -1,7 +1,8 @@
 """The synchronous engine: requests in, one scheduler step at a time, RequestOutputs out.
 
-API -> engine (tokenize, validate, fan out n samples) -> scheduler -> runner -> scheduler
-update -> output processor (detokenize, stop strings, logprobs) -> outputs.
+API -> engine (tokenize, validate, fan out n samples) -> scheduler -> executor (-> worker ->
+runner -> model) -> scheduler update -> output processor (detokenize, stop strings,
+logprobs) -> outputs.
 """
 
 from __future__ import annotations
@@ -11,93 +12,56 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-import torch
-
-from pagoda.attention.cpu_kernels import load_extension
-from pagoda.config import (
-    EngineConfig,
-    available_memory_bytes,
-    resolve_device,
-    resolve_dtype,
-)
+from pagoda.config import EngineConfig
 from pagoda.core.kv_cache_manager import KVCacheManager
+from pagoda.core.kv_cache_spec import bytes_per_block
 from pagoda.core.request import DEFAULT_SLA_CLASS, SLA_CLASS_RANKS, Request, RequestStatus
 from pagoda.core.scheduler import Scheduler, SchedulerStats
 from pagoda.engine.output_processor import OutputKind, OutputProcessor
-from pagoda.models.factory import build_model
 from pagoda.models.loader import load_checkpoint
+from pagoda.omp_env import apply_openmp_defaults
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
-from pagoda.worker.model_runner import ModelRunner
+from pagoda.worker.executor import get_executor_class
 
 logger = logging.getLogger(__name__)
 
 PromptType = str | list[int] | dict[str, Any]
 MAX_LOGPROBS = 20
-_CPU_KV_DEFAULT_CAP = 4 << 30
 
 
 class LLMEngine:
+    """Scheduling and outputs; the model runs behind `self.executor`."""
+
     def __init__(self, config: EngineConfig) -> None:
         config.validate()
+        # NOTE: effective in this process only if torch is not loaded yet (the entrypoints
+        # call it first); child processes inherit it either way.
+        apply_openmp_defaults()
         self.config = config
-        self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.model.dtype, self.device)
-        torch.manual_seed(config.model.seed)
+        executor_class = get_executor_class(config.distributed_executor_backend)
         ckpt = load_checkpoint(config.model.model)
         self.model_path = str(ckpt.path)
         self.tokenizer = ckpt.tokenizer
         hf = ckpt.hf_config
         self.hf_config = hf
-        model_max = int(hf.max_position_embeddings)
-        self.max_model_len = config.model.max_model_len or model_max
-        if self.max_model_len > model_max:
-            raise ValueError(
-                f"max_model_len {self.max_model_len} exceeds the model's "
-                f"max_position_embeddings {model_max}"
-            )
-        s = config.scheduler
-        if not s.enable_chunked_prefill and s.max_num_batched_tokens < self.max_model_len:
-            # NOTE: without chunking a prompt is scheduled whole; a longer one than the
-            # budget would wait forever.
-            raise ValueError(
-                f"max_num_batched_tokens {s.max_num_batched_tokens} is smaller than "
-                f"max_model_len {self.max_model_len} with chunked prefill disabled: raise "
-                "max_num_batched_tokens, lower max_model_len or enable chunked prefill"
-            )
-        if self.device.type == "cpu":
-            # NOTE: build (or load the cached build of) the C++ decode kernel now, so the
-            # first request does not pay the compile time.
-            load_extension()
-        self.model = build_model(
-            ckpt, self.dtype, self.device, self.max_model_len, config.model.attn_backend
-        )
-        spec = self.model.spec
-        self.vocab_size = spec.vocab_size
-        block_size = config.cache.block_size
-        num_blocks = self._num_kv_blocks(spec)
-        if num_blocks * block_size < self.max_model_len:
-            raise ValueError(
-                f"max_model_len {self.max_model_len} does not fit in the KV cache "
-                f"({num_blocks} blocks of {block_size} tokens); the largest max_model_len "
-                f"that fits is {num_blocks * block_size}: lower max_model_len or give the "
-                f"cache more memory (kv_cache_memory_bytes / gpu_memory_utilization)"
-            )
-        self.num_blocks = num_blocks
-        shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
-        kv_caches = [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device),
-             torch.zeros(shape, dtype=self.dtype, device=self.device))
-            for _ in range(spec.num_layers)
-        ]
+        self.generation_config = ckpt.generation_config
+        self.max_model_len = self._max_model_len(int(hf.max_position_embeddings))
+        self.vocab_size = int(hf.vocab_size)
         self.eos_token_id = self.tokenizer.eos_token_id
         self.extra_stop_ids = _generation_eos_ids(ckpt.generation_config) - {self.eos_token_id}
         eos_ids = {self.eos_token_id} if self.eos_token_id is not None else set()
+        self.executor = executor_class(config, ckpt, self.max_model_len,
+                                       eos_ids | self.extra_stop_ids)
+        self.kv_cache_specs = self.executor.kv_cache_specs()
+        self.kv_block_bytes = bytes_per_block(self.kv_cache_specs)
+        self.num_blocks = self._check_num_blocks(self.executor.determine_num_blocks())
+        s = config.scheduler
         self.kv_cache_manager = KVCacheManager(
-            num_blocks,
-            block_size,
+            self.num_blocks,
+            config.cache.block_size,
             enable_caching=config.cache.enable_prefix_caching,
-            num_host_tier_blocks=self._num_host_tier_blocks(spec),
+            num_host_tier_blocks=self._num_host_tier_blocks(),
         )
         self.scheduler = Scheduler(
             self.kv_cache_manager,
@@ -107,80 +71,64 @@ class LLMEngine:
             enable_chunked_prefill=s.enable_chunked_prefill,
             policy=s.scheduling_policy,
             preemption_mode=s.preemption_mode,
-            num_host_blocks=self._num_host_blocks(spec),
+            num_host_blocks=self._num_host_blocks(),
             aging_interval_s=s.aging_interval_s,
             sla_ttft_targets_s=s.sla_ttft_targets_s,
         )
         swap_pool = self.scheduler.preemptor.host_pool
         host_tier = self.kv_cache_manager.host_tier
-        self.runner = ModelRunner(
-            self.model, kv_caches, block_size, self.vocab_size,
-            eos_ids | self.extra_stop_ids, self.device,
-            host_kv_caches=self._host_kv_caches(
-                shape, None if swap_pool is None else swap_pool.num_blocks),
-            host_tier_kv_caches=self._host_kv_caches(
-                shape, None if host_tier is None else host_tier.num_slots),
+        self.executor.initialize_kv_cache(
+            self.num_blocks,
+            None if swap_pool is None else swap_pool.num_blocks,
+            None if host_tier is None else host_tier.num_slots,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.generation_config = ckpt.generation_config
 
-    def _kv_block_bytes(self, spec) -> int:
-        """Bytes of one block over all layers' K and V."""
-        elem = torch.finfo(self.dtype).bits // 8
-        c = self.config.cache
-        return 2 * spec.num_layers * c.block_size * spec.num_kv_heads * spec.head_dim * elem
+    def _max_model_len(self, model_max: int) -> int:
+        max_model_len = self.config.model.max_model_len or model_max
+        if max_model_len > model_max:
+            raise ValueError(
+                f"max_model_len {max_model_len} exceeds the model's "
+                f"max_position_embeddings {model_max}"
+            )
+        s = self.config.scheduler
+        if not s.enable_chunked_prefill and s.max_num_batched_tokens < max_model_len:
+            # NOTE: without chunking a prompt is scheduled whole; a longer one than the
+            # budget would wait forever.
+            raise ValueError(
+                f"max_num_batched_tokens {s.max_num_batched_tokens} is smaller than "
+                f"max_model_len {max_model_len} with chunked prefill disabled: raise "
+                "max_num_batched_tokens, lower max_model_len or enable chunked prefill"
+            )
+        return max_model_len
 
-    def _num_host_blocks(self, spec) -> int:
+    def _check_num_blocks(self, num_blocks: int) -> int:
+        block_size = self.config.cache.block_size
+        if num_blocks * block_size < self.max_model_len:
+            raise ValueError(
+                f"max_model_len {self.max_model_len} does not fit in the KV cache "
+                f"({num_blocks} blocks of {block_size} tokens); the largest max_model_len "
+                f"that fits is {num_blocks * block_size}: lower max_model_len or give the "
+                f"cache more memory (kv_cache_memory_bytes / gpu_memory_utilization)"
+            )
+        return num_blocks
+
+    def _num_host_blocks(self) -> int:
         """Swap preemption's host pool size: `swap_space` GiB, only in swap mode."""
         if self.config.scheduler.preemption_mode != "swap":
             return 0
-        return int(self.config.cache.swap_space * (1 << 30)) // self._kv_block_bytes(spec)
+        return int(self.config.cache.swap_space * (1 << 30)) // self.kv_block_bytes
 
-    def _num_host_tier_blocks(self, spec) -> int:
+    def _num_host_tier_blocks(self) -> int:
         """The prefix cache's host tier size: `kv_offloading_size` GiB (0: no tier)."""
         size = self.config.cache.kv_offloading_size
         if size <= 0:
             return 0
-        num_blocks = int(size * (1 << 30)) // self._kv_block_bytes(spec)
+        num_blocks = int(size * (1 << 30)) // self.kv_block_bytes
         if num_blocks == 0:
             logger.warning("kv_offloading_size %s GiB holds no KV block (%d bytes): the "
-                           "host tier is off", size, self._kv_block_bytes(spec))
+                           "host tier is off", size, self.kv_block_bytes)
         return num_blocks
-
-    def _host_kv_caches(self, shape: tuple[int, ...], num_blocks: int | None) -> list | None:
-        """One K and one V tensor per layer on the host, shaped like the device cache but
-        with `num_blocks` blocks (the swap pool's or the host tier's); None for None.
-
-        NOTE: torch.empty, not zeros: a block is written by a swap-out (offload) before it
-        is read, and untouched pages of a large pool are never committed on the CPU.
-        """
-        if num_blocks is None:
-            return None
-        host_shape = (num_blocks, *shape[1:])
-        pin = self.device.type == "cuda"
-        return [
-            (torch.empty(host_shape, dtype=self.dtype, pin_memory=pin),
-             torch.empty(host_shape, dtype=self.dtype, pin_memory=pin))
-            for _ in range(self.model.spec.num_layers)
-        ]
-
-    def _num_kv_blocks(self, spec) -> int:
-        c = self.config.cache
-        per_block = self._kv_block_bytes(spec)
-        if c.num_gpu_blocks_override is not None:
-            return c.num_gpu_blocks_override
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = total * c.gpu_memory_utilization - (total - free)
-        elif c.kv_cache_memory_bytes is not None:
-            budget = c.kv_cache_memory_bytes
-        else:
-            # NOTE: more blocks than max_num_seqs full-length sequences can use only hold
-            # prefix cache; don't take RAM for that by default.
-            max_useful = self.config.scheduler.max_num_seqs * self.max_model_len
-            useful = -(-max_useful // c.block_size) * per_block
-            budget = min(_CPU_KV_DEFAULT_CAP, available_memory_bytes() // 4, useful)
-        return max(int(budget // per_block), 0)
 
     # ---- requests ---------------------------------------------------------------------
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -299,7 +247,7 @@ class LLMEngine:
     # ---- the loop ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         sched_out = self.scheduler.schedule()
-        runner_out = self.runner.execute_model(sched_out)
+        runner_out = self.executor.execute_model(sched_out)
         core_outputs = self.scheduler.update_from_output(sched_out, runner_out)
         outputs, stopped = self.output_processor.process(core_outputs, self.scheduler)
         if stopped:

@@ -5,75 +5,24 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from typing import Any
 
-from pagoda.core.preemption import PREEMPTION_MODES
-from pagoda.core.request_queue import DEFAULT_AGING_INTERVAL_S, SCHEDULING_POLICIES
-from pagoda.sampling_params import SamplingParams
+# NOTE: this module imports nothing that loads torch at import time: `main` must set
+# OpenMP up first (see pagoda/omp_env.py).
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="HF directory or .gguf file "
-                   "(default: the embedded SmolLM2-135M-Instruct GGUF)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
-    p.add_argument("--num-gpu-blocks-override", type=int, default=None)
-    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
-                   action="store_false", default=True)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="auto")
-    p.add_argument("--scheduling-policy", default="fcfs", choices=sorted(SCHEDULING_POLICIES),
-                   help="priority: SLA class, then request priority (lower first), then "
-                   "arrival, with aging")
-    p.add_argument("--preemption-mode", default="recompute", choices=list(PREEMPTION_MODES))
-    p.add_argument("--swap-space", type=float, default=4.0,
-                   help="GiB of host memory for swapped-out KV blocks (swap mode only)")
-    p.add_argument("--kv-offloading-size", type=float, default=0.0,
-                   help="GiB of host memory for the prefix cache's second tier: cached "
-                   "blocks evicted from the KV cache are kept there and loaded back on a "
-                   "later prefix hit (0: off)")
-    p.add_argument("--aging-interval-s", type=float, default=DEFAULT_AGING_INTERVAL_S,
-                   help="priority policy: a request ranks one SLA class better per this "
-                   "many seconds it arrived before another")
-    p.add_argument("--sla-ttft-target", action="append", default=[], metavar="CLASS=SECONDS",
-                   type=_sla_target, help="time-to-first-token target of an SLA class "
-                   "(interactive, async, batch); repeatable")
+    """The engine's flags: EngineArgs' fields with EngineArgs' defaults."""
+    from pagoda.config import EngineArgs
+
+    EngineArgs.add_cli_args(p)
 
 
-def _sla_target(text: str) -> tuple[str, float]:
-    name, sep, seconds = text.partition("=")
-    try:
-        if not sep:
-            raise ValueError
-        return name.strip(), float(seconds)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected CLASS=SECONDS, got {text!r}") from None
+def engine_args(args: argparse.Namespace) -> Any:
+    """The EngineArgs of parsed engine flags."""
+    from pagoda.config import EngineArgs
 
-
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    return {
-        "dtype": args.dtype,
-        "max_model_len": args.max_model_len,
-        "max_num_seqs": args.max_num_seqs,
-        "max_num_batched_tokens": args.max_num_batched_tokens,
-        "block_size": args.block_size,
-        "gpu_memory_utilization": args.gpu_memory_utilization,
-        "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
-        "num_gpu_blocks_override": args.num_gpu_blocks_override,
-        "enable_prefix_caching": args.enable_prefix_caching,
-        "seed": args.seed,
-        "device": args.device,
-        "scheduling_policy": args.scheduling_policy,
-        "preemption_mode": args.preemption_mode,
-        "swap_space": args.swap_space,
-        "kv_offloading_size": args.kv_offloading_size,
-        "aging_interval_s": args.aging_interval_s,
-        "sla_ttft_targets_s": dict(args.sla_ttft_target),
-    }
+    return EngineArgs.from_cli_args(args)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -84,15 +33,17 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sampling-seed", type=int, default=None)
 
 
-def _sampling(args: argparse.Namespace) -> SamplingParams:
+def _sampling(args: argparse.Namespace) -> Any:
+    from pagoda.sampling_params import SamplingParams
+
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                           top_p=args.top_p, top_k=args.top_k, seed=args.sampling_seed)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from pagoda import LLM
+    from pagoda.llm import LLM
 
-    llm = LLM(args.model, **engine_kwargs(args))
+    llm = LLM(**vars(engine_args(args)))
     params = _sampling(args)
     if args.chat_template_off:
         outputs = llm.generate(args.prompt, params, use_tqdm=False)
@@ -105,9 +56,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    from pagoda import LLM
+    from pagoda.llm import LLM
 
-    llm = LLM(args.model, **engine_kwargs(args))
+    llm = LLM(**vars(engine_args(args)))
     params = _sampling(args)
     history: list[dict] = []
     if args.system:
@@ -239,6 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from pagoda.omp_env import apply_openmp_defaults
+
+    apply_openmp_defaults()
     args = build_parser().parse_args(argv)
     return args.func(args)
 

@@ -12,14 +12,16 @@ This module is the plain PyTorch reference; it is also the CPU execution path.
 
 from __future__ import annotations
 
-import itertools
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pagoda.sampling_params import SamplingParams, SamplingType
 
 _TINY = torch.finfo(torch.float32).tiny
+TokenIds = Sequence[int] | np.ndarray
 
 
 @dataclass(slots=True)
@@ -67,8 +69,8 @@ class SamplingMetadata:
     def build(
         cls,
         params: list[SamplingParams],
-        prompt_token_ids: list[list[int]],
-        output_token_ids: list[list[int]],
+        prompt_token_ids: Sequence[TokenIds],
+        output_token_ids: Sequence[TokenIds],
         generators: list[torch.Generator | None],
         eos_token_ids: set[int],
         vocab_size: int,
@@ -77,7 +79,8 @@ class SamplingMetadata:
         """Gather the per-row options of `params` (row i = params[i]) into tensors.
 
         `generators[i]` is used only when row i samples randomly; it may live on the CPU
-        while `device` is an accelerator.
+        while `device` is an accelerator. Token histories (lists or numpy arrays) are read
+        only for rows that use a penalty; other rows need only their output's length.
         """
         greedy = [p.sampling_type == SamplingType.GREEDY for p in params]
         all_greedy, all_random = all(greedy), not any(greedy)
@@ -135,13 +138,14 @@ def _top_k_column(params: list[SamplingParams], greedy: list[bool], vocab_size: 
 
 
 def _flat_pairs(
-    rows: list[int], token_lists: list[list[int]], device: torch.device
+    rows: list[int], token_lists: Mapping[int, TokenIds] | Sequence[TokenIds],
+    device: torch.device,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(row index, token id) for every token of `token_lists[r]`, r in rows."""
-    ids = torch.tensor(
-        list(itertools.chain.from_iterable(token_lists[r] for r in rows)), dtype=torch.int64
-    )
-    lengths = torch.tensor([len(token_lists[r]) for r in rows], dtype=torch.int64)
+    """(row index, token id) for every token of `token_lists[r]`, r in rows; only those
+    rows are read."""
+    arrays = [np.asarray(token_lists[r], dtype=np.int64) for r in rows]
+    ids = torch.from_numpy(np.concatenate(arrays))
+    lengths = torch.tensor([len(a) for a in arrays], dtype=torch.int64)
     row_idx = torch.repeat_interleave(torch.tensor(rows, dtype=torch.int64), lengths)
     return row_idx.to(device), ids.to(device)
 
@@ -149,8 +153,8 @@ def _flat_pairs(
 def _fill_penalties(
     md: SamplingMetadata,
     params: list[SamplingParams],
-    prompt_token_ids: list[list[int]],
-    output_token_ids: list[list[int]],
+    prompt_token_ids: Sequence[TokenIds],
+    output_token_ids: Sequence[TokenIds],
     vocab_size: int,
     device: torch.device,
 ) -> None:
@@ -160,7 +164,9 @@ def _fill_penalties(
     batch = len(params)
     rep_rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
     if rep_rows:
-        all_ids = [prompt_token_ids[i] + output_token_ids[i] for i in range(batch)]
+        all_ids = {i: np.concatenate([np.asarray(prompt_token_ids[i], dtype=np.int64),
+                                      np.asarray(output_token_ids[i], dtype=np.int64)])
+                   for i in rep_rows}
         mask = torch.zeros(batch, vocab_size, dtype=torch.bool, device=device)
         mask[_flat_pairs(rep_rows, all_ids, device)] = True
         md.seen_token_mask = mask
@@ -199,7 +205,7 @@ def _build_logit_bias(
 
 def _build_banned_tokens(
     params: list[SamplingParams],
-    output_token_ids: list[list[int]],
+    output_token_ids: Sequence[TokenIds],
     eos_token_ids: set[int],
     device: torch.device,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:

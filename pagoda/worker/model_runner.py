@@ -1,8 +1,11 @@
 """The model runner: one scheduler step -> one flat variable-length batch -> one forward.
 
-It keeps each request's tokens and block table across steps (the scheduler sends diffs),
-builds token ids, positions, slot mapping and block tables with vectorised numpy ops,
-computes logits only where something is sampled (or prompt logprobs are wanted), and samples.
+Per-request state lives in the persistent `InputBatch` (updated from the scheduler's diffs)
+and the per-request generators here (created from the request's seed, advanced only here;
+kept across a preemption so a seeded request resumes its stream). A step gathers token ids,
+positions and the slot mapping into buffers sized once, with numpy fancy indexing (no
+per-token Python loops); the attention backend builds its metadata from those arrays;
+logits are computed only where something is sampled (or prompt logprobs are wanted).
 """
 
 from __future__ import annotations
@@ -13,246 +16,207 @@ import numpy as np
 import torch
 from torch import nn
 
-from pagoda.attention.backend import AttentionMetadata, PrefillSeq
-from pagoda.core.scheduler import NewRequestData, SchedulerOutput
+from pagoda.attention.backend import AttentionBackend, AttentionMetadata, CommonAttentionMetadata
+from pagoda.core.scheduler_output import SchedulerOutput
 from pagoda.layers.sampler import Sampler, SamplingMetadata, compute_topk_logprobs
-from pagoda.sampling_params import SamplingParams
+from pagoda.worker.block_copies import LayerCaches
+from pagoda.worker.input_batch import InputBatch
 
-
-@dataclass(slots=True)
-class CachedRequestState:
-    req_id: str
-    token_ids: list[int]
-    num_prompt_tokens: int
-    block_ids: list[int]
-    sampling_params: SamplingParams
-    generator: torch.Generator | None
-    want_prompt_logprobs: bool
+# (top ids [K+1], logprobs [K+1], rank of the sampled token) of one sampled token.
+TokenLogprobs = tuple[list[int], list[float], int]
 
 
 @dataclass
 class ModelRunnerOutput:
-    sampled_token_ids: dict[str, int] = field(default_factory=dict)
-    # req_id -> (ids [K+1], logprobs [K+1], rank of the sampled token)
-    logprobs: dict[str, tuple[list[int], list[float], int]] = field(default_factory=dict)
+    # req_id -> the tokens this step produced for it, in order (absent: nothing sampled).
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # req_id -> one entry per token of sampled_token_ids[req_id] (only if it asked).
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     # req_id -> (first position, ids [N][K+1], logprobs [N][K+1], ranks [N])
     prompt_logprobs: dict[str, tuple] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class StepBatch:
+    """One step's rows (requests, decodes first) and their flat token layout."""
+
+    req_ids: list[str]
+    slots: np.ndarray  # [B] the requests' InputBatch slots
+    query_lens: np.ndarray  # [B]
+    starts: np.ndarray  # [B] first new position (num_computed_tokens before the step)
+    query_start_loc: np.ndarray  # [B + 1]
+    sample_rows: np.ndarray  # rows whose step reaches their last known token
 
 
 class ModelRunner:
     def __init__(
         self,
         model: nn.Module,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: LayerCaches,
+        attn_backend: type[AttentionBackend],
         block_size: int,
         vocab_size: int,
         eos_token_ids: set[int],
         device: torch.device,
-        host_kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
-        host_tier_kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+        dtype: torch.dtype,
+        max_num_reqs: int,
+        max_model_len: int,
+        max_num_batched_tokens: int,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
+        self.attn_backend = attn_backend
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.device = device
-        # Swap preemption's host pool: the device cache's per-layer layout, own block ids.
-        self.host_kv_caches = host_kv_caches
-        # The prefix cache's host tier: same layout, own slot ids, its own buffer.
-        self.host_tier_kv_caches = host_tier_kv_caches
+        self.dtype = dtype
         self.sampler = Sampler()
-        self.requests: dict[str, CachedRequestState] = {}
+        self.input_batch = InputBatch(max_num_reqs, max_model_len, -(-max_model_len // block_size))
+        self.generators: dict[str, torch.Generator] = {}
+        # Per-token buffers, sized once; a step uses their first T entries.
+        self._input_ids = torch.zeros(max_num_batched_tokens, dtype=torch.int64)
+        self._positions = torch.zeros(max_num_batched_tokens, dtype=torch.int64)
+        self._slot_mapping = torch.zeros(max_num_batched_tokens, dtype=torch.int64)
+        self._arange = np.arange(max(max_num_batched_tokens, max_num_reqs) + 1, dtype=np.int64)
 
     # ---- state diffs -----------------------------------------------------------------
     def _update_states(self, out: SchedulerOutput) -> None:
+        batch = self.input_batch
         for req_id in out.finished_req_ids:
-            self.requests.pop(req_id, None)
+            batch.remove_request(req_id)
+            if req_id not in out.preempted_req_ids:
+                self.generators.pop(req_id, None)
         for new in out.scheduled_new_reqs:
-            self.requests[new.req_id] = _new_state(new)
+            seed = new.sampling_params.seed
+            if seed is not None and new.req_id not in self.generators:
+                self.generators[new.req_id] = torch.Generator().manual_seed(seed)
+            slot = batch.add_request(new.req_id, new.token_ids, new.num_prompt_tokens,
+                                     new.block_ids, new.sampling_params,
+                                     new.want_prompt_logprobs)
+            batch.num_computed_tokens[slot] = new.num_computed_tokens
         for cached in out.scheduled_cached_reqs:
-            self.requests[cached.req_id].block_ids.extend(cached.new_block_ids)
+            slot = batch.req_id_to_slot[cached.req_id]
+            batch.append_block_ids(slot, cached.new_block_ids)
+            batch.num_computed_tokens[slot] = cached.num_computed_tokens
 
     # ---- one step --------------------------------------------------------------------
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        self.swap_blocks(out)
+        """Apply the diffs, run the step's forward and sample; the caller has already
+        performed the step's block copies."""
         self._update_states(out)
         result = ModelRunnerOutput()
         if out.is_empty:
             return result
-        # NOTE: decodes first (the attention backend's batch layout contract).
-        req_ids = sorted(out.num_scheduled_tokens, key=lambda r: out.num_scheduled_tokens[r] != 1)
-        states = [self.requests[r] for r in req_ids]
-        query_lens = np.array([out.num_scheduled_tokens[r] for r in req_ids], dtype=np.int64)
-        starts = self._chunk_starts(out, req_ids)
-        input_ids, positions, md = self._prepare_inputs(states, starts, query_lens)
+        step = self._step_batch(out)
+        input_ids, positions, md = self._prepare_inputs(step)
         hidden = self.model(input_ids, positions, self.kv_caches, md)
-
-        cu = np.cumsum(query_lens)
-        seq_ends = starts + query_lens
-        sample_rows = [i for i, s in enumerate(states) if seq_ends[i] == len(s.token_ids)]
-        self._prompt_logprobs(states, starts, query_lens, cu, hidden, result)
-        if sample_rows:
-            self._sample(states, sample_rows, cu, hidden, result)
+        self._prompt_logprobs(step, hidden, result)
+        if len(step.sample_rows):
+            self._sample(step, hidden, result)
         return result
 
-    def swap_blocks(self, out: SchedulerOutput) -> None:
-        """Copy the step's blocks between the device cache and host memory (swap pool and
-        prefix-cache host tier), in every layer, before anything reads or writes the cache.
-
-        NOTE: every device -> host copy first: a device block that a swap-out frees or an
-        offload evicts may be the target of a swap-in, a host-tier load or new tokens in the
-        same step. (The host tier never hands a slot a load reads to an offload of the same
-        step, so host slots need no such order.)
-        """
-        if out.blocks_to_swap_out:
-            _copy_blocks(self.kv_caches, self.host_kv_caches, out.blocks_to_swap_out)
-        if out.blocks_to_offload:
-            _copy_blocks(self.kv_caches, self.host_tier_kv_caches, out.blocks_to_offload)
-        if out.blocks_to_copy:
-            _copy_blocks(self.kv_caches, self.kv_caches, out.blocks_to_copy)
-        if out.blocks_to_swap_in:
-            _copy_blocks(self.host_kv_caches, self.kv_caches, out.blocks_to_swap_in)
-        if out.blocks_to_onload:
-            _copy_blocks(self.host_tier_kv_caches, self.kv_caches, out.blocks_to_onload)
-
-    @staticmethod
-    def _chunk_starts(out: SchedulerOutput, req_ids: list[str]) -> np.ndarray:
-        """Each request's first new position: its num_computed_tokens before this step."""
-        start = {d.req_id: d.num_computed_tokens for d in out.scheduled_new_reqs}
-        start.update({d.req_id: d.num_computed_tokens for d in out.scheduled_cached_reqs})
-        return np.array([start[r] for r in req_ids], dtype=np.int64)
+    def _step_batch(self, out: SchedulerOutput) -> StepBatch:
+        batch = self.input_batch
+        # NOTE: decodes first (the attention backend's batch layout contract).
+        req_ids = sorted(out.num_scheduled_tokens, key=lambda r: out.num_scheduled_tokens[r] != 1)
+        n = len(req_ids)
+        slots = np.fromiter((batch.req_id_to_slot[r] for r in req_ids), np.int64, n)
+        query_lens = np.fromiter((out.num_scheduled_tokens[r] for r in req_ids), np.int64, n)
+        starts = batch.num_computed_tokens[slots]
+        query_start_loc = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(query_lens, out=query_start_loc[1:])
+        sample_rows = np.flatnonzero(starts + query_lens == batch.num_tokens[slots])
+        return StepBatch(req_ids, slots, query_lens, starts, query_start_loc, sample_rows)
 
     def _prepare_inputs(
-        self, states: list[CachedRequestState], starts: np.ndarray, query_lens: np.ndarray
+        self, step: StepBatch
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        num_tokens = int(query_lens.sum())
-        token_ids: list[int] = []
-        for s, start, n in zip(states, starts.tolist(), query_lens.tolist()):
-            token_ids.extend(s.token_ids[start : start + n])
-        cu = np.cumsum(query_lens)
-        req_of_token = np.repeat(np.arange(len(states)), query_lens)
-        positions = np.arange(num_tokens) - np.repeat(cu - query_lens, query_lens)
-        positions += starts[req_of_token]
+        """Gather the step's token ids, positions and slots from the persistent arrays."""
+        batch, bs = self.input_batch, self.block_size
+        num_tokens = int(step.query_start_loc[-1])
+        req_of_token = np.repeat(self._arange[: len(step.slots)], step.query_lens)
+        slot_of_token = step.slots[req_of_token]
+        positions = self._positions.numpy()[:num_tokens]
+        np.subtract(self._arange[:num_tokens], step.query_start_loc[req_of_token], out=positions)
+        positions += step.starts[req_of_token]
+        np.take(batch.token_ids.ravel(), slot_of_token * batch.max_model_len + positions,
+                out=self._input_ids.numpy()[:num_tokens])
+        slot_mapping = self._slot_mapping.numpy()[:num_tokens]
+        width = batch.block_table.shape[1]
+        np.take(batch.block_table.ravel(), slot_of_token * width + positions // bs,
+                out=slot_mapping)
+        slot_mapping *= bs
+        slot_mapping += positions % bs
 
-        seq_lens = starts + query_lens
-        blocks_needed = (seq_lens + self.block_size - 1) // self.block_size
-        block_tables = np.zeros((len(states), int(blocks_needed.max())), dtype=np.int64)
-        for i, s in enumerate(states):
-            block_tables[i, : blocks_needed[i]] = s.block_ids[: blocks_needed[i]]
-        slot_mapping = (
-            block_tables[req_of_token, positions // self.block_size] * self.block_size
-            + positions % self.block_size
+        seq_lens = step.starts + step.query_lens
+        max_blocks = int(-(-seq_lens.max() // bs))
+        common = CommonAttentionMetadata(
+            query_start_loc=step.query_start_loc,
+            seq_lens=seq_lens,
+            num_decodes=int((step.query_lens == 1).sum()),
+            block_tables=batch.block_table[step.slots, :max_blocks],
+            block_size=bs,
+            positions=positions,
+            req_of_token=req_of_token,
+            slot_mapping=self._slot_mapping[:num_tokens].to(self.device),
+            dtype=self.dtype,
+            device=self.device,
         )
-        num_decodes = int((query_lens == 1).sum())
-        bt = torch.from_numpy(block_tables)
-        prefills = [
-            PrefillSeq(int(cu[i] - query_lens[i]), int(query_lens[i]), int(seq_lens[i]),
-                       bt[i, : blocks_needed[i]])
-            for i in range(num_decodes, len(states))
-        ]
-        # NOTE: decode rows come first, so with no prefill these are the decode tables.
-        token_tables = bt if num_decodes == len(states) else torch.from_numpy(
-            block_tables[req_of_token]
-        )
-        md = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slot_mapping).to(self.device),
-            num_decode_tokens=num_decodes,
-            decode_block_tables=bt[:num_decodes].to(self.device) if num_decodes else None,
-            decode_seq_lens=torch.from_numpy(seq_lens[:num_decodes]).to(self.device)
-            if num_decodes
-            else None,
-            decode_max_seq_len=int(seq_lens[:num_decodes].max()) if num_decodes else 0,
-            prefills=prefills,
-            token_block_tables=token_tables.to(self.device),
-            token_seq_lens=torch.from_numpy(positions + 1).to(self.device),
-        )
-        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
-        return ids, torch.from_numpy(positions).to(self.device), md
+        md = self.attn_backend.build_metadata(common)
+        input_ids = self._input_ids[:num_tokens].to(self.device)
+        return input_ids, self._positions[:num_tokens].to(self.device), md
 
-    def _sample(
-        self,
-        states: list[CachedRequestState],
-        rows: list[int],
-        cu: np.ndarray,
-        hidden: torch.Tensor,
-        result: ModelRunnerOutput,
-    ) -> None:
-        idx = torch.as_tensor(cu[rows] - 1, device=hidden.device)
+    def _sample(self, step: StepBatch, hidden: torch.Tensor, result: ModelRunnerOutput) -> None:
+        batch, rows = self.input_batch, step.sample_rows
+        idx = torch.from_numpy(step.query_start_loc[rows + 1] - 1).to(hidden.device)
         logits = self.model.compute_logits(hidden[idx])
-        chosen = [states[i] for i in rows]
+        slots = step.slots[rows]
+        states = [batch.slots[s] for s in slots]
+        # NOTE: views into the persistent token array: only rows that use a penalty are
+        # ever read in full (by the sampler), no history is copied here.
         md = SamplingMetadata.build(
-            params=[s.sampling_params for s in chosen],
-            prompt_token_ids=[s.token_ids[: s.num_prompt_tokens] for s in chosen],
-            output_token_ids=[s.token_ids[s.num_prompt_tokens :] for s in chosen],
-            generators=[s.generator for s in chosen],
+            params=[s.sampling_params for s in states],
+            prompt_token_ids=[batch.prompt_view(s) for s in slots],
+            output_token_ids=[batch.output_view(s) for s in slots],
+            generators=[self.generators.get(s.req_id) for s in states],
             eos_token_ids=self.eos_token_ids,
             vocab_size=self.vocab_size,
             device=logits.device,
         )
         sampled = self.sampler(logits, md)
-        token_ids = sampled.sampled_token_ids.tolist()
-        for j, s in enumerate(chosen):
-            s.token_ids.append(token_ids[j])
-            result.sampled_token_ids[s.req_id] = token_ids[j]
+        token_ids = sampled.sampled_token_ids.numpy()
+        batch.append_tokens(slots, token_ids)
+        for j, (s, token) in enumerate(zip(states, token_ids.tolist())):
+            result.sampled_token_ids[s.req_id] = [token]
             k = s.sampling_params.logprobs
             if k is not None and sampled.logprobs is not None:
-                result.logprobs[s.req_id] = (
+                result.logprobs[s.req_id] = [(
                     sampled.logprob_token_ids[j, : k + 1].tolist(),
                     sampled.logprobs[j, : k + 1].tolist(),
                     int(sampled.sampled_token_ranks[j]),
-                )
+                )]
 
     def _prompt_logprobs(
-        self,
-        states: list[CachedRequestState],
-        starts: np.ndarray,
-        query_lens: np.ndarray,
-        cu: np.ndarray,
-        hidden: torch.Tensor,
-        result: ModelRunnerOutput,
+        self, step: StepBatch, hidden: torch.Tensor, result: ModelRunnerOutput
     ) -> None:
-        for i, s in enumerate(states):
+        batch = self.input_batch
+        for i, slot in enumerate(step.slots.tolist()):
+            s = batch.slots[slot]
             if not s.want_prompt_logprobs:
                 continue
-            start = int(starts[i])
+            start = int(step.starts[i])
             # Logits at position p score prompt token p + 1.
-            end = min(start + int(query_lens[i]), s.num_prompt_tokens - 1)
+            end = min(start + int(step.query_lens[i]), int(batch.num_prompt_tokens[slot]) - 1)
             if end <= start:
                 continue
-            q0 = int(cu[i] - query_lens[i])
+            q0 = int(step.query_start_loc[i])
             logits = self.model.compute_logits(hidden[q0 : q0 + end - start])
-            targets = torch.tensor(s.token_ids[start + 1 : end + 1], device=logits.device)
+            targets = torch.from_numpy(batch.token_ids[slot, start + 1 : end + 1].copy())
             ids, lps, ranks = compute_topk_logprobs(
-                logits, targets, s.sampling_params.prompt_logprobs
+                logits, targets.to(logits.device), s.sampling_params.prompt_logprobs
             )
             result.prompt_logprobs[s.req_id] = (
                 start + 1, ids.tolist(), lps.tolist(), ranks.tolist()
             )
-
-
-def _copy_blocks(
-    src_caches: list[tuple[torch.Tensor, torch.Tensor]],
-    dst_caches: list[tuple[torch.Tensor, torch.Tensor]],
-    pairs: list[tuple[int, int]],
-) -> None:
-    """dst[d] = src[s] for every (s, d) in `pairs`, in each layer's K and V."""
-    src_ids, dst_ids = zip(*pairs, strict=True)
-    src_idx = torch.tensor(src_ids, device=src_caches[0][0].device)
-    dst_idx = torch.tensor(dst_ids, device=dst_caches[0][0].device)
-    for src_kv, dst_kv in zip(src_caches, dst_caches, strict=True):
-        for src, dst in zip(src_kv, dst_kv, strict=True):
-            dst[dst_idx] = src[src_idx].to(dst.device)
-
-
-def _new_state(new: NewRequestData) -> CachedRequestState:
-    return CachedRequestState(
-        req_id=new.req_id,
-        token_ids=list(new.token_ids),
-        num_prompt_tokens=new.num_prompt_tokens,
-        block_ids=list(new.block_ids),
-        sampling_params=new.sampling_params,
-        generator=new.generator,
-        want_prompt_logprobs=new.want_prompt_logprobs,
-    )

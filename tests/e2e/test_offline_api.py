@@ -399,7 +399,7 @@ def test_abort_mid_run_frees_blocks(llm: LLM) -> None:
     assert final is not None and final.request_id == "kept"
     assert len(final.outputs[0].token_ids) == 8
     assert final.outputs[0].finish_reason == "length"
-    assert "doomed" not in engine.runner.requests
+    assert "doomed" not in engine.executor.worker.runner.input_batch.req_id_to_slot
 
 
 

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from pagoda.benchmarks.multi_turn import percentile, run_multi_turn
-from pagoda.entrypoints.cli import build_parser, engine_kwargs
+from pagoda.entrypoints.cli import build_parser, engine_args
 
 
 def test_bench_multi_turn_smoke(tiny_model, tmp_path, capsys) -> None:
@@ -51,5 +51,5 @@ def test_percentile_interpolates() -> None:
 @pytest.mark.parametrize("command", [["generate", "hi"], ["chat"], ["serve"]])
 def test_kv_offloading_size_flag(command) -> None:
     args = build_parser().parse_args([*command, "--kv-offloading-size", "1.5"])
-    assert engine_kwargs(args)["kv_offloading_size"] == 1.5
-    assert engine_kwargs(build_parser().parse_args(command))["kv_offloading_size"] == 0.0
+    assert engine_args(args).kv_offloading_size == 1.5
+    assert engine_args(build_parser().parse_args(command)).kv_offloading_size == 0.0

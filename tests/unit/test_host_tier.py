@@ -17,7 +17,8 @@ from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.request import Request, RequestStatus
 from pagoda.core.scheduler import Scheduler, SchedulerOutput
 from pagoda.sampling_params import SamplingParams
-from pagoda.worker.model_runner import ModelRunner, ModelRunnerOutput
+from pagoda.worker.block_copies import swap_blocks
+from pagoda.worker.model_runner import ModelRunnerOutput
 from tests.unit.test_kv_cache_manager import BS, free_ids, ids, make_request, schedule
 
 H = [hash_block_tokens(None, [i]) for i in range(8)]  # distinct stand-in hashes
@@ -245,13 +246,11 @@ def test_runner_copies_every_device_to_host_block_before_any_host_to_device_one(
         return [(k.clone(), -k.clone())]
 
     kv, swap, tier = cache(4, 0.0), cache(2, 100.0), cache(4, 200.0)
-    runner = ModelRunner(None, kv, BS, 1000, set(), torch.device("cpu"),
-                         host_kv_caches=swap, host_tier_kv_caches=tier)
     # Device block 2 is evicted to tier slot 3 and reused for a tier hit (slot 1); device
     # block 1 is swapped out and reused for a swap-in (host block 0).
     out = SchedulerOutput(blocks_to_swap_out=[(1, 1)], blocks_to_swap_in=[(0, 1)],
                           blocks_to_offload=[(2, 3)], blocks_to_onload=[(1, 2)])
-    runner.swap_blocks(out)
+    swap_blocks(out, kv, swap, tier)
     k = kv[0][0][:, 0, 0, 0].tolist()
     assert k == [0.0, 100.0, 201.0, 3.0]
     assert tier[0][0][:, 0, 0, 0].tolist() == [200.0, 201.0, 202.0, 2.0]
@@ -262,7 +261,7 @@ def test_runner_copies_every_device_to_host_block_before_any_host_to_device_one(
 # ---- scheduler + a runner that writes and checks real KV ---------------------------------
 class KVCheckingRunner:
     """Keeps block tables from the scheduler's diffs like the real runner, performs the
-    copies with the real ModelRunner.swap_blocks, writes each scheduled token's K/V (K =
+    copies with the real worker's swap_blocks, writes each scheduled token's K/V (K =
     token id, V = position), then reads every scheduled request's whole context back
     through its table. Samples a token that depends on the context, so histories differ.
     """
@@ -272,14 +271,12 @@ class KVCheckingRunner:
             return [(torch.full((n, BS, 1, 1), -1.0), torch.full((n, BS, 1, 1), -1.0))]
 
         self.kv = cache(num_blocks)
-        self.runner = ModelRunner(None, self.kv, BS, 1000, set(), torch.device("cpu"),
-                                  host_kv_caches=cache(num_swap_blocks),
-                                  host_tier_kv_caches=cache(num_tier_slots))
+        self.swap, self.tier = cache(num_swap_blocks), cache(num_tier_slots)
         self.tables: dict[str, list[int]] = {}
         self.num_checked_hits = 0
 
     def execute(self, sched: Scheduler, out: SchedulerOutput) -> ModelRunnerOutput:
-        self.runner.swap_blocks(out)
+        swap_blocks(out, self.kv, self.swap, self.tier)
         for req_id in out.finished_req_ids:
             self.tables.pop(req_id, None)
         for new in out.scheduled_new_reqs:
@@ -301,7 +298,7 @@ class KVCheckingRunner:
             assert k[slots].flatten().long().tolist() == req.all_token_ids[: len(pos)], req_id
             assert v[slots].flatten().long().tolist() == pos.tolist(), req_id
             if req.num_computed_tokens == req.num_tokens:
-                result.sampled_token_ids[req_id] = 3 + (req.all_token_ids[-1] * 31 + len(pos)) % 997
+                result.sampled_token_ids[req_id] = [3 + (req.all_token_ids[-1] * 31 + len(pos)) % 997]
         return result
 
 

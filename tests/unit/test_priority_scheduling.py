@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from pagoda.config import CacheConfig, EngineConfig, SchedulerConfig
+from pagoda.config import EngineArgs
 from pagoda.core.hashing import update_block_hashes
 from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.request import Request, RequestStatus
@@ -230,17 +230,17 @@ def test_metrics_mirror_swap_and_sla_counters() -> None:
 
 
 def test_config_rejects_bad_policy_and_preemption_fields() -> None:
-    EngineConfig().validate()
-    for cache, sched, field in (
-        (CacheConfig(swap_space=-1.0), SchedulerConfig(), "swap_space"),
-        (CacheConfig(), SchedulerConfig(scheduling_policy="lifo"), "scheduling_policy"),
-        (CacheConfig(), SchedulerConfig(preemption_mode="drop"), "preemption_mode"),
-        (CacheConfig(), SchedulerConfig(aging_interval_s=0.0), "aging_interval_s"),
-        (CacheConfig(), SchedulerConfig(sla_ttft_targets_s={"gold": 1.0}), "sla_ttft_targets_s"),
-        (CacheConfig(), SchedulerConfig(sla_ttft_targets_s={"batch": 0.0}), "sla_ttft_targets_s"),
+    EngineArgs().create_engine_config()
+    for kwargs, field in (
+        ({"swap_space": -1.0}, "swap_space"),
+        ({"scheduling_policy": "lifo"}, "scheduling_policy"),
+        ({"preemption_mode": "drop"}, "preemption_mode"),
+        ({"aging_interval_s": 0.0}, "aging_interval_s"),
+        ({"sla_ttft_targets_s": {"gold": 1.0}}, "sla_ttft_targets_s"),
+        ({"sla_ttft_targets_s": {"batch": 0.0}}, "sla_ttft_targets_s"),
     ):
         with pytest.raises(ValueError, match=field):
-            EngineConfig(cache=cache, scheduler=sched).validate()
+            EngineArgs(**kwargs).create_engine_config()
 
 
 def test_undone_step_unregisters_blocks_it_would_have_filled() -> None:

@@ -47,7 +47,7 @@ def fake_runner(sched: Scheduler, out: SchedulerOutput, token: int = TOKEN) -> M
     for req_id in out.num_scheduled_tokens:
         req = sched.requests[req_id]
         if req.num_computed_tokens == req.num_tokens:
-            result.sampled_token_ids[req_id] = token
+            result.sampled_token_ids[req_id] = [token]
     return result
 
 

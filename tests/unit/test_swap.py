@@ -15,7 +15,8 @@ from pagoda.core.request import Request, RequestStatus
 from pagoda.core.scheduler import Scheduler, SchedulerOutput
 from pagoda.core.swap import HostBlockPool
 from pagoda.sampling_params import SamplingParams
-from pagoda.worker.model_runner import ModelRunner, ModelRunnerOutput
+from pagoda.worker.block_copies import swap_blocks
+from pagoda.worker.model_runner import ModelRunnerOutput
 
 BS = 4
 TOKEN = 7
@@ -30,7 +31,7 @@ def make_request(req_id: str, num_prompt_tokens: int, max_tokens: int, first_tok
 
 class KVWritingRunner:
     """Keeps block tables from the scheduler's diffs like the real runner, performs the
-    swaps with the real ModelRunner.swap_blocks, writes each scheduled token's K/V, and
+    swaps with the real worker's swap_blocks, writes each scheduled token's K/V, and
     checks a (re)built request's computed KV through its new table.
     """
 
@@ -39,10 +40,11 @@ class KVWritingRunner:
             return [(torch.full((n, BS, 1, 1), -1.0), torch.full((n, BS, 1, 1), -1.0))]
 
         self.kv, self.host = cache(num_blocks), cache(num_host_blocks)
-        self.runner = ModelRunner(None, self.kv, BS, 1000, set(), torch.device("cpu"),
-                                  host_kv_caches=self.host)
         self.tables: dict[str, list[int]] = {}
         self.num_kv_checks = 0
+
+    def swap_blocks(self, out: SchedulerOutput) -> None:
+        swap_blocks(out, self.kv, self.host, None)
 
     def read(self, table: list[int], num_tokens: int) -> tuple[list[int], list[int]]:
         k, v = self.kv[0]
@@ -51,7 +53,7 @@ class KVWritingRunner:
         return k[slots].flatten().long().tolist(), v[slots].flatten().long().tolist()
 
     def execute(self, sched: Scheduler, out: SchedulerOutput) -> ModelRunnerOutput:
-        self.runner.swap_blocks(out)
+        self.swap_blocks(out)
         for req_id in out.finished_req_ids:
             self.tables.pop(req_id, None)
         for new in out.scheduled_new_reqs:
@@ -72,7 +74,7 @@ class KVWritingRunner:
                 k[block, offset] = req.all_token_ids[pos]
                 v[block, offset] = pos
             if req.num_computed_tokens == req.num_tokens:
-                result.sampled_token_ids[req_id] = TOKEN
+                result.sampled_token_ids[req_id] = [TOKEN]
         return result
 
 
@@ -137,7 +139,7 @@ def test_runner_swaps_out_before_it_swaps_in() -> None:
     runner.host[0][0][1], runner.host[0][1][1] = 100.0, -100.0
     # Device block 2 goes out to host 0, then host 1 comes in to device block 2.
     out = SchedulerOutput(blocks_to_swap_out=[(2, 0)], blocks_to_swap_in=[(1, 2)])
-    runner.runner.swap_blocks(out)
+    runner.swap_blocks(out)
     hk, hv = runner.host[0]
     assert hk[0].eq(2.0).all() and hv[0].eq(-2.0).all()
     assert k[2].eq(100.0).all() and v[2].eq(-100.0).all()

@@ -284,8 +284,10 @@ def _load_chat_template(value: str | None) -> str | None:
 
 def build_state(args: argparse.Namespace) -> ServerState:
     """Loads the model and wires engine, metrics and settings together (no server yet)."""
-    from pagoda.entrypoints.cli import engine_kwargs
-    from pagoda.llm import LLM
+    from dataclasses import replace
+
+    from pagoda.config import EngineArgs
+    from pagoda.engine.llm_engine import LLMEngine
 
     if args.model_tag and args.model and args.model_tag != args.model:
         raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
@@ -295,11 +297,11 @@ def build_state(args: argparse.Namespace) -> ServerState:
     if args.max_queued_requests is not None and args.max_queued_requests < 0:
         raise ValueError("--max-queued-requests must be >= 0")
     chat_template = _load_chat_template(args.chat_template)
+    config = replace(EngineArgs.from_cli_args(args), model=model).create_engine_config()
     # NOTE: the model loads on the engine thread (see AsyncLLMEngine.build); the metrics,
     # which need the served name, are attached before the thread starts stepping.
     async_engine = AsyncLLMEngine.build(
-        lambda: LLM(model, **engine_kwargs(args)).llm_engine,
-        max_queued_requests=args.max_queued_requests,
+        lambda: LLMEngine(config), max_queued_requests=args.max_queued_requests
     )
     engine = async_engine.engine
     path = Path(engine.model_path)

@@ -1,0 +1,97 @@
+"""The engine's only way to its workers: one call per step, `execute_model(scheduler_output)
+-> ModelRunnerOutput`, plus the KV cache sizing at start-up.
+
+Executors live in a registry by name (`EngineConfig.distributed_executor_backend`): "uni"
+holds one Worker in this process. A multi-process executor (one worker per rank) plugs in
+behind the same calls; so nothing in the engine touches a worker's model or tensors except
+through these methods.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+
+from pagoda.config import EngineConfig
+from pagoda.core.kv_cache_spec import KVCacheSpec
+from pagoda.core.scheduler_output import SchedulerOutput
+from pagoda.models.loader import Checkpoint
+from pagoda.worker.model_runner import ModelRunnerOutput
+from pagoda.worker.worker import Worker
+
+
+class Executor(ABC):
+    """Start-up: `kv_cache_specs()`, `determine_num_blocks()`, `initialize_kv_cache(...)`;
+    then `execute_model(...)` once per step; `shutdown()` at the end."""
+
+    def __init__(
+        self, config: EngineConfig, ckpt: Checkpoint, max_model_len: int, eos_token_ids: set[int]
+    ) -> None:
+        self.config = config
+
+    @abstractmethod
+    def kv_cache_specs(self) -> list[KVCacheSpec]:
+        """The model's KV cache layer groups (identical on every worker)."""
+
+    @abstractmethod
+    def determine_num_blocks(self) -> int:
+        """Device blocks every worker can hold (the smallest over workers)."""
+
+    @abstractmethod
+    def initialize_kv_cache(
+        self, num_blocks: int, num_swap_blocks: int | None, num_host_tier_blocks: int | None
+    ) -> None:
+        """Allocate the KV tensors: `num_blocks` on the device, and the host buffers of the
+        swap pool and of the prefix cache's host tier (None: no such buffer)."""
+
+    @abstractmethod
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step on every worker; the block copies it lists happen first."""
+
+    def shutdown(self) -> None:
+        """Release the workers (nothing to do in-process)."""
+
+
+ExecutorClass = type[Executor]
+EXECUTORS: dict[str, ExecutorClass] = {}
+
+
+def register_executor(name: str) -> Callable[[ExecutorClass], ExecutorClass]:
+    def wrap(cls: ExecutorClass) -> ExecutorClass:
+        EXECUTORS[name] = cls
+        return cls
+
+    return wrap
+
+
+def get_executor_class(name: str) -> ExecutorClass:
+    if name not in EXECUTORS:
+        raise ValueError(
+            f"distributed_executor_backend must be one of {sorted(EXECUTORS)}, got {name!r}"
+        )
+    return EXECUTORS[name]
+
+
+@register_executor("uni")
+class UniProcExecutor(Executor):
+    """One Worker in this process."""
+
+    def __init__(
+        self, config: EngineConfig, ckpt: Checkpoint, max_model_len: int, eos_token_ids: set[int]
+    ) -> None:
+        super().__init__(config, ckpt, max_model_len, eos_token_ids)
+        self.worker = Worker(config, ckpt, max_model_len, eos_token_ids)
+
+    def kv_cache_specs(self) -> list[KVCacheSpec]:
+        return self.worker.kv_cache_specs()
+
+    def determine_num_blocks(self) -> int:
+        return self.worker.determine_num_blocks()
+
+    def initialize_kv_cache(
+        self, num_blocks: int, num_swap_blocks: int | None, num_host_tier_blocks: int | None
+    ) -> None:
+        self.worker.initialize_kv_cache(num_blocks, num_swap_blocks, num_host_tier_blocks)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.worker.execute_model(scheduler_output)

@@ -1,0 +1,135 @@
+"""The worker: owns the device, the model and its kernels, the KV tensors (one set per
+`KVCacheSpec` group, plus the host buffers of swap and of the prefix cache's host tier),
+the model runner and the RNG state (the global torch seed and the per-request generators,
+which live in the runner).
+
+Start-up order (driven by the executor): build -> `kv_cache_specs()` ->
+`determine_num_blocks()` -> `initialize_kv_cache(...)` -> `execute_model(...)` per step.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from pagoda.attention.backend import get_backend
+from pagoda.attention.cpu_kernels import load_extension
+from pagoda.config import (
+    EngineConfig,
+    available_memory_bytes,
+    resolve_device,
+    resolve_dtype,
+    resolve_kv_cache_dtype,
+)
+from pagoda.core.kv_cache_spec import KVCacheSpec, bytes_per_block, group_layers
+from pagoda.core.scheduler_output import SchedulerOutput
+from pagoda.models.factory import build_model
+from pagoda.models.loader import Checkpoint
+from pagoda.worker.block_copies import LayerCaches, swap_blocks
+from pagoda.worker.model_runner import ModelRunner, ModelRunnerOutput
+
+logger = logging.getLogger(__name__)
+
+_CPU_KV_DEFAULT_CAP = 4 << 30
+
+
+class Worker:
+    def __init__(
+        self,
+        config: EngineConfig,
+        ckpt: Checkpoint,
+        max_model_len: int,
+        eos_token_ids: set[int],
+    ) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.model.dtype, self.device)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype)
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
+        torch.manual_seed(config.model.seed)
+        if self.device.type == "cpu":
+            # NOTE: build (or load the cached build of) the C++ kernels now, so the first
+            # request does not pay the compile time.
+            load_extension()
+        self.model = build_model(
+            ckpt, self.dtype, self.device, max_model_len, config.model.attn_backend
+        )
+        self.kv_caches: LayerCaches = []
+        self.host_kv_caches: LayerCaches | None = None
+        self.host_tier_kv_caches: LayerCaches | None = None
+        self.runner: ModelRunner | None = None
+
+    def kv_cache_specs(self) -> list[KVCacheSpec]:
+        """The model's layer groups, derived from its config, in the KV cache dtype."""
+        spec = self.model.spec
+        return group_layers(spec.sliding_windows, self.config.cache.block_size,
+                            spec.num_kv_heads, spec.head_dim, self.kv_cache_dtype)
+
+    def determine_num_blocks(self) -> int:
+        """How many blocks the device KV cache gets: the memory budget over the bytes of one
+        block in every group (or the configured override)."""
+        c = self.config.cache
+        per_block = bytes_per_block(self.kv_cache_specs())
+        if c.num_gpu_blocks_override is not None:
+            return c.num_gpu_blocks_override
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = total * c.gpu_memory_utilization - (total - free)
+        elif c.kv_cache_memory_bytes is not None:
+            budget = c.kv_cache_memory_bytes
+        else:
+            # NOTE: more blocks than max_num_seqs full-length sequences can use only hold
+            # prefix cache; don't take RAM for that by default.
+            max_useful = self.config.scheduler.max_num_seqs * self.max_model_len
+            useful = -(-max_useful // c.block_size) * per_block
+            budget = min(_CPU_KV_DEFAULT_CAP, available_memory_bytes() // 4, useful)
+        return max(int(budget // per_block), 0)
+
+    def initialize_kv_cache(
+        self, num_blocks: int, num_swap_blocks: int | None, num_host_tier_blocks: int | None
+    ) -> None:
+        """Allocate the device cache (per group), the host buffers (None: none) and the
+        runner over them."""
+        specs = self.kv_cache_specs()
+        self.kv_caches = _allocate(specs, num_blocks, self.device, pin=False, zero=True)
+        pin = self.device.type == "cuda"
+        # NOTE: torch.empty for the host buffers: a block is written by a swap-out
+        # (offload) before it is read, and untouched pages of a large pool are never
+        # committed on the CPU.
+        if num_swap_blocks is not None:
+            self.host_kv_caches = _allocate(specs, num_swap_blocks, None, pin, zero=False)
+        if num_host_tier_blocks is not None:
+            self.host_tier_kv_caches = _allocate(specs, num_host_tier_blocks, None, pin,
+                                                 zero=False)
+        s = self.config.scheduler
+        self.runner = ModelRunner(
+            self.model, self.kv_caches, get_backend(self.config.model.attn_backend),
+            self.config.cache.block_size, self.model.spec.vocab_size, self.eos_token_ids,
+            self.device, self.dtype, max_num_reqs=s.max_num_seqs,
+            max_model_len=self.max_model_len, max_num_batched_tokens=s.max_num_batched_tokens,
+        )
+
+    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """The step's block copies, then its forward and sampling."""
+        swap_blocks(out, self.kv_caches, self.host_kv_caches, self.host_tier_kv_caches)
+        return self.runner.execute_model(out)
+
+
+def _allocate(
+    specs: list[KVCacheSpec], num_blocks: int, device: torch.device | None, pin: bool,
+    zero: bool,
+) -> LayerCaches:
+    """Per layer (in layer order) its group's tensors, [num_blocks, *spec.layer_shape] each;
+    on `device` (None: the host)."""
+    make = torch.zeros if zero else torch.empty
+    by_layer: dict[int, tuple[torch.Tensor, ...]] = {}
+    for spec in specs:
+        shape = (num_blocks, *spec.layer_shape)
+        for layer in spec.layer_ids:
+            by_layer[layer] = tuple(
+                make(shape, dtype=spec.dtype, device=device, pin_memory=pin)
+                for _ in range(spec.num_tensors_per_layer)
+            )
+    return [by_layer[i] for i in range(len(by_layer))]
