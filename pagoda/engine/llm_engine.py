@@ -14,7 +14,7 @@ from typing import Any
 
 from pagoda.config import EngineConfig
 from pagoda.core.kv_cache_manager import KVCacheManager
-from pagoda.core.kv_cache_spec import bytes_per_block
+from pagoda.core.kv_cache_spec import KVCacheSpec, bytes_per_block
 from pagoda.core.request import DEFAULT_SLA_CLASS, SLA_CLASS_RANKS, Request, RequestStatus
 from pagoda.core.scheduler import Scheduler, SchedulerStats
 from pagoda.engine.output_processor import OutputKind, OutputProcessor
@@ -55,11 +55,13 @@ class LLMEngine:
                                        eos_ids | self.extra_stop_ids)
         self.kv_cache_specs = self.executor.kv_cache_specs()
         self.kv_block_bytes = bytes_per_block(self.kv_cache_specs)
-        self.num_blocks = self._check_num_blocks(self.executor.determine_num_blocks())
+        block_size = _shared_block_size(self.kv_cache_specs)
+        self.num_blocks = self._check_num_blocks(self.executor.determine_num_blocks(),
+                                                 block_size)
         s = config.scheduler
         self.kv_cache_manager = KVCacheManager(
             self.num_blocks,
-            config.cache.block_size,
+            block_size,
             enable_caching=config.cache.enable_prefix_caching,
             num_host_tier_blocks=self._num_host_tier_blocks(),
         )
@@ -102,8 +104,7 @@ class LLMEngine:
             )
         return max_model_len
 
-    def _check_num_blocks(self, num_blocks: int) -> int:
-        block_size = self.config.cache.block_size
+    def _check_num_blocks(self, num_blocks: int, block_size: int) -> int:
         if num_blocks * block_size < self.max_model_len:
             raise ValueError(
                 f"max_model_len {self.max_model_len} does not fit in the KV cache "
@@ -259,6 +260,15 @@ class LLMEngine:
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
+
+
+def _shared_block_size(specs: list[KVCacheSpec]) -> int:
+    """The block size of every group: the manager keeps one block table per request."""
+    sizes = {spec.block_size for spec in specs}
+    if len(sizes) != 1:
+        raise ValueError(f"KV cache groups with different block sizes {sorted(sizes)} need a "
+                         "manager per group, which pagoda does not have yet")
+    return sizes.pop()
 
 
 def _generation_eos_ids(generation_config: dict) -> set[int]:

@@ -229,7 +229,10 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Flat batch [T] -> final hidden states [T, hidden] (normed)."""
         x = self.model.embed_tokens(input_ids)
-        rope = RopeInputs(positions, self.rotary.cos, self.rotary.sin, fused_ops_for(x))
+        # NOTE: the fused rotary + cache write needs the cache in the activations' dtype
+        # (--kv-cache-dtype can differ); otherwise rotary and the write run apart.
+        fused = fused_ops_for(x) if kv_caches[0][0].dtype == x.dtype else None
+        rope = RopeInputs(positions, self.rotary.cos, self.rotary.sin, fused)
         residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             x, residual = layer(x, residual, rope, kv_cache, md)
