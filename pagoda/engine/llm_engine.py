@@ -13,7 +13,6 @@ from typing import Any
 
 import torch
 
-from pagoda.attention.cpu_kernels import load_extension
 from pagoda.config import (
     EngineConfig,
     available_memory_bytes,
@@ -26,6 +25,7 @@ from pagoda.core.scheduler import Scheduler, SchedulerStats
 from pagoda.engine.output_processor import OutputKind, OutputProcessor
 from pagoda.models.factory import build_model
 from pagoda.models.loader import load_checkpoint
+from pagoda.ops.cpu_kernels import load_extension
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
 from pagoda.worker.model_runner import ModelRunner
