@@ -19,7 +19,10 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from pagoda.attention.cpu_kernels import FUSED_DTYPES
+# NOTE: float32 prefills keep SDPA, the oracle path; bf16/fp16 ones may take a paged-attention
+# kernel that reads each prefill token as its own query row, which needs per-token tables.
+TOKEN_ROW_DTYPES = (torch.bfloat16, torch.float16)
+
 
 
 @dataclass(slots=True)
@@ -76,7 +79,7 @@ def build_paged_metadata(c: CommonAttentionMetadata) -> AttentionMetadata:
         for i in range(nd, num_reqs)
     ]
     token_tables = token_seq_lens = None
-    if prefills and c.dtype in FUSED_DTYPES:
+    if prefills and c.dtype in TOKEN_ROW_DTYPES:
         # NOTE: only the kernel that reads prefill tokens as query rows needs a table per
         # token (gathered here, once per step, from the request rows).
         token_tables = torch.from_numpy(c.block_tables[c.req_of_token]).to(c.device)

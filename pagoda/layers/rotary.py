@@ -12,6 +12,10 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from pagoda.ops import apply_rotary
+
+__all__ = ["RotaryEmbedding", "apply_rotary", "build_cos_sin"]
+
 
 def _rope_type(config: PretrainedConfig) -> str:
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
@@ -83,8 +87,3 @@ class RotaryEmbedding(nn.Module):
         sin = self.sin[positions].unsqueeze(1)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D]; cos/sin [T, 1, D/2] (broadcast over heads)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -17,12 +17,12 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from pagoda.attention.backend import AttentionMetadata, get_backend
-from pagoda.attention.cpu_kernels import fused_ops_for
 from pagoda.layers.activation import silu_and_mul
 from pagoda.layers.linear import Linear, can_pack, pack_weight, packed_linear
 from pagoda.layers.norm import RMSNorm
 from pagoda.layers.rotary import RotaryEmbedding, apply_rotary
 from pagoda.models.registry import register_model
+from pagoda.ops import fused_ops_for
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 

@@ -14,7 +14,6 @@ import logging
 import torch
 
 from pagoda.attention.backend import get_backend
-from pagoda.attention.cpu_kernels import load_extension
 from pagoda.config import (
     EngineConfig,
     available_memory_bytes,
@@ -26,6 +25,7 @@ from pagoda.core.kv_cache_spec import KVCacheSpec, bytes_per_block, group_layers
 from pagoda.core.scheduler_output import SchedulerOutput
 from pagoda.models.factory import build_model
 from pagoda.models.loader import Checkpoint
+from pagoda.ops.cpu_kernels import load_extension
 from pagoda.worker.block_copies import LayerCaches, swap_blocks
 from pagoda.worker.model_runner import ModelRunner, ModelRunnerOutput
 

@@ -11,7 +11,7 @@ import torch
 import transformers
 
 from pagoda import LLM, SamplingParams
-from pagoda.attention import cpu_kernels
+from pagoda.ops import cpu_kernels
 
 # (arch, config overrides, engine kwargs): plain; a sliding window shorter than the prompt;
 # a prompt prefilled in chunks that read earlier chunks back from the paged cache.

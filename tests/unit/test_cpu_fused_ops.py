@@ -7,11 +7,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagoda.attention import cpu_kernels
-from pagoda.attention.torch_paged import write_kv
+from pagoda import ops
 from pagoda.layers.activation import silu_and_mul
 from pagoda.layers.norm import RMSNorm
 from pagoda.layers.rotary import apply_rotary
+from pagoda.ops import cpu_kernels
+from pagoda.ops.reference import write_kv
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -153,6 +154,7 @@ def test_layers_use_fused_ops_for_bf16_only(ext, monkeypatch: pytest.MonkeyPatch
             calls.append(name)
             return getattr(ext, name)
 
+    assert cpu_kernels.kernel_for("fused_ops") is ext  # the ISA decision, made before the spy
     monkeypatch.setattr(cpu_kernels, "_module", Spy())
     norm = RMSNorm(64, 1e-6)
     for dtype, fused in ((torch.bfloat16, True), (torch.float32, False)):
@@ -171,4 +173,7 @@ def test_layers_use_fused_ops_for_bf16_only(ext, monkeypatch: pytest.MonkeyPatch
 
 def test_disable_env_var_keeps_pytorch_ops(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PAGODA_DISABLE_CPU_KERNELS", "1")
-    assert cpu_kernels.fused_ops_for(torch.zeros(2, dtype=torch.bfloat16)) is None
+    x = torch.zeros(2, dtype=torch.bfloat16)
+    assert ops.fused_ops_for(x) is None
+    for op in (ops.fused_add_rms_norm, ops.silu_and_mul, ops.rotary_and_cache):
+        assert op.kernel_for(x) is None

@@ -1,4 +1,5 @@
-"""The C++ paged decode-attention kernel against the PyTorch reference and a float64 oracle."""
+"""The C++ paged decode-attention kernel (ops.paged_attention's CPU kernel) against the
+PyTorch reference and a float64 oracle."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ import math
 import pytest
 import torch
 
-from pagoda.attention import cpu_kernels
+from pagoda import ops
 from pagoda.attention.backend import AttentionMetadata
 from pagoda.attention.torch_paged import TorchPagedAttention
+from pagoda.ops import cpu_kernels, reference
 
 BLOCK_SIZE = 16
 HEAD_DIM = 64
@@ -20,6 +22,13 @@ def _ext_or_skip() -> None:
         pytest.skip("PAGODA_DISABLE_CPU_KERNELS is set")
     if cpu_kernels.load_extension() is None:
         pytest.skip("the C++ extension could not be built here (no compiler?)")
+
+
+def _kernel(q, k_cache, v_cache, block_tables, seq_lens, scale, window=None) -> torch.Tensor:
+    """The registered C++ kernel, called directly (not through dispatch)."""
+    kernel = ops.paged_attention.kernel_for(q)
+    assert kernel is not None and kernel.name == "cpp"
+    return kernel.fn(q, k_cache, v_cache, block_tables, seq_lens, scale, window)
 
 
 def _make_case(
@@ -88,12 +97,9 @@ def _metadata(block_tables: torch.Tensor, seq_lens: torch.Tensor) -> AttentionMe
 
 
 def _reference(q, k_cache, v_cache, block_tables, seq_lens, window):
-    """The PyTorch decode path of the backend, with the kernel switched off."""
-    _, h, d = q.shape
-    attn = TorchPagedAttention(h, k_cache.shape[2], d, sliding_window=window)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("PAGODA_DISABLE_CPU_KERNELS", "1")
-        return attn._decode(q, k_cache, v_cache, _metadata(block_tables, seq_lens))
+    """The PyTorch reference of the op."""
+    scale = q.shape[2] ** -0.5
+    return reference.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, window)
 
 
 SEQ_LENS = [1, 16, 17, 5, 32, 100, 64, 3, 250, 48]
@@ -112,7 +118,7 @@ def test_float32_matches_oracle_and_reference(group: int, window: int | None) ->
     _ext_or_skip()
     case = _make_case(SEQ_LENS, num_kv_heads=2, group=group, dtype=torch.float32, seed=group)
     q, k_cache, v_cache, bt, lens = case
-    out = cpu_kernels.paged_decode_attention(q, k_cache, v_cache, bt, lens, HEAD_DIM**-0.5, window)
+    out = _kernel(q, k_cache, v_cache, bt, lens, HEAD_DIM**-0.5, window)
     assert out is not None and out.dtype == torch.float32
     torch.testing.assert_close(out.double(), _naive(*case, window), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out, _reference(*case, window), atol=1e-5, rtol=1e-5)
@@ -124,7 +130,7 @@ def test_bfloat16_matches_oracle(group: int, window: int | None) -> None:
     _ext_or_skip()
     case = _make_case(SEQ_LENS, num_kv_heads=3, group=group, dtype=torch.bfloat16, seed=7)
     q, k_cache, v_cache, bt, lens = case
-    out = cpu_kernels.paged_decode_attention(q, k_cache, v_cache, bt, lens, HEAD_DIM**-0.5, window)
+    out = _kernel(q, k_cache, v_cache, bt, lens, HEAD_DIM**-0.5, window)
     assert out is not None and out.dtype == torch.bfloat16
     # NOTE: the kernel accumulates in float32 and rounds once to bf16 (~4e-3 relative).
     torch.testing.assert_close(out.double(), _naive(*case, window), atol=1e-2, rtol=1e-2)
@@ -137,8 +143,7 @@ def test_other_head_dims_and_int32_tables(head_dim: int, dtype: torch.dtype) -> 
     _ext_or_skip()
     case = _make_case([7, 40, 1], 1, 4, dtype, head_dim=head_dim, seed=3)
     q, k_cache, v_cache, bt, lens = case
-    out = cpu_kernels.paged_decode_attention(
-        q, k_cache, v_cache, bt.to(torch.int32), lens, head_dim**-0.5
+    out = _kernel(q, k_cache, v_cache, bt.to(torch.int32), lens, head_dim**-0.5
     )
     assert out is not None
     tol = 1e-5 if dtype == torch.float32 else 1e-2
@@ -163,7 +168,7 @@ def bf16_path(request: pytest.FixtureRequest):
 def test_bfloat16_paths_match_oracle(bf16_path: str, group: int, window: int | None) -> None:
     case = _make_case(SEQ_LENS, num_kv_heads=2, group=group, dtype=torch.bfloat16, seed=group)
     q, k_cache, v_cache, bt, lens = case
-    out = cpu_kernels.paged_decode_attention(q, k_cache, v_cache, bt, lens, HEAD_DIM**-0.5, window)
+    out = _kernel(q, k_cache, v_cache, bt, lens, HEAD_DIM**-0.5, window)
     assert out is not None and out.dtype == torch.bfloat16
     torch.testing.assert_close(out.double(), _naive(*case, window), atol=1e-2, rtol=1e-2)
 
@@ -173,7 +178,7 @@ def test_float32_query_on_bfloat16_cache_is_near_exact(bf16_path: str, group: in
     """A float32 q against bf16 caches keeps float32 accuracy (q is never rounded)."""
     case = _make_case(SEQ_LENS, 3, group, torch.bfloat16, seed=9, q_dtype=torch.float32)
     q, k_cache, v_cache, bt, lens = case
-    out = cpu_kernels.paged_decode_attention(q, k_cache, v_cache, bt, lens, HEAD_DIM**-0.5, 20)
+    out = _kernel(q, k_cache, v_cache, bt, lens, HEAD_DIM**-0.5, 20)
     assert out is not None and out.dtype == torch.float32
     torch.testing.assert_close(out.double(), _naive(*case, 20), atol=1e-5, rtol=1e-5)
 
@@ -186,7 +191,7 @@ def test_large_head_dims(dtype: torch.dtype, head_dim: int, group: int) -> None:
     _ext_or_skip()
     case = _make_case([70, 1, 33, 16], 2, group, dtype, head_dim=head_dim, seed=head_dim)
     q, k_cache, v_cache, bt, lens = case
-    out = cpu_kernels.paged_decode_attention(q, k_cache, v_cache, bt, lens, head_dim**-0.5, 40)
+    out = _kernel(q, k_cache, v_cache, bt, lens, head_dim**-0.5, 40)
     assert out is not None
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(out.double(), _naive(*case, 40), atol=tol, rtol=tol)
@@ -200,7 +205,7 @@ def test_other_block_sizes(dtype: torch.dtype, block_size: int, window: int | No
     _ext_or_skip()
     case = _make_case(SEQ_LENS, 3, 3, dtype, seed=block_size, block_size=block_size)
     q, k_cache, v_cache, bt, lens = case
-    out = cpu_kernels.paged_decode_attention(q, k_cache, v_cache, bt, lens, HEAD_DIM**-0.5, window)
+    out = _kernel(q, k_cache, v_cache, bt, lens, HEAD_DIM**-0.5, window)
     assert out is not None
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(out.double(), _naive(*case, window), atol=tol, rtol=tol)
@@ -211,7 +216,7 @@ def test_window_larger_than_context_and_long_context() -> None:
     case = _make_case([3000, 5], 2, 2, torch.float32, seed=11)
     q, k_cache, v_cache, bt, lens = case
     for window in (4096, 1000, 1):
-        out = cpu_kernels.paged_decode_attention(q, k_cache, v_cache, bt, lens, 0.125, window)
+        out = _kernel(q, k_cache, v_cache, bt, lens, 0.125, window)
         assert out is not None
         torch.testing.assert_close(out.double(), _naive(*case, window), atol=1e-5, rtol=1e-5)
 
@@ -222,29 +227,38 @@ def test_backend_decode_uses_kernel_and_matches_reference(
     _ext_or_skip()
     case = _make_case(SEQ_LENS, num_kv_heads=3, group=3, dtype=torch.float32, seed=5)
     q, k_cache, v_cache, bt, lens = case
+    ext = cpu_kernels.load_extension()
     calls = []
-    kernel = cpu_kernels.paged_decode_attention
 
-    def spy(*args, **kwargs):
-        out = kernel(*args, **kwargs)
-        calls.append(out is not None)
-        return out
+    class Spy:
+        def __getattr__(self, name):
+            calls.append(name)
+            return getattr(ext, name)
 
-    monkeypatch.setattr("pagoda.attention.torch_paged.paged_decode_attention", spy)
-    out = TorchPagedAttention(9, 3, HEAD_DIM)._decode(q, k_cache, v_cache, _metadata(bt, lens))
-    assert calls == [True]
-    torch.testing.assert_close(out, _reference(*case, None), atol=1e-5, rtol=1e-5)
+    monkeypatch.setattr(cpu_kernels, "_module", Spy())
+    md = _metadata(bt, lens)
+    md.slot_mapping = torch.empty(0, dtype=torch.int64)
+    empty = torch.empty(0, 3, HEAD_DIM)
+    out = TorchPagedAttention(9, 3, HEAD_DIM).forward(q, empty, empty, (k_cache, v_cache), md)
+    assert calls.count("paged_decode_attention") == 1
+    torch.testing.assert_close(out.view_as(q), _reference(*case, None), atol=1e-5, rtol=1e-5)
 
 
 def test_disable_env_var_forces_reference(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PAGODA_DISABLE_CPU_KERNELS", "1")
     q, k_cache, v_cache, bt, lens = _make_case([5], 1, 1, torch.float32)
-    assert cpu_kernels.paged_decode_attention(q, k_cache, v_cache, bt, lens, 0.125) is None
+    args = (q, k_cache, v_cache, bt, lens, 0.125)
+    assert ops.paged_attention.kernel_for(q) is None
+    assert ops.paged_attention.select(*args) is ops.paged_attention.reference
 
 
-def test_unsupported_dtype_returns_none() -> None:
+def test_unsupported_dtype_takes_reference() -> None:
     q, k_cache, v_cache, bt, lens = _make_case([5], 1, 1, torch.float16)
-    assert cpu_kernels.paged_decode_attention(q, k_cache, v_cache, bt, lens, 0.125) is None
+    args = (q, k_cache, v_cache, bt, lens, 0.125)
+    assert ops.paged_attention.select(*args) is ops.paged_attention.reference
+    torch.testing.assert_close(
+        ops.paged_attention(*args).double(), _naive(*args[:5], None), atol=1e-2, rtol=1e-2
+    )
 
 
 def test_extension_name_carries_a_cpu_tag() -> None:

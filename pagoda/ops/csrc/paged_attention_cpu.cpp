@@ -5,10 +5,14 @@
 // read from memory once for all of them. K/V rows are read in place through the block
 // table (no gather copy), and the softmax is computed online, a few positions at a time.
 //
-// Two implementations: an AVX-512 one for head dims 64/128/256 (tiles of 16 positions,
-// vdpbf16ps for bf16 where the CPU has AVX512_BF16; see the comment at its start), and a
-// portable one for everything else (any head dim, CPUs without AVX-512). The build uses
-// -march=native, so the preprocessor (__AVX512F__, __AVX512BF16__) picks what exists.
+// Two implementations: an AVX-512 one for head dims 32/64/96/128/256 (tiles of 16
+// positions, vdpbf16ps for bf16 where the CPU has AVX512_BF16; see the comment at its start),
+// and a portable one for everything else (any head dim, CPUs without AVX-512). The build uses
+// -march=native, so the preprocessor picks what exists: the AVX-512 path uses AVX512F
+// intrinsics only (plus AVX512_BF16 for vdpbf16ps, under its own guard); `kernel_isa()`
+// reports the subsets compiled in, which the Python side checks against the CPU's flags.
+// Any block size works (the tiles find their rows through the block table); block ids
+// are checked against the cache before anything is read.
 //
 // Layouts (all contiguous):
 //   q, out        [B, H, D]          float32 or bfloat16 (same dtype)
@@ -31,6 +35,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <map>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -145,7 +150,7 @@ inline void prefetch_block(const KV* cache, const Problem& p, int64_t block_id, 
 
 #if defined(__AVX512F__)
 // ---------------------------------------------------------------------------------------
-// AVX-512 path (head dims 64, 128, 256). Positions are processed in tiles of 16 (aligned to
+// AVX-512 path (head dims 32, 64, 96, 128, 256). Positions are processed in tiles of 16 (aligned to
 // multiples of 16) so that one tile's scores for one query head are exactly one vector; the
 // rows of a tile are found through the block table once per tile (any block size works) and
 // lanes outside [start, seq_len) are masked. Each tile runs in three phases:
@@ -281,8 +286,9 @@ inline void tile_rows(const Problem& p, const int64_t* table, int64_t row_stride
 // miss buffers (2x slower than spreading them); prefetching further than one tile ahead
 // overflows L1 (48 KiB: 2-4 tiles ahead were 10-20% slower), and L2 hints were slower.
 // So issue() is called at a few points per group of tokens and asks for one unit: 128 bytes
-// (two lines) of K and the same of V. Row spans (kv heads x kD x element size) are
-// multiples of 128 bytes for the head dims of this path.
+// (two lines) of K and the same of V. A row's last unit may be a single line (spans of
+// 64 * odd bytes, e.g. head dim 96 in bf16), and a row is done once its span is covered:
+// the loop in flush() ends for any span.
 struct Prefetcher {
   static constexpr int64_t kUnit = 128;
   const char* k = nullptr;
@@ -290,25 +296,28 @@ struct Prefetcher {
   int64_t off[kTile];  // byte offsets of the rows (plus the first kv head's column)
   int rows = 0, row = 0;
   int64_t span = 0;
-  const char* p = nullptr;  // next unit of K; p == end: the current row is done
-  const char* end = nullptr;
+  const char* base = nullptr;  // the current row's first byte of K
+  int64_t done = 0;            // bytes of the current row asked for; >= span: row done
 
   inline void issue() {
-    if (p == end) {
+    if (done >= span) {
       if (row >= rows) return;
-      p = k + off[row++];
-      end = p + span;
+      base = k + off[row++];
+      done = 0;
     }
-    const char* pv = p + v_minus_k;
-    _mm_prefetch(p, _MM_HINT_T0);
-    _mm_prefetch(p + 64, _MM_HINT_T0);
+    const char* pk = base + done;
+    const char* pv = pk + v_minus_k;
+    _mm_prefetch(pk, _MM_HINT_T0);
     _mm_prefetch(pv, _MM_HINT_T0);
-    _mm_prefetch(pv + 64, _MM_HINT_T0);
-    p += kUnit;
+    if (done + 64 < span) {
+      _mm_prefetch(pk + 64, _MM_HINT_T0);
+      _mm_prefetch(pv + 64, _MM_HINT_T0);
+    }
+    done += kUnit;
   }
 
   inline void flush() {
-    while (p != end || row < rows) issue();
+    while (done < span || row < rows) issue();
   }
 
   template <typename KV>
@@ -319,8 +328,8 @@ struct Prefetcher {
     rows = tr.hi - tr.lo;
     for (int t = 0; t < rows; ++t) off[t] = (tr.off[tr.lo + t] + col0) * sizeof(KV);
     row = 0;
-    p = end = nullptr;
     span = span_bytes;
+    done = span;  // no current row: the first issue() starts row 0
   }
 };
 
@@ -694,8 +703,12 @@ template <typename KV>
 void dispatch_head_dim(const Problem& p, const KV* k, const KV* v, int64_t batch) {
 #if defined(__AVX512F__)
   switch (p.head_dim) {
+    case 32:
+      return dispatch_avx<KV, 32>(p, k, v, batch);
     case 64:
       return dispatch_avx<KV, 64>(p, k, v, batch);
+    case 96:
+      return dispatch_avx<KV, 96>(p, k, v, batch);
     case 128:
       return dispatch_avx<KV, 128>(p, k, v, batch);
     case 256:
@@ -738,8 +751,18 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_
   const int block_size = static_cast<int>(k_cache.size(1));
   const int64_t max_len = bt.size(1) * block_size;
   const int64_t* lens = sl.data_ptr<int64_t>();
+  const int64_t num_blocks = k_cache.size(0);
   for (int64_t b = 0; b < batch; ++b) {
     TORCH_CHECK(lens[b] >= 0 && lens[b] <= max_len, "seq_len ", lens[b], " out of range");
+    // NOTE: only the blocks this query reads (its window's), so entries past them (table
+    // padding) or before the window may hold anything.
+    const int64_t start = sliding_window >= 0 ? std::max<int64_t>(0, lens[b] - sliding_window)
+                                              : 0;
+    const int64_t* row = bt.data_ptr<int64_t>() + b * bt.size(1);
+    for (int64_t j = start / block_size; j * block_size < lens[b]; ++j) {
+      TORCH_CHECK(row[j] >= 0 && row[j] < num_blocks, "block_tables[", b, ", ", j, "] = ",
+                  row[j], " is out of range for a KV cache of ", num_blocks, " blocks");
+    }
   }
 
   Problem p{q.data_ptr(), out.data_ptr(), q.scalar_type() == at::kBFloat16,
@@ -757,7 +780,7 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_
 }
 
 // Turns the bf16 dot product on or off (tests of the fallback) and returns the inner path
-// that bf16 q on bf16 caches (head dim 64/128/256) now takes: "bf16_dot" (vdpbf16ps),
+// that bf16 q on bf16 caches (head dim 32/64/96/128/256) now takes: "bf16_dot" (vdpbf16ps),
 // "avx512" (fp32 FMAs) or "portable".
 std::string set_bf16_dot(bool enable) {
   g_use_bf16_dot = enable;
@@ -771,15 +794,33 @@ std::string set_bf16_dot(bool enable) {
 #endif
 }
 
+// The instruction-set extensions (named as in /proc/cpuinfo) that the vector path of
+// paged_decode_attention was compiled to use; empty: the portable path only.
+std::vector<std::string> attention_isa() {
+  std::vector<std::string> isa;
+#if defined(__AVX512F__)
+  isa.push_back("avx512f");
+#endif
+#if defined(__AVX512BF16__)
+  isa.push_back("avx512_bf16");
+#endif
+  return isa;
+}
+
 }  // namespace
 
 // Defined in fused_ops_cpu.cpp (the same extension).
 void register_fused_ops(pybind11::module& m);
+std::vector<std::string> fused_ops_isa();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_fused_ops(m);
   m.def("paged_decode_attention", &paged_decode_attention,
         "Decode attention over a paged KV cache (in place into out)");
+  m.def("kernel_isa", [] {
+    return std::map<std::string, std::vector<std::string>>{
+        {"paged_attention", attention_isa()}, {"fused_ops", fused_ops_isa()}};
+  }, "op -> the /proc/cpuinfo flags its compiled vector path uses (empty: scalar only)");
   m.def("set_bf16_dot", &set_bf16_dot,
         "Enable/disable the AVX512_BF16 dot product for bf16 caches; returns the path in use");
 }

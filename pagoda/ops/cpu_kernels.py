@@ -1,15 +1,20 @@
-"""Optional C++ CPU kernels, built on first use with torch's JIT extension loader.
+"""The optional C++ CPU kernels (csrc/), built on first use with torch's JIT extension loader.
 
-Contract: `paged_decode_attention` returns the decode attention output, or None when the
-kernel is unavailable (disabled, no compiler, failed build) or the inputs are unsupported,
-in which case the caller keeps its reference path. A failed build logs one warning and is
-never retried in this process.
+Contract: `kernel_for(op)` returns the extension when its kernel for `op` ("paged_attention"
+or "fused_ops") may run here, else None: disabled, no compiler, a failed build (one warning,
+never retried in this process), or an instruction-set mismatch. The build uses
+-march=native; the extension reports the instruction-set subsets each op's vector path was
+compiled with (`kernel_isa()`), and an op runs only when the CPU's flags hold all of them and
+its required subsets were compiled in (the fused ops' scalar fallback is slower than
+PyTorch's ops, so such a CPU uses the reference instead). Never SIGILL, never a silent
+slow path.
 
 `PAGODA_DISABLE_CPU_KERNELS=1` forces the reference path.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -19,19 +24,22 @@ import time
 from pathlib import Path
 from types import ModuleType
 
-import torch
-
 logger = logging.getLogger(__name__)
 
 _SOURCES = [
     Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp",
     Path(__file__).parent / "csrc" / "fused_ops_cpu.cpp",
 ]
-_SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
+# The subsets an op's compiled vector path must have for the kernel to be worth calling.
+REQUIRED_ISA: dict[str, tuple[str, ...]] = {
+    "paged_attention": (),  # NOTE: its portable path is still faster than gather + SDPA
+    "fused_ops": ("avx512f", "avx512bw", "avx512vl"),
+}
 _lock = threading.Lock()
 _module: ModuleType | None = None
 _load_failed = False
 build_seconds: float | None = None  # wall time of the load in this process (build or cache hit)
+_allowed: dict[str, bool] = {}  # op -> the instruction-set decision, made once per process
 
 
 def kernels_disabled() -> bool:
@@ -50,24 +58,32 @@ def _ensure_ninja_on_path() -> None:
     os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags (the `flags` line of /proc/cpuinfo); empty where unreadable."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in ("flags", "Features"):
+                    return frozenset(value.split())
+    except OSError:
+        pass
+    return frozenset()
+
+
 def _cpu_flags_tag() -> str:
-    """A short hash of this CPU's feature flags (the `flags` line of /proc/cpuinfo).
+    """A short hash of this CPU's feature flags.
 
     NOTE: the build uses -march=native, so the same source and flags compile to different
     code on different CPUs; torch caches builds by name, so the name carries this tag and a
     shared cache dir never hands one CPU the build of another (e.g. AVX512_BF16 code to a
     CPU without it). "generic" where /proc/cpuinfo is unreadable (not Linux).
     """
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() in ("flags", "Features"):
-                    flags = " ".join(sorted(value.split()))
-                    return hashlib.sha256(flags.encode()).hexdigest()[:10]
-    except OSError:
-        pass
-    return "generic"
+    flags = cpu_flags()
+    if not flags:
+        return "generic"
+    return hashlib.sha256(" ".join(sorted(flags)).encode()).hexdigest()[:10]
 
 
 def _sources_tag() -> str:
@@ -116,54 +132,27 @@ def load_extension() -> ModuleType | None:
         return _module
 
 
-def supports_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """Whether the kernel handles these inputs (CPU, float32/bfloat16, contiguous caches)."""
-    return (
-        q.device.type == "cpu"
-        and k_cache.device.type == "cpu"
-        and q.dtype in _SUPPORTED_DTYPES
-        and k_cache.dtype in _SUPPORTED_DTYPES
-        and v_cache.dtype == k_cache.dtype
-        and k_cache.is_contiguous()
-        and v_cache.is_contiguous()
-        and q.shape[1] % k_cache.shape[2] == 0
-    )
+def isa_allows(op: str, compiled: list[str] | tuple[str, ...], flags: frozenset[str]) -> bool:
+    """Whether `op`'s kernel, compiled for the `compiled` subsets, may run on a CPU with
+    `flags`: every compiled subset present (no SIGILL) and every required one compiled."""
+    return all(f in flags for f in compiled) and all(f in compiled for f in REQUIRED_ISA[op])
 
 
-def paged_decode_attention(
-    q: torch.Tensor,  # [B, H, D]
-    k_cache: torch.Tensor,  # [N, bs, Hk, D]
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,  # [B, max_blocks] int64 or int32
-    seq_lens: torch.Tensor,  # [B] int64
-    scale: float,
-    sliding_window: int | None = None,
-) -> torch.Tensor | None:
-    """Attention of each query over positions [max(0, len - window), len) of its sequence.
-
-    Returns [B, H, D] in q's dtype, or None if the kernel is unavailable or unsupported.
-    """
-    if kernels_disabled() or not supports_decode(q, k_cache, v_cache):
+def kernel_for(op: str) -> ModuleType | None:
+    """The extension, if its kernel for `op` may run on this CPU; else None."""
+    if kernels_disabled():
         return None
-    ext = load_extension()
+    ext = _module if _module is not None else load_extension()
     if ext is None:
         return None
-    q = q.contiguous()
-    out = torch.empty_like(q)
-    window = -1 if sliding_window is None else int(sliding_window)
-    ext.paged_decode_attention(
-        out, q, k_cache, v_cache, block_tables, seq_lens, float(scale), window
-    )
-    return out
-
-
-# The fused element-wise ops (csrc/fused_ops_cpu.cpp) run in the low-precision dtypes only:
-# float32 stays on PyTorch's ops, the path that matches transformers bit for bit.
-FUSED_DTYPES = (torch.bfloat16, torch.float16)
-
-
-def fused_ops_for(x: torch.Tensor) -> ModuleType | None:
-    """The extension, if its fused ops should handle `x` (CPU, bf16/fp16), else None."""
-    if x.device.type != "cpu" or x.dtype not in FUSED_DTYPES or kernels_disabled():
-        return None
-    return _module if _module is not None else load_extension()
+    allowed = _allowed.get(op)
+    if allowed is None:
+        compiled = ext.kernel_isa()[op]
+        allowed = _allowed[op] = isa_allows(op, compiled, cpu_flags())
+        if not allowed:
+            logger.warning(
+                "pagoda CPU kernel %r not used here: compiled for %s, needs %s, CPU has %s",
+                op, compiled or "scalar code only", list(REQUIRED_ISA[op]) or "nothing",
+                sorted(f for f in cpu_flags() if f.startswith("avx512")) or "no AVX-512",
+            )
+    return ext if allowed else None

@@ -11,6 +11,11 @@
 // does (transformers rounds before the weight multiply too: less accurate); silu is
 // rounded before the product, as F.silu(gate) * up does. Math is float32.
 //
+// Vector path: AVX512F plus AVX512BW and AVX512VL (the masked 16-bit loads and stores of
+// the 256-bit halves), compiled only when the build targets all three (PAGODA_FUSED_AVX512);
+// otherwise scalar loops. fused_ops_isa() reports which, and the Python side sends these ops
+// to the PyTorch reference on a CPU that lacks any of them.
+//
 // NOTE: no FMA contraction, so float32 rotary equals the unfused PyTorch ops bit for bit.
 #pragma GCC optimize("fp-contract=off")
 
@@ -18,18 +23,21 @@
 
 #include <omp.h>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define PAGODA_FUSED_AVX512 1
 #include <immintrin.h>
 #endif
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <type_traits>
+#include <vector>
 
 namespace pagoda_fused {
 
-#if defined(__AVX512F__)
+#if defined(PAGODA_FUSED_AVX512)
 // ---- 16-lane float32 views of bf16 / fp16 memory (masked for tails) --------------------
 inline __mmask16 tail_mask(int64_t n) {
   return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
@@ -126,7 +134,7 @@ void add_rms_norm_impl(T* x, T* residual, const T* weight, int64_t rows, int64_t
   for (int64_t r = 0; r < rows; ++r) {
     T* xr = x + r * hidden;
     T* rr = residual + r * hidden;
-#if defined(__AVX512F__)
+#if defined(PAGODA_FUSED_AVX512)
     if constexpr (kVec<T>) {
       __m512 acc = _mm512_setzero_ps();
       for (int64_t i = 0; i < hidden; i += 16) {
@@ -176,7 +184,7 @@ void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w
 
 template <typename T>
 inline void rotate_head(T* h, const T* cos, const T* sin, int64_t half) {
-#if defined(__AVX512F__)
+#if defined(PAGODA_FUSED_AVX512)
   if constexpr (kVec<T>) {
     for (int64_t i = 0; i < half; i += 16) {
       const __mmask16 m = tail_mask(half - i);
@@ -277,7 +285,7 @@ void silu_and_mul_impl(const T* x, T* out, int64_t rows, int64_t inter) {
     const T* g = x + r * 2 * inter;
     const T* u = g + inter;
     T* o = out + r * inter;
-#if defined(__AVX512F__)
+#if defined(PAGODA_FUSED_AVX512)
     if constexpr (kVec<T>) {
       const __m512 one = _mm512_set1_ps(1.0f);
       const __m512 zero = _mm512_setzero_ps();
@@ -312,6 +320,18 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
 }
 
 }  // namespace pagoda_fused
+
+std::vector<std::string> fused_ops_isa() {
+#if defined(PAGODA_FUSED_AVX512)
+  std::vector<std::string> isa{"avx512f", "avx512bw", "avx512vl"};
+#if defined(__AVX512BF16__)
+  isa.push_back("avx512_bf16");
+#endif
+  return isa;
+#else
+  return {};
+#endif
+}
 
 void register_fused_ops(pybind11::module& m) {
   m.def("fused_add_rms_norm", &pagoda_fused::fused_add_rms_norm,

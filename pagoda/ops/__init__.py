@@ -1,0 +1,58 @@
+"""The ops layers and attention backends call, each dispatched per device (registry.py)
+with a plain PyTorch reference (reference.py) that runs on any device.
+
+  rms_norm(x, weight, eps)                        -> normed x
+  fused_add_rms_norm(x, residual, weight, eps)    -> (normed, x + residual); may reuse storage
+  silu_and_mul(x)                                 -> silu(gate) * up of x = [gate | up]
+  rotary_and_cache(qkv, cos, sin, positions,      rotates q, k of qkv in place and writes
+                   k_cache, v_cache, slot_mapping, k, v into their slots
+                   num_heads, num_kv_heads)
+  write_kv(k, v, k_cache, v_cache, slot_mapping)  writes k, v into their slots
+  paged_attention(q, k_cache, v_cache, block_tables, seq_lens, scale,
+                  sliding_window=None, max_seq_len=None) -> [B, H, D]
+
+Kernels per device: CPU -> the C++ kernels (cpu.py) where built and the dtype allows;
+CUDA -> the reference for now.
+"""
+
+from __future__ import annotations
+
+import sys
+from types import ModuleType
+
+import torch
+
+from pagoda.ops import cpu, reference
+from pagoda.ops.reference import apply_rotary, gather_blocks
+from pagoda.ops.registry import OPS, Kernel, Op, define_op
+
+rms_norm = define_op("rms_norm", reference.rms_norm)
+fused_add_rms_norm = define_op("fused_add_rms_norm", reference.fused_add_rms_norm)
+silu_and_mul = define_op("silu_and_mul", reference.silu_and_mul)
+rotary_and_cache = define_op("rotary_and_cache", reference.rotary_and_cache)
+write_kv = define_op("write_kv", reference.write_kv)
+paged_attention = define_op("paged_attention", reference.paged_attention)
+cpu.register()
+
+
+def fused_ops_for(x: torch.Tensor) -> ModuleType | None:
+    """This module when x's device has a rotary_and_cache kernel for x's dtype (so a caller
+    takes the one-kernel path: rotate in place and write the cache), else None (the caller
+    composes apply_rotary and the backend's cache write)."""
+    return sys.modules[__name__] if rotary_and_cache.kernel_for(x) is not None else None
+
+
+__all__ = [
+    "OPS",
+    "Kernel",
+    "Op",
+    "apply_rotary",
+    "fused_add_rms_norm",
+    "fused_ops_for",
+    "gather_blocks",
+    "paged_attention",
+    "rms_norm",
+    "rotary_and_cache",
+    "silu_and_mul",
+    "write_kv",
+]

@@ -1,0 +1,122 @@
+"""The C++ CPU kernels (csrc/) as registered kernels of the ops.
+
+Which calls they take: the fused element-wise ops in bf16/fp16 only (float32 keeps the
+reference, PyTorch's ops, the path that matches transformers bit for bit) on a CPU whose
+AVX-512 F/BW/VL vector path was built; paged attention in float32/bf16 on any CPU the
+extension builds on. Anything else, and `PAGODA_DISABLE_CPU_KERNELS=1`, runs the reference.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+
+from pagoda.ops import cpu_kernels
+from pagoda.ops.registry import OPS, Kernel
+
+LOW_PRECISION = frozenset({torch.bfloat16, torch.float16})
+_ATTENTION_DTYPES = frozenset({torch.float32, torch.bfloat16})
+
+
+def _fused() -> ModuleType | None:
+    return cpu_kernels.kernel_for("fused_ops")
+
+
+def _attention() -> ModuleType | None:
+    return cpu_kernels.kernel_for("paged_attention")
+
+
+def _fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    _fused().fused_add_rms_norm(x, residual, weight, eps)
+    return x, residual
+
+
+def _add_rms_norm_supports(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, _eps: float
+) -> bool:
+    return (
+        x.dim() == 2
+        and x.is_contiguous()
+        and residual.is_contiguous()
+        and residual.dtype == x.dtype
+        and weight.dtype == x.dtype
+        and weight.is_contiguous()
+    )
+
+
+def _silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    return _fused().silu_and_mul(x)
+
+
+def _rotary_and_cache(*args) -> None:
+    _fused().rotary_and_cache(*args)
+
+
+def _rotary_supports(qkv, cos, sin, positions, k_cache, v_cache, *_rest) -> bool:
+    # NOTE: the kernel checks shapes and ranges itself (a clear error, not a fallback).
+    return (
+        cos.dtype == qkv.dtype
+        and k_cache.dtype == qkv.dtype
+        and k_cache.device.type == "cpu"
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+    )
+
+
+def _paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    max_seq_len: int | None = None,
+) -> torch.Tensor:
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    window = -1 if sliding_window is None else int(sliding_window)
+    _attention().paged_decode_attention(
+        out, q, k_cache, v_cache, block_tables, seq_lens, float(scale), window
+    )
+    return out
+
+
+def _attention_supports(q, k_cache, v_cache, *_rest) -> bool:
+    return (
+        k_cache.device.type == "cpu"
+        and k_cache.dtype in _ATTENTION_DTYPES
+        and v_cache.dtype == k_cache.dtype
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+        and q.shape[1] % k_cache.shape[2] == 0
+    )
+
+
+def _matrix_contiguous(x: torch.Tensor) -> bool:
+    return x.dim() == 2 and x.is_contiguous()
+
+
+def register() -> None:
+    def has_fused() -> bool:
+        return _fused() is not None
+
+    def has_attention() -> bool:
+        return _attention() is not None
+
+    OPS["fused_add_rms_norm"].register(
+        "cpu", Kernel("cpp", _fused_add_rms_norm, LOW_PRECISION, has_fused, _add_rms_norm_supports)
+    )
+    OPS["silu_and_mul"].register(
+        "cpu", Kernel("cpp", _silu_and_mul, LOW_PRECISION, has_fused, _matrix_contiguous)
+    )
+    OPS["rotary_and_cache"].register(
+        "cpu", Kernel("cpp", _rotary_and_cache, LOW_PRECISION, has_fused, _rotary_supports)
+    )
+    OPS["paged_attention"].register(
+        "cpu",
+        Kernel("cpp", _paged_attention, _ATTENTION_DTYPES, has_attention, _attention_supports),
+    )

@@ -1,0 +1,111 @@
+"""The plain PyTorch reference of every op: runs on any device (every tensor it creates is
+made on its inputs' device), and is what each kernel is tested against.
+
+Layouts: tokens are rows ([T, ...]); the paged caches are [num_blocks, block_size, Hk, D];
+`slot_mapping` [T] holds flat slots (block_id * block_size + offset), all >= 0.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) * weight over the last dim (float32 math for low-precision x), in x's dtype."""
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual); a kernel may reuse x's and residual's storage."""
+    residual = x + residual
+    return rms_norm(residual, weight, eps), residual
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x = [gate | up] on the last dim -> silu(gate) * up."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half (neox) rotary: x [T, H, D]; cos/sin [T, 1, D/2] (broadcast over heads)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def write_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Scatter this step's K/V ([T, Hk, D]) into their slots."""
+    hk, d = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, hk, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, hk, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def rotary_and_cache(
+    qkv: torch.Tensor,  # [T, H + 2 * Hk, D]: q heads, then k heads, then v heads
+    cos: torch.Tensor,  # [max_positions, D / 2]
+    sin: torch.Tensor,
+    positions: torch.Tensor,  # [T]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+) -> None:
+    """Rotates q and k of `qkv` in place, then writes k and v into their cache slots."""
+    nqk = num_heads + num_kv_heads
+    qk = qkv[:, :nqk]
+    qk.copy_(apply_rotary(qk, cos[positions][:, None], sin[positions][:, None]))
+    write_kv(qkv[:, num_heads:nqk], qkv[:, nqk:], k_cache, v_cache, slot_mapping)
+
+
+def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int) -> torch.Tensor:
+    """[B, max_blocks] block ids -> the first max_len tokens of each table: [B, max_len, Hk, D]."""
+    block_size = cache.shape[1]
+    num_blocks = (max_len + block_size - 1) // block_size
+    # NOTE: .to is a no-op for tables already on the cache's device (the runner's decode
+    # tables); a prefill's table may still be on the host.
+    g = cache[block_tables[:, :num_blocks].to(cache.device)]  # [B, nb, bs, Hk, D]
+    g = g.view(g.shape[0], num_blocks * block_size, cache.shape[2], cache.shape[3])
+    return g[:, :max_len]
+
+
+def paged_attention(
+    q: torch.Tensor,  # [B, H, D]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, max_blocks]
+    seq_lens: torch.Tensor,  # [B]
+    scale: float,
+    sliding_window: int | None = None,
+    max_seq_len: int | None = None,  # max(seq_lens), when the caller knows it (no sync)
+) -> torch.Tensor:
+    """One query row per sequence over positions [max(0, len - window), len) of its paged
+    context: [B, H, D] in q's dtype."""
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max())
+    b, h, d = q.shape
+    keys = gather_blocks(k_cache, block_tables, max_seq_len).to(q.dtype)  # [B, L, Hk, D]
+    values = gather_blocks(v_cache, block_tables, max_seq_len).to(q.dtype)
+    key_pos = torch.arange(max_seq_len, device=q.device)
+    lens = seq_lens.to(q.device)[:, None]
+    valid = key_pos[None, :] < lens
+    if sliding_window is not None:
+        valid &= key_pos[None, :] > lens - 1 - sliding_window
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2),  # [B, H, 1, D]
+        keys.transpose(1, 2),
+        values.transpose(1, 2),
+        attn_mask=valid[:, None, None, :],  # [B, 1, 1, L]
+        scale=scale,
+        enable_gqa=h != k_cache.shape[2],
+    )
+    return out.view(b, h, d)

@@ -1,0 +1,72 @@
+"""Per-device dispatch of the fused ops: one registry, no device branches in the callers.
+
+Every op has a plain PyTorch reference that runs on any device. A device type may register
+kernels for an op; a call runs the first kernel registered for its first tensor's device
+type whose dtype set holds that tensor's dtype, whose `available()` holds (built, enabled,
+the CPU can run it) and whose `supports(*args)` accepts this call (layouts, contiguity).
+Otherwise the reference runs. A kernel must compute what the reference computes (to its
+documented rounding); the tests compare each with the reference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+def _always(*_args: Any) -> bool:
+    return True
+
+
+@dataclass(frozen=True, slots=True)
+class Kernel:
+    name: str
+    fn: Callable[..., Any]
+    dtypes: frozenset[torch.dtype]  # of the op's first tensor argument
+    available: Callable[[], bool]
+    supports: Callable[..., bool] = _always
+
+
+class Op:
+    """A dispatched op: `op(*args)` runs the selected kernel or the reference."""
+
+    __slots__ = ("_kernels", "name", "reference")
+
+    def __init__(self, name: str, reference: Callable[..., Any]) -> None:
+        self.name = name
+        self.reference = reference
+        self._kernels: dict[str, list[Kernel]] = {}
+
+    def register(self, device_type: str, kernel: Kernel) -> None:
+        self._kernels.setdefault(device_type, []).append(kernel)
+
+    def kernel_for(self, x: torch.Tensor) -> Kernel | None:
+        """The kernel that could take a call whose first tensor is `x` (before `supports`)."""
+        for k in self._kernels.get(x.device.type, ()):
+            if x.dtype in k.dtypes and k.available():
+                return k
+        return None
+
+    def select(self, *args: Any) -> Callable[..., Any]:
+        """The function a call with these arguments runs: a kernel's, or the reference."""
+        for k in self._kernels.get(args[0].device.type, ()):
+            if args[0].dtype in k.dtypes and k.available() and k.supports(*args):
+                return k.fn
+        return self.reference
+
+    def __call__(self, *args: Any) -> Any:
+        return self.select(*args)(*args)
+
+
+OPS: dict[str, Op] = {}
+
+
+def define_op(name: str, reference: Callable[..., Any]) -> Op:
+    """Declares an op with its reference; kernels register on the returned Op."""
+    if name in OPS:
+        raise ValueError(f"op {name!r} is already defined")
+    OPS[name] = op = Op(name, reference)
+    return op
