@@ -36,6 +36,12 @@ def check_shape(param: torch.Tensor, loaded: torch.Tensor) -> None:
         raise ValueError(f"has shape {tuple(loaded.shape)}, expected {tuple(param.shape)}")
 
 
+def load_whole(param: torch.Tensor, loaded: torch.Tensor) -> None:
+    """Copy an unsharded tensor (converting dtype); ValueError on a shape mismatch."""
+    check_shape(param, loaded)
+    param.data.copy_(loaded)
+
+
 def load_shard(
     param: torch.Tensor, loaded: torch.Tensor, dim: int | None, start: int, size: int,
     full: int, offset: int = 0,
@@ -43,8 +49,7 @@ def load_shard(
     """Copy rows [start, start + size) of `loaded` along `dim` (whose full extent must be
     `full`) into [offset, offset + size) of `param` along `dim`; `dim` None: whole copy."""
     if dim is None:
-        check_shape(param, loaded)
-        param.data.copy_(loaded)
+        load_whole(param, loaded)
         return
     expected = list(param.shape)
     expected[dim] = full
@@ -93,6 +98,7 @@ class LinearBase(QuantizableLayer):
             self.register_parameter("bias", None)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+        """Copy this rank's shard of the full checkpoint tensor into `param`."""
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -122,7 +128,7 @@ class ReplicatedLinear(LinearBase):
         )
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
-        load_shard(param, loaded_weight, None, 0, 0, 0)
+        load_whole(param, loaded_weight)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -173,7 +179,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     ) -> None:
         dim = getattr(param, "output_dim", None)
         if dim is None:
-            load_shard(param, loaded_weight, None, 0, 0, 0)
+            load_whole(param, loaded_weight)
             return
         if shard_id is None:
             for index, part in enumerate(loaded_weight.split(self.output_sizes, dim)):
@@ -226,7 +232,7 @@ class QKVParallelLinear(ColumnParallelLinear):
     ) -> None:
         dim = getattr(param, "output_dim", None)
         if dim is None:
-            load_shard(param, loaded_weight, None, 0, 0, 0)
+            load_whole(param, loaded_weight)
             return
         full_q = self.total_num_heads * self.head_size
         full_kv = self.total_num_kv_heads * self.head_size

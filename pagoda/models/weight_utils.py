@@ -16,16 +16,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagoda.layers.linear import check_shape
+from pagoda.layers.linear import load_whole
 from pagoda.models.loader import CheckpointError
 
 ShardId = Any  # what a packed module's loader takes: "q" / "k" / "v", 0 / 1, ...
 
 
 def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
-    """Copy a whole tensor (converting dtype); ValueError on a shape mismatch."""
-    check_shape(param, loaded_weight)
-    param.data.copy_(loaded_weight)
+    """The loader of parameters that have none (norms): copy the whole tensor."""
+    load_whole(param, loaded_weight)
 
 
 def load_weights_by_name(
