@@ -1,74 +1,282 @@
-"""Linear layers whose weights are repacked once for the CPU's matmul library.
+"""Tensor-parallel linear layers (vLLM's contract), quantization-agnostic.
 
-On CPU, `F.linear` in bfloat16/float16 hands oneDNN a plain row-major weight and oneDNN
-reorders it into its blocked layout on every call: a full extra pass over the weight, which
-at decode batch sizes costs as much as the product itself (1.2x slower at 32 rows, 2x at one
-row on this machine's EPYC). Repacking once after loading removes that pass; the results are
-bit-identical to `F.linear` (checked in tests/unit/test_linear.py).
+Each layer computes its shard from `tp_rank` / `tp_size` (0 / 1 until pagoda has a
+tensor-parallel group) and hands its parameters to a `quant_method` (pagoda/quant/):
+the default `UnquantizedLinearMethod`, or the one a `QuantizationConfig` picks by the
+layer's dotted `prefix`. Every parameter carries the layer's `weight_loader`, which takes
+the full checkpoint tensor and copies in this rank's shard; the packed layers
+(`QKVParallelLinear`, `MergedColumnParallelLinear`) also take a `shard_id` naming which
+of their packed outputs the tensor is. A loader raises ValueError on a wrong shape.
 
-float32 stays on `F.linear`: oneDNN's float32 kernels sum in another order than MKL's, and
-float32 is the dtype in which pagoda must match transformers token for token.
-`PAGODA_DISABLE_PACKED_LINEAR=1` turns the repacking off.
+- ColumnParallelLinear: the output dimension is split; each rank returns its slice.
+- RowParallelLinear: the input dimension is split; the ranks' partial sums are added.
+- ReplicatedLinear: not split.
+
+NOTE: at tp_size > 1 the shard arithmetic and loaders work, but the communication a
+forward needs (RowParallelLinear's all-reduce) does not exist yet and raises.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-_PACKED_DTYPES = (torch.bfloat16, torch.float16)
+from pagoda.quant.base import QuantizableLayer, QuantizationConfig, set_weight_attrs
+from pagoda.quant.unquantized import UnquantizedLinearMethod
 
 
-def packing_enabled() -> bool:
-    return os.environ.get("PAGODA_DISABLE_PACKED_LINEAR", "0") in ("", "0")
+def divide(numerator: int, denominator: int) -> int:
+    if numerator % denominator:
+        raise ValueError(f"{numerator} is not divisible by tp_size {denominator}")
+    return numerator // denominator
 
 
-def can_pack(weight: torch.Tensor) -> bool:
-    return (
-        packing_enabled()
-        and weight.device.type == "cpu"
-        and weight.dtype in _PACKED_DTYPES
-        and weight.dim() == 2
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-    )
+def check_shape(param: torch.Tensor, loaded: torch.Tensor) -> None:
+    if tuple(param.shape) != tuple(loaded.shape):
+        raise ValueError(f"has shape {tuple(loaded.shape)}, expected {tuple(param.shape)}")
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """The weight [out, in] in oneDNN's blocked layout (an opaque mkldnn tensor)."""
-    # NOTE: the second argument is only a batch-size hint; the layout it picks serves
-    # every batch size equally well here (measured 1..2048 rows).
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
+def load_whole(param: torch.Tensor, loaded: torch.Tensor) -> None:
+    """Copy an unsharded tensor (converting dtype); ValueError on a shape mismatch."""
+    check_shape(param, loaded)
+    param.data.copy_(loaded)
 
 
-def packed_linear(
-    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None
-) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+def load_shard(
+    param: torch.Tensor, loaded: torch.Tensor, dim: int | None, start: int, size: int,
+    full: int, offset: int = 0,
+) -> None:
+    """Copy rows [start, start + size) of `loaded` along `dim` (whose full extent must be
+    `full`) into [offset, offset + size) of `param` along `dim`; `dim` None: whole copy."""
+    if dim is None:
+        load_whole(param, loaded)
+        return
+    expected = list(param.shape)
+    expected[dim] = full
+    if list(loaded.shape) != expected:
+        raise ValueError(f"has shape {tuple(loaded.shape)}, expected {tuple(expected)}")
+    param.data.narrow(dim, offset, size).copy_(loaded.narrow(dim, start, size))
 
 
-class Linear(nn.Linear):
-    """`nn.Linear` that, after loading, may swap its weight for a packed copy.
+class LinearBase(QuantizableLayer):
+    """y = x W^T + b through `quant_method`; `input_size` / `output_size` are unsharded."""
 
-    Once packed, `weight` becomes a meta tensor of the same shape and dtype (so parameter
-    counts and dtype queries still work) and the dense storage is freed.
-    """
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        bias: bool,
+        bias_is_sharded: bool,
+        quant_config: QuantizationConfig | None,
+        prefix: str,
+        params_dtype: torch.dtype | None,
+        tp_rank: int,
+        tp_size: int,
+    ) -> None:
+        super().__init__()
+        self.input_size, self.output_size = input_size, output_size
+        self.input_size_per_partition = input_size_per_partition
+        self.output_partition_sizes = output_partition_sizes
+        self.output_size_per_partition = sum(output_partition_sizes)
+        self.prefix, self.tp_rank, self.tp_size = prefix, tp_rank, tp_size
+        dtype = params_dtype or torch.get_default_dtype()
+        method = quant_config.get_quant_method(self, prefix) if quant_config else None
+        self.quant_method = method or UnquantizedLinearMethod()
+        self.quant_method.create_weights(
+            self, input_size_per_partition, output_partition_sizes, input_size, output_size,
+            dtype, weight_loader=self.weight_loader,
+        )
+        if bias:
+            rows = self.output_size_per_partition if bias_is_sharded else output_size
+            self.bias = nn.Parameter(torch.empty(rows, dtype=dtype), requires_grad=False)
+            dim = 0 if bias_is_sharded else None
+            set_weight_attrs(self.bias, {"output_dim": dim, "weight_loader": self.weight_loader})
+        else:
+            self.register_parameter("bias", None)
 
-    packed_weight: torch.Tensor | None = None
-
-    def process_weights_after_loading(self) -> None:
-        if self.packed_weight is not None or not can_pack(self.weight):
-            return
-        try:
-            self.packed_weight = pack_weight(self.weight)
-        except RuntimeError:  # e.g. float16 on a CPU without AVX512_FP16 / AVX_NE_CONVERT
-            return
-        self.weight = nn.Parameter(self.weight.detach().to("meta"), requires_grad=False)
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+        """Copy this rank's shard of the full checkpoint tensor into `param`."""
+        raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed_weight is not None:
-            return packed_linear(x, self.packed_weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return self.quant_method.apply(self, x, self.bias)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in={self.input_size_per_partition}, out={self.output_size_per_partition}, "
+            f"bias={self.bias is not None}, tp={self.tp_rank}/{self.tp_size}, "
+            f"quant_method={type(self.quant_method).__name__}"
+        )
+
+
+class ReplicatedLinear(LinearBase):
+    """Every rank holds the whole weight."""
+
+    def __init__(
+        self, input_size: int, output_size: int, bias: bool = True, *,
+        quant_config: QuantizationConfig | None = None, prefix: str = "",
+        params_dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(
+            input_size, output_size, input_size_per_partition=input_size,
+            output_partition_sizes=[output_size], bias=bias, bias_is_sharded=False,
+            quant_config=quant_config, prefix=prefix, params_dtype=params_dtype,
+            tp_rank=0, tp_size=1,
+        )
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+        load_whole(param, loaded_weight)
+
+
+class ColumnParallelLinear(LinearBase):
+    """The output dimension is split: rank r holds output rows [r * n, (r + 1) * n)."""
+
+    def __init__(
+        self, input_size: int, output_size: int, bias: bool = True, *,
+        output_sizes: list[int] | None = None,
+        quant_config: QuantizationConfig | None = None, prefix: str = "",
+        params_dtype: torch.dtype | None = None, tp_rank: int = 0, tp_size: int = 1,
+    ) -> None:
+        sizes = output_sizes or [output_size]
+        super().__init__(
+            input_size, output_size, input_size_per_partition=input_size,
+            output_partition_sizes=[divide(s, tp_size) for s in sizes], bias=bias,
+            bias_is_sharded=True, quant_config=quant_config, prefix=prefix,
+            params_dtype=params_dtype, tp_rank=tp_rank, tp_size=tp_size,
+        )
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+        dim = getattr(param, "output_dim", None)
+        size = param.shape[dim] if dim is not None else 0
+        load_shard(param, loaded_weight, dim, self.tp_rank * size, size, size * self.tp_size)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs packed along the output dimension (gate_up_proj).
+
+    The loader's `shard_id` is the output's index (0 = gate, 1 = up); None loads a
+    checkpoint tensor that is already packed.
+    """
+
+    def __init__(
+        self, input_size: int, output_sizes: list[int], bias: bool = True, *,
+        quant_config: QuantizationConfig | None = None, prefix: str = "",
+        params_dtype: torch.dtype | None = None, tp_rank: int = 0, tp_size: int = 1,
+    ) -> None:
+        self.output_sizes = list(output_sizes)
+        self.shard_ids: tuple[int, ...] = tuple(range(len(output_sizes)))
+        super().__init__(
+            input_size, sum(output_sizes), bias, output_sizes=self.output_sizes,
+            quant_config=quant_config, prefix=prefix, params_dtype=params_dtype,
+            tp_rank=tp_rank, tp_size=tp_size,
+        )
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: int | None = None
+    ) -> None:
+        dim = getattr(param, "output_dim", None)
+        if dim is None:
+            load_whole(param, loaded_weight)
+            return
+        if shard_id is None:
+            for index, part in enumerate(loaded_weight.split(self.output_sizes, dim)):
+                self.weight_loader(param, part, index)
+            return
+        if shard_id not in self.shard_ids:
+            raise ValueError(f"shard id {shard_id!r} is not one of {self.shard_ids}")
+        size = self.output_partition_sizes[shard_id]
+        offset = sum(self.output_partition_sizes[:shard_id])
+        full = self.output_sizes[shard_id]
+        load_shard(param, loaded_weight, dim, self.tp_rank * size, size, full, offset)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections packed along the output dimension, split by heads.
+
+    With fewer kv heads than ranks each kv head is replicated on tp_size / num_kv_heads
+    ranks. The loader's `shard_id` is "q", "k" or "v"; None loads a packed qkv tensor.
+    """
+
+    shard_ids = ("q", "k", "v")
+
+    def __init__(
+        self, hidden_size: int, head_size: int, total_num_heads: int,
+        total_num_kv_heads: int, bias: bool = True, *,
+        quant_config: QuantizationConfig | None = None, prefix: str = "",
+        params_dtype: torch.dtype | None = None, tp_rank: int = 0, tp_size: int = 1,
+    ) -> None:
+        self.head_size = head_size
+        self.total_num_heads, self.total_num_kv_heads = total_num_heads, total_num_kv_heads
+        self.num_heads = divide(total_num_heads, tp_size)
+        if tp_size >= total_num_kv_heads:
+            self.num_kv_heads = 1
+            self.num_kv_head_replicas = divide(tp_size, total_num_kv_heads)
+        else:
+            self.num_kv_heads = divide(total_num_kv_heads, tp_size)
+            self.num_kv_head_replicas = 1
+        q_size, kv_size = self.num_heads * head_size, self.num_kv_heads * head_size
+        # NOTE: per-rank sizes times tp_size, so that ColumnParallelLinear's division
+        # gives back exactly this rank's q / k / v sizes (kv replicas included).
+        super().__init__(
+            hidden_size, (total_num_heads + 2 * total_num_kv_heads) * head_size, bias,
+            output_sizes=[q_size * tp_size, kv_size * tp_size, kv_size * tp_size],
+            quant_config=quant_config, prefix=prefix, params_dtype=params_dtype,
+            tp_rank=tp_rank, tp_size=tp_size,
+        )
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str | None = None
+    ) -> None:
+        dim = getattr(param, "output_dim", None)
+        if dim is None:
+            load_whole(param, loaded_weight)
+            return
+        full_q = self.total_num_heads * self.head_size
+        full_kv = self.total_num_kv_heads * self.head_size
+        if shard_id is None:
+            parts = loaded_weight.split([full_q, full_kv, full_kv], dim)
+            for sid, part in zip(self.shard_ids, parts):
+                self.weight_loader(param, part, sid)
+            return
+        if shard_id not in self.shard_ids:
+            raise ValueError(f"shard id {shard_id!r} is not one of {self.shard_ids}")
+        q_size, kv_size = self.output_partition_sizes[0], self.output_partition_sizes[1]
+        if shard_id == "q":
+            offset, size, full, rank = 0, q_size, full_q, self.tp_rank
+        else:
+            offset = q_size if shard_id == "k" else q_size + kv_size
+            size, full, rank = kv_size, full_kv, self.tp_rank // self.num_kv_head_replicas
+        load_shard(param, loaded_weight, dim, rank * size, size, full, offset)
+
+
+class RowParallelLinear(LinearBase):
+    """The input dimension is split: rank r holds input columns [r * n, (r + 1) * n) and
+    takes that slice of x; the bias is whole and added once, after the partial sums."""
+
+    def __init__(
+        self, input_size: int, output_size: int, bias: bool = True, *,
+        quant_config: QuantizationConfig | None = None, prefix: str = "",
+        params_dtype: torch.dtype | None = None, tp_rank: int = 0, tp_size: int = 1,
+    ) -> None:
+        super().__init__(
+            input_size, output_size, input_size_per_partition=divide(input_size, tp_size),
+            output_partition_sizes=[output_size], bias=bias, bias_is_sharded=False,
+            quant_config=quant_config, prefix=prefix, params_dtype=params_dtype,
+            tp_rank=tp_rank, tp_size=tp_size,
+        )
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+        dim = getattr(param, "input_dim", None)
+        size = param.shape[dim] if dim is not None else 0
+        load_shard(param, loaded_weight, dim, self.tp_rank * size, size, size * self.tp_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size > 1:
+            raise NotImplementedError(
+                f"{self.prefix}: tp_size {self.tp_size} needs an all-reduce over the "
+                "tensor-parallel group, which pagoda does not have yet"
+            )
+        return self.quant_method.apply(self, x, self.bias)

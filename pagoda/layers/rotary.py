@@ -31,11 +31,15 @@ def _default_inv_freq(config: PretrainedConfig, head_dim: int) -> torch.Tensor:
 
 
 def build_cos_sin(
-    config: PretrainedConfig, head_dim: int, max_positions: int
+    config: PretrainedConfig, head_dim: int, max_positions: int,
+    freq_factors: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin tables [max_positions, head_dim // 2] in float32."""
+    """cos, sin tables [max_positions, head_dim // 2] in float32. `freq_factors` [head_dim
+    // 2] divide the inverse frequencies (GGUF's rope_freqs, e.g. llama3 scaling)."""
     rope_type = _rope_type(config)
     pos = torch.arange(max_positions, dtype=torch.float32)
+    if freq_factors is not None and rope_type == "dynamic":
+        raise ValueError("rope frequency factors do not combine with dynamic scaling")
     if rope_type == "default":
         inv_freq, factor = _default_inv_freq(config, head_dim), 1.0
     elif rope_type == "dynamic":
@@ -44,6 +48,8 @@ def build_cos_sin(
         if rope_type not in ROPE_INIT_FUNCTIONS:
             raise ValueError(f"unsupported rope_type {rope_type!r}")
         inv_freq, factor = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+    if freq_factors is not None:
+        inv_freq = inv_freq.float() / freq_factors.float()
     freqs = torch.outer(pos, inv_freq.float())
     return freqs.cos() * factor, freqs.sin() * factor
 
@@ -69,9 +75,12 @@ def _dynamic_cos_sin(
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, config: PretrainedConfig, head_dim: int, max_positions: int) -> None:
+    def __init__(
+        self, config: PretrainedConfig, head_dim: int, max_positions: int,
+        freq_factors: torch.Tensor | None = None,
+    ) -> None:
         super().__init__()
-        cos, sin = build_cos_sin(config, head_dim, max_positions)
+        cos, sin = build_cos_sin(config, head_dim, max_positions, freq_factors)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 

@@ -7,8 +7,9 @@ import contextlib
 import torch
 from torch import nn
 
-from pagoda.models.loader import Checkpoint
+from pagoda.models.loader import Checkpoint, CheckpointError
 from pagoda.models.registry import resolve_model
+from pagoda.quant.base import QuantizationConfig, quant_config_from_hf
 
 
 @contextlib.contextmanager
@@ -21,6 +22,14 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(old)
 
 
+def checkpoint_quant_config(ckpt: Checkpoint) -> QuantizationConfig | None:
+    """The checkpoint's quantization scheme (None: dense); CheckpointError if unsupported."""
+    try:
+        return quant_config_from_hf(ckpt.hf_config)
+    except ValueError as exc:
+        raise CheckpointError(f"{ckpt.path}: {exc}") from exc
+
+
 def build_model(
     ckpt: Checkpoint,
     dtype: torch.dtype,
@@ -30,14 +39,14 @@ def build_model(
 ) -> nn.Module:
     """Builds the architecture named in the checkpoint's config and loads its weights.
 
-    NOTE: the model is built on the meta device in the target dtype and then given empty
-    storage, so weights are never initialised randomly nor held twice: each checkpoint
-    tensor is converted and copied straight into its parameter.
+    NOTE: the layers create their parameters with `torch.empty` on the target device in
+    the target dtype, so weights are never initialised randomly nor held twice: each
+    checkpoint tensor is converted and copied straight into its parameter by its loader.
     """
     factory = resolve_model(ckpt.hf_config, str(ckpt.path))
-    with _default_dtype(dtype), torch.device("meta"):
-        model = factory(ckpt.hf_config, attn_backend=attn_backend)
-    model.to_empty(device=device)
+    quant_config = checkpoint_quant_config(ckpt)
+    with _default_dtype(dtype), torch.device(device):
+        model = factory(ckpt.hf_config, attn_backend=attn_backend, quant_config=quant_config)
     model.load_weights(ckpt.iter_weights(), source=str(ckpt.path))
     model.init_rotary(max_positions, dtype, device)
     model.process_weights_after_loading()

@@ -4,6 +4,13 @@ That covers SmolLM2, Llama and Mistral-style files. The file is read once with
 `gguf.GGUFReader` (a memory map); the HF config is built from its metadata, the tokenizer by
 transformers' GGUF tokenizer converter, and weights are dequantized to float32 one tensor at
 a time under their HF names, with llama.cpp's rotary row permutation of q/k undone.
+`iter_gguf_raw_tensors` hands out the stored blocks instead (bytes, ggml type, shape), for
+a quant method that keeps them.
+
+Llama 3.1/3.2 files store their llama3 rope scaling as the tensor `rope_freqs.weight`:
+per-dimension divisors of the rotary inverse frequencies, which llama.cpp applies as such
+(no rope scaling keys are written). It becomes `config.rope_freq_factors` (a list of
+floats), which the model's rotary embedding applies the same way.
 """
 
 from __future__ import annotations
@@ -11,13 +18,14 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import transformers
-from gguf import GGUFReader
+from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from pagoda.models.loader import Checkpoint, CheckpointError
@@ -41,9 +49,10 @@ _GLOBAL_NAMES: dict[str, str] = {
     "output_norm": "model.norm",
     "output": "lm_head",
 }
-# NOTE: llama.cpp stores precomputed llama3 rope frequency factors as a tensor; HF derives
-# them from config.rope_parameters instead, so the tensor has no HF parameter.
-_SKIPPED_TENSORS = frozenset({"rope_freqs.weight"})
+# NOTE: llama.cpp stores precomputed llama3 rope frequency factors as a tensor; it goes
+# into the config (rope_freq_factors), not into a parameter.
+ROPE_FREQS = "rope_freqs.weight"
+_SKIPPED_TENSORS = frozenset({ROPE_FREQS})
 # HF config attribute -> GGUF metadata key; the first three also go into generation_config.
 _SPECIAL_TOKEN_KEYS = {
     "bos_token_id": "tokenizer.ggml.bos_token_id",
@@ -130,6 +139,8 @@ def gguf_hf_config(reader: GGUFReader, path: Path) -> transformers.LlamaConfig:
     # NOTE: GGUF dims are innermost-first, so the embedding is [hidden, vocab].
     kwargs["vocab_size"] = int(key("vocab_size", shapes["token_embd.weight"][-1]))
     kwargs["rope_parameters"] = _rope_parameters(reader)
+    if (factors := _rope_freq_factors(reader, path, kwargs["head_dim"])) is not None:
+        kwargs["rope_freq_factors"] = factors
     # NOTE: llama.cpp writes no output.weight when the LM head shares the embedding matrix.
     kwargs["tie_word_embeddings"] = "output.weight" not in shapes
     for name, gguf_key in _SPECIAL_TOKEN_KEYS.items():
@@ -154,6 +165,23 @@ def _rope_parameters(reader: GGUFReader) -> dict[str, Any]:
         if scaling == "yarn" and original:
             params["original_max_position_embeddings"] = int(original)
     return params
+
+
+def _rope_freq_factors(reader: GGUFReader, path: Path, head_dim: int) -> list[float] | None:
+    """The file's rope_freqs tensor as floats ([head_dim / 2] divisors), or None."""
+    tensor = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
+    if tensor is None:
+        return None
+    rotary_dim = int(_field(reader, "llama.rope.dimension_count", head_dim))
+    factors = _dequantize(tensor, path).reshape(-1)
+    if factors.size != rotary_dim // 2:
+        raise CheckpointError(
+            f"{path}: GGUF tensor {ROPE_FREQS} has {factors.size} values, expected "
+            f"{rotary_dim // 2} (half the rotary dimension {rotary_dim})"
+        )
+    if not np.all(np.isfinite(factors)) or np.any(factors <= 0):
+        raise CheckpointError(f"{path}: GGUF tensor {ROPE_FREQS} has non-positive values")
+    return [float(f) for f in factors]
 
 
 def gguf_tokenizer(reader: GGUFReader, path: Path) -> transformers.PreTrainedTokenizerBase:
@@ -188,6 +216,80 @@ def gguf_generation_config(reader: GGUFReader) -> dict[str, Any]:
     return generation_config
 
 
+@dataclass(frozen=True, slots=True)
+class GGUFRawTensor:
+    """One GGUF tensor as stored, for a kernel that works on the quantized blocks.
+
+    `data` is the raw bytes (a read-only uint8 view of the memory map), blocks in file
+    order; `shape` is the HF (row-major) shape of the dequantized tensor. When
+    `rotary_permuted_heads` is set (q_proj / k_proj), the rows are still in llama.cpp's
+    rotary order for that many heads (see `unpermute_rotary_rows`).
+    """
+
+    name: str
+    gguf_name: str
+    ggml_type: GGMLQuantizationType
+    shape: tuple[int, ...]
+    data: np.ndarray
+    rotary_permuted_heads: int | None
+
+
+def iter_gguf_raw_tensors(
+    reader: GGUFReader, config: transformers.PretrainedConfig
+) -> Iterator[GGUFRawTensor]:
+    """Yield each weight tensor of the file undecoded, under its HF name."""
+    for tensor in reader.tensors:
+        name = hf_tensor_name(tensor.name)
+        if name is None:
+            continue
+        heads = None
+        if name.endswith(("q_proj.weight", "q_proj.bias")):
+            heads = config.num_attention_heads
+        elif name.endswith(("k_proj.weight", "k_proj.bias")):
+            heads = config.num_key_value_heads
+        yield GGUFRawTensor(
+            name=name,
+            gguf_name=tensor.name,
+            ggml_type=GGMLQuantizationType(tensor.tensor_type),
+            # NOTE: GGUF lists dims innermost-first; HF (row-major) order is the reverse.
+            shape=tuple(int(dim) for dim in reversed(tensor.shape)),
+            data=np.asarray(tensor.data).reshape(-1).view(np.uint8),
+            rotary_permuted_heads=heads,
+        )
+
+
+def dequantize_raw(raw: GGUFRawTensor, path: Path) -> torch.Tensor:
+    """The float32 tensor in HF shape and row order (q/k rows un-permuted)."""
+    try:
+        array = dequantize(raw.data, raw.ggml_type)
+    except NotImplementedError as exc:
+        raise CheckpointError(
+            f"{path}: tensor {raw.gguf_name} has unsupported type {raw.ggml_type.name}"
+        ) from exc
+    array = np.asarray(array, dtype=np.float32)
+    if array.size != int(np.prod(raw.shape)):
+        raise CheckpointError(
+            f"{path}: tensor {raw.gguf_name} holds {array.size} values, not {raw.shape}"
+        )
+    array = array.reshape(raw.shape)
+    if not array.flags.writeable:  # F32 tensors are read-only views of the memory map
+        array = array.copy()
+    weight = torch.from_numpy(array)
+    if raw.rotary_permuted_heads is not None:
+        weight = unpermute_rotary_rows(weight, raw.rotary_permuted_heads)
+    return weight
+
+
+def _dequantize(tensor: Any, path: Path) -> np.ndarray:
+    """A reader tensor's values as float32 (any shape)."""
+    try:
+        return np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+    except NotImplementedError as exc:
+        raise CheckpointError(
+            f"{path}: tensor {tensor.name} has unsupported type {tensor.tensor_type.name}"
+        ) from exc
+
+
 def iter_gguf_weights(
     reader: GGUFReader, config: transformers.PretrainedConfig, path: Path
 ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -195,27 +297,8 @@ def iter_gguf_weights(
 
     q_proj/k_proj rows are put back in HF order (llama.cpp permutes them for its rotary layout).
     """
-    for tensor in reader.tensors:
-        name = hf_tensor_name(tensor.name)
-        if name is None:
-            continue
-        try:
-            array = dequantize(tensor.data, tensor.tensor_type)
-        except NotImplementedError as exc:
-            raise CheckpointError(
-                f"{path}: tensor {tensor.name} has unsupported type {tensor.tensor_type.name}"
-            ) from exc
-        # NOTE: GGUF lists dims innermost-first; HF (row-major) order is the reverse.
-        shape = tuple(int(dim) for dim in reversed(tensor.shape))
-        array = np.asarray(array, dtype=np.float32).reshape(shape)
-        if not array.flags.writeable:  # F32 tensors are read-only views of the memory map
-            array = array.copy()
-        weight = torch.from_numpy(array)
-        if name.endswith(("q_proj.weight", "q_proj.bias")):
-            weight = unpermute_rotary_rows(weight, config.num_attention_heads)
-        elif name.endswith(("k_proj.weight", "k_proj.bias")):
-            weight = unpermute_rotary_rows(weight, config.num_key_value_heads)
-        yield name, weight
+    for raw in iter_gguf_raw_tensors(reader, config):
+        yield raw.name, dequantize_raw(raw, path)
 
 
 def unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -242,4 +325,5 @@ def load_gguf_checkpoint(path: Path) -> Checkpoint:
         generation_config=gguf_generation_config(reader),
         format="gguf",
         open_weights=functools.partial(iter_gguf_weights, reader, config, path),
+        open_raw_tensors=functools.partial(iter_gguf_raw_tensors, reader, config),
     )

@@ -1,28 +1,35 @@
 """The Llama family: Llama 2/3, SmolLM2, Mistral (sliding window), Qwen2 (qkv bias),
 Qwen3 (q/k norm). One decoder, switched by config fields, not by subclass.
 
-Parameter names follow transformers' (`model.layers.3.self_attn.qkv_proj`), except that
-q/k/v and gate/up are fused; `load_weights` maps the checkpoint's separate tensors in.
+Module names follow transformers' (`model.layers.3.self_attn.qkv_proj`, each module's
+`prefix`), except that q/k/v and gate/up are packed (`packed_modules_mapping`);
+`load_weights` hands the checkpoint's separate tensors to the packed layers' loaders.
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
 from pagoda.attention.backend import AttentionMetadata, get_backend
 from pagoda.layers.activation import silu_and_mul
-from pagoda.layers.linear import Linear, can_pack, pack_weight, packed_linear
+from pagoda.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
 from pagoda.layers.norm import RMSNorm
 from pagoda.layers.rotary import RotaryEmbedding, apply_rotary
+from pagoda.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from pagoda.models.registry import register_model
+from pagoda.models.weight_utils import load_weights_by_name
 from pagoda.ops import fused_ops_for
+from pagoda.quant.base import QuantizableLayer, QuantizationConfig
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -105,22 +112,29 @@ class RopeInputs:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, spec: LlamaSpec, layer_idx: int, backend: str) -> None:
+    def __init__(
+        self, spec: LlamaSpec, layer_idx: int, backend: str,
+        quant_config: QuantizationConfig | None, prefix: str,
+    ) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads = spec.num_heads, spec.num_kv_heads
-        self.head_dim = spec.head_dim
-        self.q_size = spec.num_heads * spec.head_dim
-        self.kv_size = spec.num_kv_heads * spec.head_dim
-        self.qkv_proj = Linear(
-            spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias
+        self.prefix = prefix
+        self.qkv_proj = QKVParallelLinear(
+            spec.hidden_size, spec.head_dim, spec.num_heads, spec.num_kv_heads,
+            bias=spec.qkv_bias, quant_config=quant_config, prefix=f"{prefix}.qkv_proj",
         )
-        self.o_proj = Linear(self.q_size, spec.hidden_size, bias=spec.o_bias)
+        self.o_proj = RowParallelLinear(
+            spec.num_heads * spec.head_dim, spec.hidden_size, bias=spec.o_bias,
+            quant_config=quant_config, prefix=f"{prefix}.o_proj",
+        )
+        # NOTE: this rank's heads (all of them at tp_size 1).
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.head_dim = spec.head_dim
         if spec.qk_norm:
             self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
             self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
         self.qk_norm = spec.qk_norm
         self.attn = get_backend(backend)(
-            spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.sliding_windows[layer_idx]
+            self.num_heads, self.num_kv_heads, spec.head_dim, spec.sliding_windows[layer_idx]
         )
 
     def forward(
@@ -154,22 +168,35 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, spec: LlamaSpec) -> None:
+    def __init__(
+        self, spec: LlamaSpec, quant_config: QuantizationConfig | None, prefix: str
+    ) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(
-            spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias
+        self.prefix = prefix
+        self.gate_up_proj = MergedColumnParallelLinear(
+            spec.hidden_size, [spec.intermediate_size] * 2, bias=spec.mlp_bias,
+            quant_config=quant_config, prefix=f"{prefix}.gate_up_proj",
         )
-        self.down_proj = Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
+        self.down_proj = RowParallelLinear(
+            spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias,
+            quant_config=quant_config, prefix=f"{prefix}.down_proj",
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, spec: LlamaSpec, layer_idx: int, backend: str) -> None:
+    def __init__(
+        self, spec: LlamaSpec, layer_idx: int, backend: str,
+        quant_config: QuantizationConfig | None, prefix: str,
+    ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(spec, layer_idx, backend)
-        self.mlp = LlamaMLP(spec)
+        self.prefix = prefix
+        self.self_attn = LlamaAttention(
+            spec, layer_idx, backend, quant_config, prefix=f"{prefix}.self_attn"
+        )
+        self.mlp = LlamaMLP(spec, quant_config, prefix=f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
@@ -191,11 +218,18 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, spec: LlamaSpec, backend: str) -> None:
+    def __init__(
+        self, spec: LlamaSpec, backend: str, quant_config: QuantizationConfig | None,
+        prefix: str,
+    ) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.prefix = prefix
+        self.embed_tokens = VocabParallelEmbedding(
+            spec.vocab_size, spec.hidden_size, prefix=f"{prefix}.embed_tokens"
+        )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(spec, i, backend) for i in range(spec.num_layers)
+            LlamaDecoderLayer(spec, i, backend, quant_config, prefix=f"{prefix}.layers.{i}")
+            for i in range(spec.num_layers)
         )
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
@@ -204,19 +238,39 @@ class LlamaModel(nn.Module):
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"
 )
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, hf_config: PretrainedConfig, attn_backend: str = "torch_paged") -> None:
+    packed_modules_mapping: ClassVar[dict[str, list[str]]] = {
+        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+        "gate_up_proj": ["gate_proj", "up_proj"],
+    }
+
+    def __init__(
+        self,
+        hf_config: PretrainedConfig,
+        attn_backend: str = "torch_paged",
+        quant_config: QuantizationConfig | None = None,
+        prefix: str = "",
+    ) -> None:
         super().__init__()
         self.spec = spec = LlamaSpec.from_hf(hf_config)
-        self.hf_config = hf_config
-        self.model = LlamaModel(spec, attn_backend)
-        if not spec.tie_word_embeddings:
-            self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.hf_config, self.prefix = hf_config, prefix
+        dot = f"{prefix}." if prefix else ""
+        self.model = LlamaModel(spec, attn_backend, quant_config, prefix=f"{dot}model")
+        if spec.tie_word_embeddings:
+            self.lm_head = ParallelLMHead.tie_weights(self.model.embed_tokens)
+        else:
+            self.lm_head = ParallelLMHead(
+                spec.vocab_size, spec.hidden_size, quant_config=quant_config,
+                prefix=f"{dot}lm_head",
+            )
         self.rotary: RotaryEmbedding | None = None
-        self._tied_head_packed: torch.Tensor | None = None
 
     def init_rotary(self, max_positions: int, dtype: torch.dtype, device: torch.device) -> None:
-        """Builds the cos/sin tables (after weights exist: the model may live on meta first)."""
-        rotary = RotaryEmbedding(self.hf_config, self.spec.head_dim, max_positions)
+        """Builds the cos/sin tables, with the GGUF file's rope frequency factors if any."""
+        factors = getattr(self.hf_config, "rope_freq_factors", None)
+        rotary = RotaryEmbedding(
+            self.hf_config, self.spec.head_dim, max_positions,
+            None if factors is None else torch.tensor(factors, dtype=torch.float32),
+        )
         rotary.to_dtype(dtype)
         self.rotary = rotary.to(device)
 
@@ -240,71 +294,30 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     def process_weights_after_loading(self) -> None:
-        """Repacks the matmul weights for the CPU (see pagoda/layers/linear.py)."""
+        """Lets every layer's quant method prepare its weights (e.g. the CPU repack)."""
         for module in self.modules():
-            if isinstance(module, Linear):
+            if isinstance(module, QuantizableLayer):
                 module.process_weights_after_loading()
-        embed = self.model.embed_tokens.weight
-        if self.spec.tie_word_embeddings and can_pack(embed):
-            # NOTE: a packed copy beside the embedding table, which lookups still need.
-            with contextlib.suppress(RuntimeError):  # float16 on CPUs oneDNN can't pack for
-                self._tied_head_packed = pack_weight(embed)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if not self.spec.tie_word_embeddings:
-            return self.lm_head(hidden)
-        if self._tied_head_packed is not None:
-            return packed_linear(hidden, self._tied_head_packed)
-        return F.linear(hidden, self.model.embed_tokens.weight)
+        return self.lm_head.compute_logits(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str = "") -> None:
-        """Copies checkpoint tensors (HF names) into the fused parameters, converting dtype
-        one tensor at a time. Raises ValueError naming the tensor on a wrong shape, an
-        unknown name, or a parameter the checkpoint does not provide."""
-        params = dict(self.named_parameters())
-        loaded: dict[str, int] = {}
-        where = f" in {source}" if source else ""
-        for name, tensor in weights:
-            if name.endswith("rotary_emb.inv_freq"):
-                continue
-            if name == "lm_head.weight" and self.spec.tie_word_embeddings:
-                continue
-            target, offset = self._fused_target(name)
-            if target not in params:
-                raise ValueError(f"unexpected tensor {name!r}{where}")
-            param = params[target]
-            rows = tensor.shape[0] if tensor.dim() else 0
-            expected = (rows, *param.shape[1:]) if offset is not None else tuple(param.shape)
-            if tuple(tensor.shape) != expected or (
-                offset is not None and offset + rows > param.shape[0]
-            ):
-                raise ValueError(
-                    f"tensor {name!r}{where} has shape {tuple(tensor.shape)}, "
-                    f"expected {tuple(param.shape) if offset is None else expected}"
-                )
-            with torch.no_grad():
-                dst = param.data if offset is None else param.data[offset : offset + rows]
-                dst.copy_(tensor)
-            loaded[target] = loaded.get(target, 0) + (rows if offset is not None else -1)
-        missing = [
-            n for n, p in params.items()
-            if n not in loaded or (loaded[n] >= 0 and loaded[n] != p.shape[0])
-        ]
-        if missing:
-            raise ValueError(f"checkpoint{where} is missing tensors for {missing[:5]}")
+        """Loads checkpoint tensors (HF names) through the parameters' weight loaders,
+        converting dtype one tensor at a time. Raises CheckpointError naming the tensor on
+        a wrong shape, an unknown name, a tensor given twice, or one the checkpoint lacks."""
+        # NOTE: some tied checkpoints still store the head: a copy of the embedding.
+        ignored = frozenset({"lm_head.weight"} if self.spec.tie_word_embeddings else ())
+        load_weights_by_name(
+            self, _without_inv_freq(weights), self.packed_modules_mapping, ignored, source
+        )
 
-    def _fused_target(self, name: str) -> tuple[str, int | None]:
-        """HF tensor name -> (our parameter name, row offset in the fused tensor or None)."""
-        attn = self.model.layers[0].self_attn
-        q, kv = attn.q_size, attn.kv_size
-        inter = self.spec.intermediate_size
-        for part, fused, offset in (
-            ("q_proj", "qkv_proj", 0),
-            ("k_proj", "qkv_proj", q),
-            ("v_proj", "qkv_proj", q + kv),
-            ("gate_proj", "gate_up_proj", 0),
-            ("up_proj", "gate_up_proj", inter),
-        ):
-            if f".{part}." in name:
-                return name.replace(f".{part}.", f".{fused}."), offset
-        return name, None
+
+def _without_inv_freq(
+    weights: Iterable[tuple[str, torch.Tensor]],
+) -> Iterable[tuple[str, torch.Tensor]]:
+    """Drops the rotary inverse frequencies older transformers checkpoints saved as
+    `model.layers.N.self_attn.rotary_emb.inv_freq` (pagoda computes its own)."""
+    for name, tensor in weights:
+        if name.split(".")[-2:] != ["rotary_emb", "inv_freq"]:
+            yield name, tensor

@@ -43,6 +43,8 @@ class Checkpoint:
     generation_config: dict[str, Any]  # generation_config.json ({} if absent); GGUF: token ids
     format: Literal["safetensors", "gguf"]
     open_weights: Callable[[], Iterator[tuple[str, torch.Tensor]]] = field(repr=False)
+    # GGUF only: the tensors as stored (models.gguf.GGUFRawTensor), quantized blocks and all.
+    open_raw_tensors: Callable[[], Iterator[Any]] | None = field(default=None, repr=False)
 
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (HF parameter name, tensor) lazily, one tensor in memory at a time.
@@ -51,6 +53,14 @@ class Checkpoint:
         `lm_head.weight` appears only when the checkpoint stores it (not when tied).
         """
         return self.open_weights()
+
+    def iter_raw_tensors(self) -> Iterator[Any]:
+        """GGUF: yield each weight undecoded (`GGUFRawTensor`: block bytes, ggml type, HF
+        shape, HF name), for a quant method that keeps the blocks. CheckpointError for
+        formats that store plain tensors (use iter_weights)."""
+        if self.open_raw_tensors is None:
+            raise CheckpointError(f"{self.path}: {self.format} stores no quantized blocks")
+        return self.open_raw_tensors()
 
 
 def default_model_path() -> Path:

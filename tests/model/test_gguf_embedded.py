@@ -1,15 +1,18 @@
 """The embedded SmolLM2-135M-Instruct Q4_1 GGUF: config, tokenizer and weights against
-transformers' own GGUF loading as the oracle."""
+transformers' own GGUF loading as the oracle; its raw Q4_1 blocks as handed out."""
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import transformers
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from pagoda.models.gguf import dequantize_raw
 from pagoda.models.loader import Checkpoint, default_model_path, load_checkpoint
 
 # NOTE: first, second and last layers: the permutation and the mapping hold layer by layer.
@@ -107,3 +110,15 @@ def test_directory_with_one_gguf(tmp_path: Path) -> None:
     link.symlink_to(default_model_path())
     loaded = load_checkpoint(tmp_path)
     assert loaded.path == link and loaded.hf_config.num_hidden_layers == 30
+
+
+def test_raw_q4_1_blocks_dequantize_to_the_weights(checkpoint: Checkpoint) -> None:
+    raws = {raw.name: raw for raw in checkpoint.iter_raw_tensors()}
+    dense = {n: t for n, t in checkpoint.iter_weights() if n.startswith("model.layers.1.")}
+    q = raws["model.layers.1.self_attn.q_proj.weight"]
+    assert q.gguf_name == "blk.1.attn_q.weight" and q.shape == (576, 576)
+    assert q.ggml_type == GGMLQuantizationType.Q4_1 and q.rotary_permuted_heads == 9
+    block, block_bytes = GGML_QUANT_SIZES[q.ggml_type]
+    assert q.data.dtype == np.uint8 and q.data.nbytes == 576 * 576 // block * block_bytes
+    for name, tensor in dense.items():
+        assert torch.equal(dequantize_raw(raws[name], checkpoint.path), tensor), name
