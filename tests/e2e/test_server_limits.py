@@ -1,5 +1,6 @@
 """A second server, with an API key (from $PAGODA_API_KEY), one sequence at a time and a
-waiting queue of one: 401, 429 with Retry-After, and a graceful SIGTERM (last test)."""
+waiting queue of one: 401, 429 with Retry-After, and a graceful SIGTERM (last test): the
+short stream finishes, the long one ends with a 503 error event and `[DONE]`."""
 
 from __future__ import annotations
 
@@ -109,4 +110,8 @@ def test_sigterm_finishes_in_flight_and_aborts_the_rest(limited: Server,
     assert results["short"][-1] == "[DONE]"
     tokens = [c for p in results["short"][:-1] for c in p["choices"]]
     assert tokens[-1]["finish_reason"] == "length"
-    assert "[DONE]" not in results["long"], "the long request should have been cut"
+    # NOTE: the long one outlived the grace: an error event (503), then [DONE], not a cut.
+    assert results["long"][-1] == "[DONE]", results["long"][-3:]
+    err = results["long"][-2]["error"]
+    assert err["code"] == 503 and err["type"] == "service_unavailable", err
+    assert "shutting down" in err["message"]
