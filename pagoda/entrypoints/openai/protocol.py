@@ -11,7 +11,7 @@ plain dicts built by the serving modules (cheaper per streamed chunk than models
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
@@ -23,8 +23,6 @@ from pagoda.sampling_params import SamplingParams
 MAX_N = 128
 # Seeds are int64, as OpenAI's and vLLM's; sample i of n uses seed + i, which must fit too.
 MIN_SEED, MAX_SEED = -(2 ** 63), 2 ** 63 - 1
-# Roles a chat message may have; all but the assistant's must carry content.
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 _ERROR_TYPES = {
     400: "BadRequestError",
@@ -257,19 +255,16 @@ class ContentPart(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    role: str
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
 
     def to_template_dict(self) -> dict[str, Any]:
         """The message as the chat template sees it: text parts joined by newlines.
 
-        Raises ValueError (naming `messages`) for an unknown role, or a message other
-        than the assistant's without content, as OpenAI does.
+        Raises ValueError (naming `messages`) for a message other than the assistant's
+        without content, as OpenAI does (an unknown role fails validation already).
         """
-        if self.role not in CHAT_ROLES:
-            raise ValueError(f"messages role must be one of {list(CHAT_ROLES)}, "
-                             f"got {self.role!r}")
         if self.content is None and self.role != "assistant":
             raise ValueError(f"messages of role {self.role!r} must have content")
         content = self.content

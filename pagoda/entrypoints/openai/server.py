@@ -31,7 +31,7 @@ from fastapi.openapi.utils import get_openapi
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import pagoda
@@ -56,6 +56,7 @@ from pagoda.entrypoints.openai.serving_completion import create_completion
 logger = logging.getLogger(__name__)
 
 _PROTECTED_PREFIXES = ("/v1", "/tokenize", "/detokenize", "/debug")
+_ERROR_REF = {"$ref": "#/components/schemas/ErrorResponse"}
 # Seconds past --shutdown-timeout before uvicorn cancels what has still not answered.
 _SHUTDOWN_BACKSTOP_S = 5.0
 
@@ -171,7 +172,6 @@ def _openapi_schema(app: FastAPI) -> dict[str, Any]:
     for name in ("HTTPValidationError", "ValidationError"):
         components.pop(name, None)
     components["ErrorResponse"] = _ERROR_SCHEMA
-    ref = {"$ref": "#/components/schemas/ErrorResponse"}
     for operations in schema.get("paths", {}).values():
         for method, op in operations.items():
             responses = op.setdefault("responses", {})
@@ -179,7 +179,7 @@ def _openapi_schema(app: FastAPI) -> dict[str, Any]:
             if method == "post":
                 for status, description in _ERROR_RESPONSES.items():
                     responses[status] = {"description": description,
-                                         "content": {"application/json": {"schema": ref}}}
+                                         "content": {"application/json": {"schema": _ERROR_REF}}}
     app.openapi_schema = schema
     return schema
 
@@ -195,7 +195,10 @@ _ERROR_SCHEMA = {
 
 
 def _add_routes(app: FastAPI, state: ServerState) -> None:
-    @app.get("/health")
+    @app.get("/health", response_class=Response,
+             responses={200: {"description": "the engine is running (empty body)"},
+                        503: {"description": "the engine is not running",
+                              "content": {"application/json": {"schema": _ERROR_REF}}}})
     async def health() -> Response:
         if not state.engine.is_alive:
             return _error(503, "the engine is not running")
@@ -205,7 +208,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def version() -> dict[str, str]:
         return {"version": pagoda.__version__}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> Response:
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 

@@ -70,11 +70,11 @@ async def create_chat_completion(
     model = state.check_model(body.model)
     body.check_stream_options()
     try:
-        messages = [m.to_template_dict() for m in body.messages]
-        prompt_ids = await chat_prompt_ids(state, messages, body.add_generation_prompt)
         params = body.to_sampling_params(state.max_logprobs)
         params.verify_token_ids(state.vocab_size)
         sla_class = body.engine_sla_class()
+        messages = [m.to_template_dict() for m in body.messages]
+        prompt_ids = await chat_prompt_ids(state, messages, body.add_generation_prompt)
     except ValueError as e:
         raise bad_request(e) from e
     request_id = new_request_id("chatcmpl")
