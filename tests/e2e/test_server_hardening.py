@@ -260,3 +260,12 @@ def test_openapi_documents_the_400_error_body(client: httpx.Client) -> None:
     # NOTE: what the schema documents is what a 400 carries.
     err = assert_error(client.post(CMPL, json={"prompt": 5}), 400)
     assert set(err) == set(error["properties"]["error"]["properties"])
+
+
+# ---- 10. memory: the KV pool's resident size -----------------------------------------------
+def test_kv_pool_is_resident_from_the_start(client: httpx.Client) -> None:
+    """The pool is zero-filled by writing (torch.zeros), so it is all resident before any
+    request: RSS growth over a soak is not the pool being touched for the first time."""
+    mem = client.get("/debug/memory").json()
+    assert mem["kv_pool_bytes"] > 0 and mem["rss_bytes"] > mem["kv_pool_bytes"], mem
+    assert mem["kv_pool_resident_bytes"] >= mem["kv_pool_bytes"], mem

@@ -27,7 +27,6 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
-from fastapi.openapi.utils import get_openapi
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
@@ -38,13 +37,14 @@ import pagoda
 from pagoda.engine.async_engine import AsyncLLMEngine
 from pagoda.engine.llm_engine import MAX_LOGPROBS
 from pagoda.engine.metrics import EngineMetrics
+from pagoda.entrypoints.openai.debug import add_debug_routes
+from pagoda.entrypoints.openai.openapi import ERROR_REF, openapi_schema
 from pagoda.entrypoints.openai.prompt_limits import default_body_bytes
 from pagoda.entrypoints.openai.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
-    FaultRequest,
     TokenizeRequest,
     bad_request,
     error_body,
@@ -56,7 +56,6 @@ from pagoda.entrypoints.openai.serving_completion import create_completion
 logger = logging.getLogger(__name__)
 
 _PROTECTED_PREFIXES = ("/v1", "/tokenize", "/detokenize", "/debug")
-_ERROR_REF = {"$ref": "#/components/schemas/ErrorResponse"}
 # Seconds past --shutdown-timeout before uvicorn cancels what has still not answered.
 _SHUTDOWN_BACKSTOP_S = 5.0
 
@@ -81,7 +80,7 @@ def create_app(state: ServerState, api_key: str | None = None,
     app.state.pagoda = state
     _add_error_handlers(app)
     _add_routes(app, state)
-    app.openapi = lambda: _openapi_schema(app)  # type: ignore[method-assign]
+    app.openapi = lambda: openapi_schema(app)  # type: ignore[method-assign]
     # NOTE: added first, so innermost of the two: HTTPGuard counts the 500s it sends.
     app.add_middleware(InternalErrorGuard)
     app.add_middleware(HTTPGuard, state=state, api_key=api_key, max_body_bytes=max_body_bytes)
@@ -151,54 +150,11 @@ class InternalErrorGuard:
             await _send_error(send, 500, f"internal error: {type(exc).__name__}: {exc}")
 
 
-_ERROR_RESPONSES = {
-    "400": "invalid input: malformed JSON, a wrong type or value, a field not supported",
-    "401": "missing or wrong API key",
-    "404": "unknown model",
-    "413": "request body too large",
-    "429": "the waiting queue is full (see Retry-After)",
-    "500": "engine fault",
-    "503": "the engine is not running, or the server is shutting down",
-}
-
-
-def _openapi_schema(app: FastAPI) -> dict[str, Any]:
-    """FastAPI's schema, with the errors this server answers (the OpenAI error body) in
-    place of the 422 it never sends."""
-    if app.openapi_schema is not None:
-        return app.openapi_schema
-    schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
-    components = schema.setdefault("components", {}).setdefault("schemas", {})
-    for name in ("HTTPValidationError", "ValidationError"):
-        components.pop(name, None)
-    components["ErrorResponse"] = _ERROR_SCHEMA
-    for operations in schema.get("paths", {}).values():
-        for method, op in operations.items():
-            responses = op.setdefault("responses", {})
-            responses.pop("422", None)
-            if method == "post":
-                for status, description in _ERROR_RESPONSES.items():
-                    responses[status] = {"description": description,
-                                         "content": {"application/json": {"schema": _ERROR_REF}}}
-    app.openapi_schema = schema
-    return schema
-
-
-_ERROR_SCHEMA = {
-    "type": "object", "required": ["error"],
-    "properties": {"error": {
-        "type": "object", "required": ["message", "type", "param", "code"],
-        "properties": {"message": {"type": "string"}, "type": {"type": "string"},
-                       "param": {"type": ["string", "null"]}, "code": {"type": "integer"}},
-    }},
-}
-
-
 def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/health", response_class=Response,
              responses={200: {"description": "the engine is running (empty body)"},
                         503: {"description": "the engine is not running",
-                              "content": {"application/json": {"schema": _ERROR_REF}}}})
+                              "content": {"application/json": {"schema": ERROR_REF}}}})
     async def health() -> Response:
         if not state.engine.is_alive:
             return _error(503, "the engine is not running")
@@ -252,44 +208,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         return {"prompt": state.tokenizer.decode(body.tokens)}
 
     if state.enable_debug:
-        _add_debug_routes(app, state)
-
-
-def _add_debug_routes(app: FastAPI, state: ServerState) -> None:
-    """Test-only endpoints (--enable-debug-endpoints): engine integrity, fault injection."""
-
-    @app.get("/debug/integrity")
-    async def integrity() -> dict[str, Any]:
-        def check(engine: Any) -> dict[str, Any]:
-            try:
-                engine.check_integrity()
-                error = None
-            except AssertionError as e:
-                error = str(e) or "integrity check failed"
-            s = engine.get_stats()
-            return {"ok": error is None, "error": error, "num_running": s.num_running,
-                    "num_waiting": s.num_waiting, "kv_cache_usage": s.kv_cache_usage,
-                    "num_unfinished": engine.get_num_unfinished_requests(),
-                    "num_blocks": engine.num_blocks}
-
-        report = await state.engine.call(check)
-        # NOTE: a request the engine holds for no client is a leak the block accounting
-        # cannot see (its blocks are all correctly counted as used).
-        orphans = await state.engine.orphan_request_ids()
-        report["num_orphans"] = len(orphans)
-        if orphans and report["ok"]:
-            report["ok"] = False
-            report["error"] = f"{len(orphans)} requests held with no client: {orphans[:5]}"
-        return report
-
-    @app.post("/debug/fault")
-    async def fault(body: FaultRequest) -> dict[str, int]:
-        state.engine.inject_fault(body.num_steps)
-        return {"num_steps": body.num_steps}
-
-    @app.get("/debug/raise")
-    async def raise_unexpected() -> None:
-        raise RuntimeError("injected handler fault (test hook)")
+        add_debug_routes(app, state)
 
 
 class HTTPGuard:
