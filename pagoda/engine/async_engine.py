@@ -13,6 +13,8 @@ The engine thread sleeps on the Condition when it has neither commands nor unfin
 requests (no busy spin). Commands are applied between steps, so an abort frees its KV
 blocks before the next step. A step that raises fails the requests it was running with
 EngineFaultError (their blocks are freed) and the loop goes on; the server stays up.
+Adding is all or nothing: a request the engine refuses leaves nothing behind, and
+`orphan_request_ids` finds any request the engine holds that no stream waits for.
 """
 
 from __future__ import annotations
@@ -45,6 +47,10 @@ class EngineFaultError(RuntimeError):
 
 class EngineDeadError(RuntimeError):
     """The engine thread has stopped; no request can be served."""
+
+
+class EngineShutdownError(RuntimeError):
+    """The server's shutdown grace ran out before this request finished; it was aborted."""
 
 
 class QueueFullError(RuntimeError):
@@ -118,6 +124,11 @@ class _Abort:
 
 
 @dataclass(slots=True)
+class _AbortAll:
+    pass
+
+
+@dataclass(slots=True)
 class _Call:
     fn: Callable[[LLMEngine], Any]
     future: asyncio.Future
@@ -141,6 +152,9 @@ class AsyncLLMEngine:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[str, OutputStream] = {}
+        # NOTE: written on the event loop, read on the engine thread by orphan_request_ids.
+        self._streams_lock = threading.Lock()
+        self._draining: EngineShutdownError | None = None  # set by end_grace()
         self._futures: set[asyncio.Future] = set()  # answers the engine thread still owes
         self._num_pending = 0  # sequences sent to the engine thread, not yet added
         self._stats: SchedulerStats = engine.get_stats()
@@ -214,6 +228,8 @@ class AsyncLLMEngine:
         Raises ValueError from the engine's validation, QueueFullError, EngineDeadError.
         Returns once the engine thread has accepted them (at most one step later).
         """
+        if self._draining is not None:
+            raise self._draining
         if not self.is_alive:
             raise EngineDeadError("the engine is not running")
         num_seqs = sum(r.params.n for r in requests)
@@ -223,8 +239,12 @@ class AsyncLLMEngine:
                 f"the waiting queue is full ({limit} requests); retry later"
             )
         stream = OutputStream(r.request_id for r in requests)
-        for rid in stream.request_ids:
-            self._streams[rid] = stream
+        ids = stream.request_ids
+        if len(set(ids)) < len(ids) or any(rid in self._streams for rid in ids):
+            raise ValueError("request id is already in use")
+        with self._streams_lock:
+            for rid in ids:
+                self._streams[rid] = stream
         future = self._new_future()
         self._num_pending += num_seqs
         self._send(_Add(requests, arrival_time or time.monotonic(), future))
@@ -234,8 +254,9 @@ class AsyncLLMEngine:
             self.abort(stream.request_ids)
             raise
         except BaseException:
-            for rid in stream.request_ids:
-                self._streams.pop(rid, None)
+            with self._streams_lock:
+                for rid in stream.request_ids:
+                    self._streams.pop(rid, None)
             raise
         finally:
             self._num_pending -= num_seqs
@@ -258,6 +279,31 @@ class AsyncLLMEngine:
             return await future
         finally:
             self._futures.discard(future)
+
+    async def orphan_request_ids(self) -> list[str]:
+        """Requests the engine holds that no OutputStream waits for (a leak: none may be).
+
+        NOTE: exact, not racy: the engine removes a request before its last output is
+        dispatched, and a stream is registered before its request is sent, so between two
+        commands every engine request has a stream unless it leaked.
+        """
+        def orphans(engine: LLMEngine) -> list[str]:
+            with self._streams_lock:
+                return [rid for rid in _all_request_ids(engine) if rid not in self._streams]
+
+        return await self.call(orphans)
+
+    def end_grace(self, message: str) -> None:
+        """Fails every request now (EngineShutdownError), in flight or being added, refuses
+        new ones, and has the engine thread abort them all; for the end of a shutdown's
+        grace period, so that each request gets an answer before the server stops."""
+        self._draining = exc = EngineShutdownError(message)
+        for stream in set(self._streams.values()):
+            stream._put("", exc)
+        for future in self._futures:
+            if not future.done():
+                future.set_exception(exc)
+        self._send(_AbortAll())
 
     def inject_fault(self, num_steps: int = 1) -> None:
         """Test hook: the next `num_steps` engine steps raise as if the model had failed."""
@@ -288,12 +334,14 @@ class AsyncLLMEngine:
                 continue
             stream._put(rid, item)
             if isinstance(item, BaseException) or item.finished:
-                del self._streams[rid]
+                with self._streams_lock:
+                    del self._streams[rid]
 
     def _fail_everything(self, exc: BaseException) -> None:
         for rid, stream in list(self._streams.items()):
             stream._put(rid, exc)
-        self._streams.clear()
+        with self._streams_lock:
+            self._streams.clear()
         for future in self._futures:
             if not future.done():
                 future.set_exception(exc)
@@ -330,6 +378,8 @@ class AsyncLLMEngine:
         elif isinstance(command, _Abort):
             outputs = self.engine.abort_request(command.request_ids)
             self._deliver(outputs)
+        elif isinstance(command, _AbortAll):
+            self._abort_everything()
         elif isinstance(command, _Call):
             try:
                 self._resolve(command.future, command.fn(self.engine), None)
@@ -337,18 +387,21 @@ class AsyncLLMEngine:
                 self._resolve(command.future, None, e)
 
     def _add(self, command: _Add) -> tuple[None, BaseException | None]:
-        added: list[str] = []
+        tried: list[str] = []
         try:
             for r in command.requests:
+                tried.append(r.request_id)
                 self.engine.add_request(
                     r.request_id, r.prompt, r.params, arrival_time=command.arrival_time,
                     priority=r.priority, output_kind=OutputKind.DELTA, cache_salt=r.cache_salt,
                     sla_class=r.sla_class,
                 )
-                added.append(r.request_id)
         except Exception as e:  # noqa: BLE001 - handed to the caller, who re-raises it
-            # NOTE: all or nothing: a batch with one invalid prompt adds none of them.
-            self.engine.abort_request(added)
+            # NOTE: all or nothing: a batch with one invalid prompt adds none of them, and
+            # the refused one itself is aborted too, in case the engine refused it halfway
+            # (an out-of-range seed once failed after the request was registered). The
+            # ids are this engine's own (generate refuses one in use), so none is another's.
+            self.engine.abort_request(tried)
             return None, e
         finally:
             self._publish_stats()

@@ -106,7 +106,8 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="seconds in-flight requests get to finish after SIGTERM")
     p.add_argument("--max-logprobs", type=int, default=20,
                    help="largest logprobs / top_logprobs a request may ask (at most 20)")
-    p.add_argument("--max-request-body-bytes", type=int, default=32 << 20)
+    p.add_argument("--max-request-body-bytes", type=int, default=None,
+                   help="default: proportionate to max_model_len (at least 1 MiB)")
     p.add_argument("--enable-debug-endpoints", action="store_true",
                    help="GET /debug/integrity and POST /debug/fault (for tests)")
     p.add_argument("--uvicorn-log-level", default="info",

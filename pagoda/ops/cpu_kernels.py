@@ -19,6 +19,7 @@ import hashlib
 import logging
 import os
 import shutil
+import sys
 import threading
 import time
 from pathlib import Path
@@ -103,6 +104,14 @@ def extension_name() -> str:
     return f"pagoda_paged_attention_cpu_{_cpu_flags_tag()}_{_sources_tag()}"
 
 
+def _announce_first_build(name: str) -> None:
+    """A one-line notice when `name` has no cached build: the build is silent otherwise."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    if not any(Path(_get_build_directory(name, False)).glob(f"{name}*.so")):
+        print("pagoda: building CPU kernels, once, ~40 s ...", file=sys.stderr, flush=True)
+
+
 def load_extension() -> ModuleType | None:
     """Build (or load the cached build of) the extension; None if it cannot be built."""
     global _module, _load_failed, build_seconds
@@ -116,6 +125,7 @@ def load_extension() -> ModuleType | None:
             from torch.utils.cpp_extension import load
 
             _ensure_ninja_on_path()
+            _announce_first_build(extension_name())
             _module = load(
                 name=extension_name(),
                 sources=[str(p) for p in _SOURCES],

@@ -1,5 +1,7 @@
 """A second server, with an API key (from $PAGODA_API_KEY), one sequence at a time and a
-waiting queue of one: 401, 429 with Retry-After, and a graceful SIGTERM (last test)."""
+waiting queue of two: 401, 429 with Retry-After, and a graceful SIGTERM (last test): the
+short stream finishes; the long one ends with a 503 error event and `[DONE]`, and a
+waiting non-streamed one gets a 503 body, type "service_unavailable"."""
 
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ SHUTDOWN_TIMEOUT_S = 1.5
 @pytest.fixture(scope="module")
 def limited(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     log = tmp_path_factory.mktemp("limited") / "server.log"
-    srv = start_server(tiny_llama, log, "--max-num-seqs", "1", "--max-queued-requests", "1",
+    srv = start_server(tiny_llama, log, "--max-num-seqs", "1", "--max-queued-requests", "2",
                        "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S),
                        env={"PAGODA_API_KEY": API_KEY})
     yield srv
@@ -55,12 +57,15 @@ def test_full_queue_is_429_with_retry_after(limited: Server, authed: httpx.Clien
     long = {"prompt": "busy", "max_tokens": 2000, "ignore_eos": True, "stream": True}
     with httpx.Client(base_url=limited.base_url, timeout=30.0, headers=AUTH) as a, \
             httpx.Client(base_url=limited.base_url, timeout=30.0, headers=AUTH) as b, \
+            httpx.Client(base_url=limited.base_url, timeout=30.0, headers=AUTH) as c, \
             a.stream("POST", "/v1/completions", json=long) as running:
         lines = running.iter_lines()  # NOTE: kept referenced: closing it would disconnect
         while not next(lines).startswith("data: "):
             pass
-        with b.stream("POST", "/v1/completions", json=long) as waiting:
+        with b.stream("POST", "/v1/completions", json=long) as waiting, \
+                c.stream("POST", "/v1/completions", json=long) as waiting_too:
             assert waiting.status_code == 200  # accepted: it waits behind the running one
+            assert waiting_too.status_code == 200
             r = authed.post("/v1/completions", json={"prompt": "one too many"})
             assert r.status_code == 429, r.text
             assert r.json()["error"]["type"] == "RateLimitError"
@@ -88,13 +93,24 @@ def test_sigterm_finishes_in_flight_and_aborts_the_rest(limited: Server,
             payloads.append(e)
         results[name] = payloads
 
+    def plain() -> None:
+        body = {"prompt": "plain", "max_tokens": 2000, "ignore_eos": True}
+        with httpx.Client(base_url=limited.base_url, timeout=30.0, headers=AUTH) as c:
+            results["plain"] = [c.post("/v1/completions", json=body)]
+
     short_started, long_started = threading.Event(), threading.Event()
     short = threading.Thread(target=stream, args=("short", 100, short_started))
     long = threading.Thread(target=stream, args=("long", 2000, long_started))
+    waiting = threading.Thread(target=plain)
     short.start()
     assert short_started.wait(30)
     long.start()
     assert long_started.wait(30)
+    waiting.start()
+    for _ in range(300):  # NOTE: until the engine holds all three
+        if authed.get("/debug/integrity").json()["num_unfinished"] == 3:
+            break
+        time.sleep(0.01)
     start = time.monotonic()
     code_holder: list[int] = []
     stopper = threading.Thread(target=lambda: code_holder.append(limited.stop(30)))
@@ -102,11 +118,18 @@ def test_sigterm_finishes_in_flight_and_aborts_the_rest(limited: Server,
     time.sleep(0.5)
     with pytest.raises(httpx.ConnectError):
         httpx.get(limited.url("/health"), timeout=2.0)
-    for t in (short, long, stopper):
+    for t in (short, long, waiting, stopper):
         t.join(timeout=40)
     assert code_holder == [0], limited.log_tail()
     assert time.monotonic() - start < SHUTDOWN_TIMEOUT_S + 15
     assert results["short"][-1] == "[DONE]"
     tokens = [c for p in results["short"][:-1] for c in p["choices"]]
     assert tokens[-1]["finish_reason"] == "length"
-    assert "[DONE]" not in results["long"], "the long request should have been cut"
+    # NOTE: the long one outlived the grace: an error event (503), then [DONE], not a cut.
+    assert results["long"][-1] == "[DONE]", results["long"][-3:]
+    err = results["long"][-2]["error"]
+    assert err["code"] == 503 and err["type"] == "service_unavailable", err
+    assert "shutting down" in err["message"]
+    r = results["plain"][0]
+    assert r.status_code == 503, r.text
+    assert r.json()["error"]["type"] == "service_unavailable" and r.json()["error"]["code"] == 503

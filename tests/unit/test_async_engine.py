@@ -222,3 +222,63 @@ def test_build_reraises_the_factory_error() -> None:
 
     with pytest.raises(ValueError, match="no such model"):
         AsyncLLMEngine.build(factory)
+
+
+class HalfAddingEngine(FakeEngine):
+    """Refuses a prompt "half" after registering it, as an out-of-range seed once did."""
+
+    def add_request(self, request_id, prompt, params, **kwargs) -> None:
+        super().add_request(request_id, prompt, params, **kwargs)
+        if prompt == "half":
+            raise ValueError("seed overflow after registering")
+
+
+def test_a_refused_add_leaves_nothing_and_orphans_are_found() -> None:
+    fake = HalfAddingEngine()
+
+    async def body(engine: AsyncLLMEngine):
+        with pytest.raises(ValueError, match="overflow"):
+            await engine.generate([req("a", 5), req("b", 5, prompt="half")])
+        left_after_refusal = dict(fake.left)
+        clean = await engine.orphan_request_ids()
+        # A request the engine holds that no stream waits for: the leak the check finds.
+        await engine.call(lambda e: e.add_request("stray", "p", SamplingParams(max_tokens=10**6)))
+        return left_after_refusal, clean, await engine.orphan_request_ids()
+
+    left, clean, orphans = run(body, fake)
+    assert left == {} and clean == [] and orphans == ["stray"]
+
+
+def test_a_request_id_in_use_is_refused() -> None:
+    async def body(engine: AsyncLLMEngine):
+        first = await engine.generate([req("a", 10_000)])
+        with pytest.raises(ValueError, match="in use"):
+            await engine.generate([req("a", 1)])
+        with pytest.raises(ValueError, match="in use"):
+            await engine.generate([req("b", 1), req("b", 1)])
+        engine.abort(first.request_ids)
+        return [out async for out in first][-1].outputs[0].finish_reason
+
+    assert run(body) == "abort"
+
+
+def test_end_grace_fails_every_request_and_refuses_new_ones() -> None:
+    from pagoda.engine.async_engine import EngineShutdownError
+
+    async def body(engine: AsyncLLMEngine):
+        running = await engine.generate([req("a", 10_000), req("b", 10_000)])
+        await running.__anext__()
+        engine.end_grace("grace over")
+        with pytest.raises(EngineShutdownError, match="grace over"):
+            async for _ in running:
+                pass
+        with pytest.raises(EngineShutdownError):
+            await engine.generate([req("c", 1)])
+        for _ in range(500):  # NOTE: the engine thread aborts them at its next command
+            if not engine.engine.left:
+                break
+            await asyncio.sleep(0.01)
+        return dict(engine.engine.left), await engine.orphan_request_ids()
+
+    left, orphans = run(body)
+    assert left == {} and orphans == []

@@ -1,21 +1,28 @@
 """OpenAI-compatible request bodies, the error body, and their mapping to SamplingParams.
 
 Requests are pydantic models (wrong types fail as 400s); unknown fields are accepted and
-ignored, as OpenAI clients send fields this server has no use for. Responses are plain
-dicts built by the serving modules (cheaper per streamed chunk than models).
+ignored, as OpenAI clients send fields this server has no use for, except the OpenAI
+fields whose meaning pagoda does not honour (`UNSUPPORTED_FIELDS`: structured output,
+tools, best_of > n), which are 400s naming the field rather than silently free text.
+Text containing a lone UTF-16 surrogate (`"\\ud800"`, which JSON allows and no tokenizer
+or UTF-8 encoder accepts) is a 400 naming the top-level field it is in. Responses are
+plain dicts built by the serving modules (cheaper per streamed chunk than models).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 from pagoda.core.request import DEFAULT_SLA_CLASS, SLA_CLASS_RANKS
 from pagoda.sampling_params import SamplingParams
 
 # NOTE: every sample is a sequence in the engine; a bound keeps one request from flooding it.
 MAX_N = 128
+# Seeds are int64, as OpenAI's and vLLM's; sample i of n uses seed + i, which must fit too.
+MIN_SEED, MAX_SEED = -(2 ** 63), 2 ** 63 - 1
 
 _ERROR_TYPES = {
     400: "BadRequestError",
@@ -28,24 +35,75 @@ _ERROR_TYPES = {
     500: "InternalServerError",
     503: "ServiceUnavailableError",
 }
+# Values of the unsupported fields that ask for nothing beyond free text (accepted).
+_NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
+    "response_format": (None, {"type": "text"}),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+}
+UNSUPPORTED_FIELDS = tuple(_NEUTRAL_VALUES)
 
 
 class APIError(Exception):
-    """An error answered with an OpenAI error body and `status`."""
+    """An error answered with an OpenAI error body and `status` (`error_type` overrides
+    the type named after the status)."""
 
     def __init__(self, status: int, message: str, param: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+                 headers: dict[str, str] | None = None, error_type: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.headers = headers
+        self.error_type = error_type
 
 
-def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+def error_body(status: int, message: str, param: str | None = None,
+               error_type: str | None = None) -> dict[str, Any]:
     """`{"error": {"message", "type", "param", "code"}}`, as OpenAI and vLLM answer."""
-    return {"error": {"message": message, "type": _ERROR_TYPES.get(status, "APIError"),
+    return {"error": {"message": message,
+                      "type": error_type or _ERROR_TYPES.get(status, "APIError"),
                       "param": param, "code": status}}
+
+
+def _has_lone_surrogate(value: Any) -> bool:
+    """Whether any string inside `value` (dict keys included) has a lone surrogate."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+    if isinstance(value, dict):
+        return any(_has_lone_surrogate(k) or _has_lone_surrogate(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(_has_lone_surrogate(v) for v in value)
+    return False
+
+
+class _Body(BaseModel):
+    """A request body: unknown fields allowed; no text with a lone surrogate anywhere.
+
+    The surrogate error carries the top-level field in its context (`ctx.param`), which
+    the server's validation handler answers as the error's `param`.
+    """
+
+    model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for key, value in data.items():
+                if _has_lone_surrogate(key) or _has_lone_surrogate(value):
+                    field = "body" if _has_lone_surrogate(key) else key
+                    raise PydanticCustomError(
+                        "lone_surrogate",
+                        "{param} contains a lone UTF-16 surrogate, which is not valid text",
+                        {"param": field})
+        return data
 
 
 def bad_request(exc: ValueError) -> APIError:
@@ -61,18 +119,17 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False
 
 
-class _GenerationRequest(BaseModel):
+class _GenerationRequest(_Body):
     """Fields shared by /v1/completions and /v1/chat/completions."""
-
-    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     n: int = 1
+    best_of: int | None = None
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=MIN_SEED, le=MAX_SEED)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     presence_penalty: float | None = None
@@ -99,6 +156,18 @@ class _GenerationRequest(BaseModel):
             raise APIError(400, "stream_options is only allowed when stream is true",
                            "stream_options")
 
+    def check_supported(self) -> None:
+        """Raises ValueError naming the first field whose request pagoda cannot honour."""
+        extra = self.model_extra or {}
+        for name, neutral in _NEUTRAL_VALUES.items():
+            value = extra.get(name)
+            if value not in neutral:
+                raise ValueError(f"{name} is not supported by this server (got {value!r}); "
+                                 f"only free text is generated")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(f"best_of is not supported (got {self.best_of}); it is accepted "
+                             f"only equal to n ({self.n})")
+
     def engine_sla_class(self) -> str:
         """The SLA class to schedule under; raises ValueError naming sla_class if unknown."""
         if self.sla_class is None:
@@ -113,6 +182,9 @@ class _GenerationRequest(BaseModel):
         """SamplingParams for this body; raises ValueError naming a bad field."""
         if self.n > MAX_N:
             raise ValueError(f"n must be at most {MAX_N}, got {self.n}")
+        if self.seed is not None and self.n > 1 and self.seed + self.n - 1 > MAX_SEED:
+            raise ValueError(f"seed must be at most {MAX_SEED} - (n - 1): sample i uses "
+                             f"seed + i, got seed {self.seed} with n {self.n}")
         optional = {
             "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
             "min_p": self.min_p, "presence_penalty": self.presence_penalty,
@@ -153,12 +225,24 @@ class CompletionRequest(_GenerationRequest):
             raise ValueError("prompt is empty: it must contain at least one token")
         return out
 
+    @property
+    def prompt_only(self) -> bool:
+        """`echo` with `max_tokens: 0`: score the prompt (its logprobs), generate nothing."""
+        return self.echo and self.max_tokens == 0
+
     def to_sampling_params(self, max_logprobs: int) -> SamplingParams:
+        """SamplingParams for the engine; raises ValueError naming a bad field.
+
+        NOTE: a prompt-only request runs with max_tokens 1, the one forward pass that
+        yields the prompt's logprobs; the builder drops the sampled token.
+        """
         if self.suffix is not None:
             raise ValueError("suffix is not supported")
+        self.check_supported()
         _check_logprobs("logprobs", self.logprobs, max_logprobs)
         prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
-        return self._sampling(self.max_tokens, self.logprobs, prompt_logprobs)
+        max_tokens = 1 if self.prompt_only else self.max_tokens
+        return self._sampling(max_tokens, self.logprobs, prompt_logprobs)
 
 
 class ContentPart(BaseModel):
@@ -171,12 +255,18 @@ class ContentPart(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    role: str
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
 
     def to_template_dict(self) -> dict[str, Any]:
-        """The message as the chat template sees it: text parts joined by newlines."""
+        """The message as the chat template sees it: text parts joined by newlines.
+
+        Raises ValueError (naming `messages`) for a message other than the assistant's
+        without content, as OpenAI does (an unknown role fails validation already).
+        """
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"messages of role {self.role!r} must have content")
         content = self.content
         if isinstance(content, list):
             texts = []
@@ -201,6 +291,7 @@ class ChatCompletionRequest(_GenerationRequest):
     add_generation_prompt: bool = True
 
     def to_sampling_params(self, max_logprobs: int) -> SamplingParams:
+        self.check_supported()
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs set to true")
         _check_logprobs("top_logprobs", self.top_logprobs, max_logprobs)
@@ -210,9 +301,7 @@ class ChatCompletionRequest(_GenerationRequest):
         return self._sampling(max_tokens, logprobs, None)
 
 
-class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
+class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -220,9 +309,7 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
+class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[int]
 
@@ -244,5 +331,5 @@ def usage(num_prompt: int, num_completion: int, num_cached: int = 0) -> dict[str
 
 
 _PARAM_NAMES = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields) | {
-    "best_of", "prompt_logprobs"
+    "prompt_logprobs", *UNSUPPORTED_FIELDS
 }

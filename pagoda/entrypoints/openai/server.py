@@ -4,14 +4,17 @@ Every error is an OpenAI body `{"error": {"message", "type", "param", "code"}}`:
 invalid input (malformed JSON and wrong types included), 401 without the API key, 404 for
 an unknown model or route, 413 for an oversized body, 429 (with Retry-After) when the
 waiting queue is full, 500 only for an engine fault (in a stream: an error event, then
-`[DONE]`), 503 when the engine thread is gone. Unexpected exceptions answer 500; the server
+`[DONE]`), 503 when the engine thread is gone. /openapi.json documents these, not
+FastAPI's 422. Unexpected exceptions answer 500 and keep the connection open; the server
 stays up. SIGTERM: stop accepting, let in-flight requests finish within
---shutdown-timeout, abort the rest, exit 0.
+--shutdown-timeout, then answer each one left with a 503 of type "service_unavailable"
+(in a stream: an error event, then `[DONE]`), abort them, exit 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import hmac
 import logging
 import os
@@ -21,24 +24,27 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import uvicorn
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import pagoda
 from pagoda.engine.async_engine import AsyncLLMEngine
 from pagoda.engine.llm_engine import MAX_LOGPROBS
 from pagoda.engine.metrics import EngineMetrics
+from pagoda.entrypoints.openai.debug import add_debug_routes
+from pagoda.entrypoints.openai.openapi import ERROR_REF, openapi_schema
+from pagoda.entrypoints.openai.prompt_limits import default_body_bytes
 from pagoda.entrypoints.openai.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
-    FaultRequest,
     TokenizeRequest,
     bad_request,
     error_body,
@@ -49,13 +55,17 @@ from pagoda.entrypoints.openai.serving_completion import create_completion
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_BODY_BYTES = 32 << 20
 _PROTECTED_PREFIXES = ("/v1", "/tokenize", "/detokenize", "/debug")
+# Seconds past --shutdown-timeout before uvicorn cancels what has still not answered.
+_SHUTDOWN_BACKSTOP_S = 5.0
 
 
 def create_app(state: ServerState, api_key: str | None = None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
-    """The ASGI app over `state`; starts the engine thread on start-up, stops it on exit."""
+               max_body_bytes: int | None = None) -> FastAPI:
+    """The ASGI app over `state`; starts the engine thread on start-up, stops it on exit.
+    `max_body_bytes` None: proportionate to max_model_len (prompt_limits.py)."""
+    if max_body_bytes is None:
+        max_body_bytes = default_body_bytes(state.max_prompt_chars, state.max_model_len)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -70,19 +80,23 @@ def create_app(state: ServerState, api_key: str | None = None,
     app.state.pagoda = state
     _add_error_handlers(app)
     _add_routes(app, state)
+    app.openapi = lambda: openapi_schema(app)  # type: ignore[method-assign]
+    # NOTE: added first, so innermost of the two: HTTPGuard counts the 500s it sends.
+    app.add_middleware(InternalErrorGuard)
     app.add_middleware(HTTPGuard, state=state, api_key=api_key, max_body_bytes=max_body_bytes)
     return app
 
 
 def _error(status: int, message: str, param: str | None = None,
-           headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
+           headers: dict[str, str] | None = None, error_type: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, error_type), status_code=status,
+                        headers=headers)
 
 
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
-        return _error(exc.status, exc.message, exc.param, exc.headers)
+        return _error(exc.status, exc.message, exc.param, exc.headers, exc.error_type)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -91,6 +105,8 @@ def _add_error_handlers(app: FastAPI) -> None:
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
         if first.get("type") == "json_invalid":
             return _error(400, f"malformed JSON body: {first.get('msg', '')}")
+        if first.get("type") == "lone_surrogate":
+            return _error(400, first["msg"], first["ctx"]["param"])
         where = ".".join(loc) or "body"
         return _error(400, f"{where}: {first.get('msg', 'invalid value')}",
                       loc[0] if loc else None)
@@ -99,14 +115,46 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return _error(exc.status_code, str(exc.detail), headers=exc.headers)
 
-    @app.exception_handler(Exception)
-    async def unexpected(_: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error")
-        return _error(500, f"internal error: {type(exc).__name__}: {exc}")
+
+class InternalErrorGuard:
+    """ASGI middleware: an unexpected exception answers 500 with the OpenAI body, and the
+    connection stays open for the client's next request.
+
+    NOTE: Starlette's own catch-all (ServerErrorMiddleware) answers and then re-raises,
+    and uvicorn closes a connection whose app raised: a keep-alive client's next request
+    on it failed with a connection reset. Here the exception ends with the answer. One
+    raised after the response started cannot be answered; it propagates (the body is
+    incomplete, so closing the connection is then the only honest end).
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as exc:
+            if started:
+                raise
+            logger.exception("unhandled error")
+            await _send_error(send, 500, f"internal error: {type(exc).__name__}: {exc}")
 
 
 def _add_routes(app: FastAPI, state: ServerState) -> None:
-    @app.get("/health")
+    @app.get("/health", response_class=Response,
+             responses={200: {"description": "the engine is running (empty body)"},
+                        503: {"description": "the engine is not running",
+                              "content": {"application/json": {"schema": ERROR_REF}}}})
     async def health() -> Response:
         if not state.engine.is_alive:
             return _error(503, "the engine is not running")
@@ -116,7 +164,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def version() -> dict[str, str]:
         return {"version": pagoda.__version__}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> Response:
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -143,10 +191,9 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         try:
             if body.messages is not None:
                 messages = [m.to_template_dict() for m in body.messages]
-                ids = chat_prompt_ids(state, messages, body.add_generation_prompt)
+                ids = await chat_prompt_ids(state, messages, body.add_generation_prompt)
             else:
-                ids = state.tokenizer.encode(body.prompt,
-                                             add_special_tokens=body.add_special_tokens)
+                ids = await state.encode(body.prompt, "prompt", body.add_special_tokens)
         except ValueError as e:
             raise bad_request(e) from e
         return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
@@ -161,32 +208,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         return {"prompt": state.tokenizer.decode(body.tokens)}
 
     if state.enable_debug:
-        _add_debug_routes(app, state)
-
-
-def _add_debug_routes(app: FastAPI, state: ServerState) -> None:
-    """Test-only endpoints (--enable-debug-endpoints): engine integrity, fault injection."""
-
-    @app.get("/debug/integrity")
-    async def integrity() -> dict[str, Any]:
-        def check(engine: Any) -> dict[str, Any]:
-            try:
-                engine.check_integrity()
-                error = None
-            except AssertionError as e:
-                error = str(e) or "integrity check failed"
-            s = engine.get_stats()
-            return {"ok": error is None, "error": error, "num_running": s.num_running,
-                    "num_waiting": s.num_waiting, "kv_cache_usage": s.kv_cache_usage,
-                    "num_unfinished": engine.get_num_unfinished_requests(),
-                    "num_blocks": engine.num_blocks}
-
-        return await state.engine.call(check)
-
-    @app.post("/debug/fault")
-    async def fault(body: FaultRequest) -> dict[str, int]:
-        state.engine.inject_fault(body.num_steps)
-        return {"num_steps": body.num_steps}
+        add_debug_routes(app, state)
 
 
 class HTTPGuard:
@@ -319,8 +341,6 @@ def build_state(args: argparse.Namespace) -> ServerState:
 
 def run_server(args: argparse.Namespace) -> int:
     """Serves until SIGTERM or Ctrl-C; returns 0 after a graceful shutdown."""
-    import uvicorn
-
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     state = build_state(args)
     api_key = args.api_key or os.environ.get("PAGODA_API_KEY") or None
@@ -328,9 +348,9 @@ def run_server(args: argparse.Namespace) -> int:
     config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
         access_log=not args.disable_uvicorn_access_log,
-        timeout_graceful_shutdown=args.shutdown_timeout,
+        timeout_graceful_shutdown=args.shutdown_timeout + _SHUTDOWN_BACKSTOP_S,
     )
-    server = uvicorn.Server(config)
+    server = _GracefulServer(config, state, args.shutdown_timeout)
     # NOTE: uvicorn re-raises the signal it shut down on, once it has restored the handlers
     # it found; with no-op handlers in place a graceful shutdown exits 0, not 128 + signum.
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -338,3 +358,28 @@ def run_server(args: argparse.Namespace) -> int:
     logger.info("serving %s on http://%s:%d", state.model_names, args.host, args.port)
     server.run()
     return 0
+
+
+class _GracefulServer(uvicorn.Server):
+    """uvicorn's server, ending the shutdown grace itself: once `grace_s` has passed, every
+    request still unanswered is failed with a 503 (AsyncLLMEngine.end_grace) and so gets
+    an OpenAI error body, or a stream its error event and `[DONE]`.
+
+    NOTE: uvicorn's own end of grace cancels the handlers' tasks, which answered a plain
+    "500 Internal Server Error" or cut a stream mid-body; its timeout is set a backstop
+    later than ours, for a client that never reads its answer.
+    """
+
+    def __init__(self, config: uvicorn.Config, state: ServerState, grace_s: float) -> None:
+        super().__init__(config)
+        self.state, self.grace_s = state, grace_s
+
+    async def shutdown(self, sockets: Any = None) -> None:
+        timer = asyncio.get_running_loop().call_later(
+            self.grace_s, self.state.engine.end_grace,
+            f"the server is shutting down; the request did not finish within the "
+            f"{self.grace_s:g} s grace period")
+        try:
+            await super().shutdown(sockets)
+        finally:
+            timer.cancel()

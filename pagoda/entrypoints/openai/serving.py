@@ -3,7 +3,9 @@ collecting a whole answer, and server-sent events that abort on client disconnec
 
 A request is aborted (and its KV blocks freed before the engine's next step) whenever
 its handler stops early: the client disconnects, the server cancels it on shutdown, or
-the handler fails.
+the handler fails. Prompts are tokenized on one tokenizer thread, never on the event loop,
+after a character count check that refuses, untokenized, a prompt provably longer than
+max_model_len (prompt_limits.py).
 """
 
 from __future__ import annotations
@@ -13,8 +15,9 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 from starlette.requests import Request
@@ -26,15 +29,19 @@ from pagoda.engine.async_engine import (
     EngineDeadError,
     EngineFaultError,
     EngineRequest,
+    EngineShutdownError,
     OutputStream,
     QueueFullError,
 )
 from pagoda.engine.detokenizer import decode_token
 from pagoda.engine.metrics import EngineMetrics
+from pagoda.entrypoints.openai.prompt_limits import max_prompt_chars
 from pagoda.entrypoints.openai.protocol import APIError, bad_request, error_body
 from pagoda.outputs import RequestOutput
 
+T = TypeVar("T")
 SSE_DONE = b"data: [DONE]\n\n"
+SHUTDOWN_ERROR_TYPE = "service_unavailable"
 
 
 @dataclass
@@ -52,6 +59,15 @@ class ServerState:
     max_logprobs: int = 20
     enable_debug: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
+    # Derived from the tokenizer (prompt_limits.py); None: no provable bound.
+    max_prompt_chars: int | None = field(init=False)
+    # NOTE: one thread: tokenizers are not promised to be safe under concurrent encodes,
+    # and the engine thread competes for the same two cores anyway.
+    tokenizer_pool: ThreadPoolExecutor = field(
+        init=False, default_factory=lambda: ThreadPoolExecutor(1, "pagoda-tokenize"))
+
+    def __post_init__(self) -> None:
+        self.max_prompt_chars = max_prompt_chars(self.tokenizer, self.max_model_len)
 
     def check_model(self, name: str | None) -> str:
         """The served name to answer with; 404 for a name this server does not serve."""
@@ -62,6 +78,24 @@ class ServerState:
 
     def token_text(self, token_id: int) -> str:
         return decode_token(self.tokenizer, token_id)
+
+    def check_prompt_chars(self, num_chars: int, param: str) -> None:
+        """Raises a 400 naming `param` if `num_chars` alone proves the prompt too long."""
+        if self.max_prompt_chars is not None and num_chars > self.max_prompt_chars:
+            raise APIError(400, f"{param} has {num_chars} characters, more than any prompt "
+                           f"that fits max_model_len {self.max_model_len} tokens can have "
+                           f"with this tokenizer ({self.max_prompt_chars})", param)
+
+    async def run_tokenizer(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """`fn(*args, **kwargs)` on the tokenizer thread (off the event loop)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.tokenizer_pool, lambda: fn(*args, **kwargs))
+
+    async def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`, after the character-count check (400 naming `param`)."""
+        self.check_prompt_chars(len(text), param)
+        return await self.run_tokenizer(self.tokenizer.encode, text,
+                                        add_special_tokens=add_special_tokens)
 
 
 def new_request_id(prefix: str) -> str:
@@ -78,8 +112,14 @@ async def submit(
         raise bad_request(e) from e
     except QueueFullError as e:
         raise APIError(429, str(e), headers={"Retry-After": str(e.retry_after_s)}) from e
+    except EngineShutdownError as e:
+        raise shutdown_error(e) from e
     except EngineDeadError as e:
         raise APIError(503, str(e)) from e
+
+
+def shutdown_error(exc: EngineShutdownError) -> APIError:
+    return APIError(503, str(exc), error_type=SHUTDOWN_ERROR_TYPE)
 
 
 async def collect(raw: Request, state: ServerState, stream: OutputStream) -> list[RequestOutput]:
@@ -95,6 +135,8 @@ async def collect(raw: Request, state: ServerState, stream: OutputStream) -> lis
             raise APIError(499, "the client closed the request")
         try:
             return task.result()
+        except EngineShutdownError as e:
+            raise shutdown_error(e) from e
         except (EngineFaultError, EngineDeadError) as e:
             raise APIError(500, str(e)) from e
     finally:
@@ -130,11 +172,15 @@ async def sse_events(
     state: ServerState, stream: OutputStream, payloads: AsyncIterator[dict[str, Any]]
 ) -> AsyncIterator[bytes]:
     """`payloads` as server-sent events, then `[DONE]`; an engine fault becomes an error
-    event (status 500) before `[DONE]`; leaving early aborts what is still running."""
+    event (status 500, or 503 when the shutdown grace ran out) before `[DONE]`; leaving
+    early aborts what is still running."""
     try:
         try:
             async for payload in payloads:
                 yield sse(payload)
+        except EngineShutdownError as e:
+            state.metrics.observe_http_error(503)
+            yield sse(error_body(503, str(e), error_type=SHUTDOWN_ERROR_TYPE))
         except (EngineFaultError, EngineDeadError) as e:
             state.metrics.observe_http_error(500)
             yield sse(error_body(500, str(e)))

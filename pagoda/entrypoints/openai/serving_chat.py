@@ -27,7 +27,6 @@ from pagoda.entrypoints.openai.serving import (
     sse_response,
     submit,
 )
-from pagoda.llm import apply_chat_template
 from pagoda.outputs import CompletionOutput, Logprob, RequestOutput
 
 
@@ -43,14 +42,25 @@ class _Choice:
     unsent_logprobs: list[dict[str, Any]] = field(default_factory=list)
 
 
-def chat_prompt_ids(state: ServerState, messages: list[dict[str, Any]],
-                    add_generation_prompt: bool) -> list[int]:
-    """Token ids of the templated conversation; ValueError for a template that refuses it."""
-    try:
-        return apply_chat_template(state.tokenizer, messages, state.chat_template,
-                                   add_generation_prompt)
-    except jinja2.TemplateError as e:
-        raise ValueError(f"messages cannot be rendered by the chat template: {e}") from e
+async def chat_prompt_ids(state: ServerState, messages: list[dict[str, Any]],
+                          add_generation_prompt: bool) -> list[int]:
+    """Token ids of the templated conversation, rendered and tokenized off the event loop;
+    ValueError for a template that refuses it, a 400 (APIError) for a conversation whose
+    rendered text is provably longer than max_model_len."""
+    if state.chat_template is None and not getattr(state.tokenizer, "chat_template", None):
+        raise ValueError("messages cannot be used: the model has no chat template")
+
+    def render() -> str:
+        try:
+            return state.tokenizer.apply_chat_template(
+                messages, chat_template=state.chat_template,
+                add_generation_prompt=add_generation_prompt, tokenize=False)
+        except jinja2.TemplateError as e:
+            raise ValueError(f"messages cannot be rendered by the chat template: {e}") from e
+
+    text = await state.run_tokenizer(render)
+    # NOTE: as in LLM.chat: the template writes the BOS it wants, so no special tokens.
+    return await state.encode(text, "messages", add_special_tokens=False)
 
 
 async def create_chat_completion(
@@ -60,11 +70,11 @@ async def create_chat_completion(
     model = state.check_model(body.model)
     body.check_stream_options()
     try:
-        messages = [m.to_template_dict() for m in body.messages]
-        prompt_ids = chat_prompt_ids(state, messages, body.add_generation_prompt)
         params = body.to_sampling_params(state.max_logprobs)
         params.verify_token_ids(state.vocab_size)
         sla_class = body.engine_sla_class()
+        messages = [m.to_template_dict() for m in body.messages]
+        prompt_ids = await chat_prompt_ids(state, messages, body.add_generation_prompt)
     except ValueError as e:
         raise bad_request(e) from e
     request_id = new_request_id("chatcmpl")

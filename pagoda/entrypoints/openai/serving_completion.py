@@ -1,11 +1,14 @@
 """POST /v1/completions: one engine request per prompt, choices numbered
 `prompt_index * n + sample_index`, legacy logprobs (`tokens`, `token_logprobs`,
 `top_logprobs`, `text_offset`), and `echo` (the prompt, with its logprobs when asked for;
-the first prompt token has none, which is how lm-eval scores multiple choice).
+the first prompt token has none, which is how lm-eval scores multiple choice). `echo` with
+`max_tokens: 0` scores the prompt only: its logprobs, no completion (lm-eval's
+loglikelihood), as vLLM and the legacy OpenAI API answer.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -15,6 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from pagoda.engine.async_engine import EngineRequest, OutputStream
+from pagoda.engine.llm_engine import PromptType
 from pagoda.entrypoints.openai.protocol import CompletionRequest, bad_request, usage
 from pagoda.entrypoints.openai.serving import (
     ServerState,
@@ -49,6 +53,7 @@ async def create_completion(state: ServerState, body: CompletionRequest, raw: Re
         sla_class = body.engine_sla_class()
     except ValueError as e:
         raise bad_request(e) from e
+    prompts = await _tokenized(state, prompts)
     request_id = new_request_id("cmpl")
     requests = [EngineRequest(f"{request_id}-{i}", p, params, body.priority, body.cache_salt,
                               sla_class)
@@ -58,6 +63,29 @@ async def create_completion(state: ServerState, body: CompletionRequest, raw: Re
     if body.stream:
         return sse_response(state, stream, builder.chunks(stream))
     return JSONResponse(builder.response(await collect(raw, state, stream)))
+
+
+async def _tokenized(state: ServerState, prompts: list[str | list[int]]) -> list[PromptType]:
+    """The prompts for the engine: texts tokenized here, off the event loop (token-id
+    prompts as they are), after every text has passed the character-count check."""
+    for p in prompts:
+        if isinstance(p, str):
+            state.check_prompt_chars(len(p), "prompt")
+    out: list[PromptType] = []
+    for p in prompts:
+        if isinstance(p, str):
+            out.append({"prompt": p, "prompt_token_ids": await state.encode(p, "prompt")})
+        else:
+            out.append(p)
+    return out
+
+
+def _without_generation(c: CompletionOutput) -> CompletionOutput:
+    """A prompt-only request's sample: its one sampled token (see to_sampling_params)
+    dropped; it ends at once, for length, as max_tokens 0 asked."""
+    return dataclasses.replace(c, text="", token_ids=[], logprobs=None,
+                               cumulative_logprob=None, stop_reason=None,
+                               finish_reason="length" if c.finish_reason else None)
 
 
 class _CompletionBuilder:
@@ -76,6 +104,8 @@ class _CompletionBuilder:
 
     def _absorb(self, out: RequestOutput, c: CompletionOutput) -> dict[str, Any] | None:
         """Adds one sample's delta; returns its chunk choice, or None if nothing is new."""
+        if self.body.prompt_only:
+            c = _without_generation(c)
         p = int(out.request_id.rsplit("-", 1)[1])
         self.num_prompt_tokens[p] = len(out.prompt_token_ids)
         self.num_cached_tokens[p] = max(self.num_cached_tokens.get(p, 0), out.num_cached_tokens)
