@@ -12,7 +12,6 @@ stays up. SIGTERM: stop accepting, let in-flight requests finish within
 from __future__ import annotations
 
 import argparse
-import hmac
 import logging
 import os
 import signal
@@ -31,8 +30,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import pagoda
 from pagoda.engine.async_engine import AsyncLLMEngine
+from pagoda.engine.deadlines import DeadlineTracker, TimeoutPolicy
 from pagoda.engine.llm_engine import MAX_LOGPROBS
 from pagoda.engine.metrics import EngineMetrics
+from pagoda.entrypoints.openai.dashboard import add_dashboard_routes
 from pagoda.entrypoints.openai.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -43,19 +44,27 @@ from pagoda.entrypoints.openai.protocol import (
     bad_request,
     error_body,
 )
+from pagoda.entrypoints.openai.request_log import RequestObserver, configure_logging
 from pagoda.entrypoints.openai.serving import ServerState
 from pagoda.entrypoints.openai.serving_chat import chat_prompt_ids, create_chat_completion
 from pagoda.entrypoints.openai.serving_completion import create_completion
+from pagoda.entrypoints.openai.tenants import APIKeys, parse_api_keys
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 32 << 20
 _PROTECTED_PREFIXES = ("/v1", "/tokenize", "/detokenize", "/debug")
+_TENANT_PREFIXES = ("/v1", "/tokenize", "/detokenize")  # what tenants' counts cover
 
 
 def create_app(state: ServerState, api_key: str | None = None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
-    """The ASGI app over `state`; starts the engine thread on start-up, stops it on exit."""
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, enable_dashboard: bool = True,
+               log_requests: bool = False) -> FastAPI:
+    """The ASGI app over `state`; starts the engine thread on start-up, stops it on exit.
+
+    `api_key`: one key or `NAME=KEY,...` (tenants.py); `log_requests`: one log record per
+    request (request_log.py)."""
+    api_keys = APIKeys(parse_api_keys(api_key))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -70,7 +79,12 @@ def create_app(state: ServerState, api_key: str | None = None,
     app.state.pagoda = state
     _add_error_handlers(app)
     _add_routes(app, state)
-    app.add_middleware(HTTPGuard, state=state, api_key=api_key, max_body_bytes=max_body_bytes)
+    if enable_dashboard:
+        add_dashboard_routes(app, state.metrics)
+    app.add_middleware(HTTPGuard, state=state, api_keys=api_keys, max_body_bytes=max_body_bytes)
+    # NOTE: added last, so outermost: it sees the guard's 401 / 413 answers too.
+    app.add_middleware(RequestObserver, metrics=state.metrics, api_keys=api_keys,
+                       tenant_prefixes=_TENANT_PREFIXES, log_requests=log_requests)
     return app
 
 
@@ -196,11 +210,11 @@ class HTTPGuard:
     that turns out too large is refused before the app sees any of it.
     """
 
-    def __init__(self, app: ASGIApp, state: ServerState, api_key: str | None,
+    def __init__(self, app: ASGIApp, state: ServerState, api_keys: APIKeys,
                  max_body_bytes: int) -> None:
         self.app = app
         self.metrics = state.metrics
-        self.api_key = api_key.encode() if api_key else None
+        self.api_keys = api_keys
         self.max_body_bytes = max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -214,7 +228,7 @@ class HTTPGuard:
             await send(message)
 
         protected = scope["path"].startswith(_PROTECTED_PREFIXES)
-        if self.api_key and protected and not self._authorized(scope):
+        if self.api_keys and protected and self.api_keys.tenant_of(scope) is None:
             await _send_error(counting_send, 401, "missing or wrong API key "
                               "(send 'Authorization: Bearer <key>')")
             return
@@ -240,12 +254,6 @@ class HTTPGuard:
 
     def _too_large(self) -> str:
         return f"the request body is larger than {self.max_body_bytes} bytes"
-
-    def _authorized(self, scope: Scope) -> bool:
-        for name, value in scope.get("headers") or []:
-            if name == b"authorization" and value.startswith(b"Bearer "):
-                return hmac.compare_digest(value[7:].strip(), self.api_key)
-        return False
 
     async def _read_body(self, receive: Receive) -> tuple[bytes | None, Message]:
         chunks, size = [], 0
@@ -305,7 +313,10 @@ def build_state(args: argparse.Namespace) -> ServerState:
     path = Path(engine.model_path)
     names = args.served_model_name or [model or (path.stem if path.suffix == ".gguf" else
                                                  path.name)]
-    metrics = async_engine.metrics = EngineMetrics(names[0])
+    metrics = async_engine.metrics = EngineMetrics(names[0], device=str(engine.device))
+    policy = TimeoutPolicy(args.request_timeout, dict(args.sla_max_queue_time))
+    if policy.enabled:
+        async_engine.deadlines = DeadlineTracker(policy)
     return ServerState(
         engine=async_engine,
         tokenizer=engine.tokenizer, model_names=names, model_root=engine.model_path,
@@ -319,14 +330,20 @@ def run_server(args: argparse.Namespace) -> int:
     """Serves until SIGTERM or Ctrl-C; returns 0 after a graceful shutdown."""
     import uvicorn
 
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_format)
     state = build_state(args)
     api_key = args.api_key or os.environ.get("PAGODA_API_KEY") or None
-    app = create_app(state, api_key, args.max_request_body_bytes)
+    json_logs = args.log_format == "json"
+    app = create_app(state, api_key, args.max_request_body_bytes,
+                     enable_dashboard=not args.disable_dashboard, log_requests=json_logs)
+    # NOTE: in JSON mode uvicorn's loggers keep no handlers of their own: theirs would
+    # write text; they propagate to the root's JSON handler instead.
+    log_config = {"version": 1, "disable_existing_loggers": False} if json_logs else (
+        uvicorn.config.LOGGING_CONFIG)
     config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
         access_log=not args.disable_uvicorn_access_log,
-        timeout_graceful_shutdown=args.shutdown_timeout,
+        timeout_graceful_shutdown=args.shutdown_timeout, log_config=log_config,
     )
     server = uvicorn.Server(config)
     # NOTE: uvicorn re-raises the signal it shut down on, once it has restored the handlers
