@@ -303,6 +303,7 @@ def build_state(args: argparse.Namespace) -> ServerState:
     if args.max_queued_requests is not None and args.max_queued_requests < 0:
         raise ValueError("--max-queued-requests must be >= 0")
     chat_template = _load_chat_template(args.chat_template)
+    policy = TimeoutPolicy(args.request_timeout, dict(args.sla_max_queue_time))
     # NOTE: the model loads on the engine thread (see AsyncLLMEngine.build); the metrics,
     # which need the served name, are attached before the thread starts stepping.
     async_engine = AsyncLLMEngine.build(
@@ -314,7 +315,6 @@ def build_state(args: argparse.Namespace) -> ServerState:
     names = args.served_model_name or [model or (path.stem if path.suffix == ".gguf" else
                                                  path.name)]
     metrics = async_engine.metrics = EngineMetrics(names[0], device=str(engine.device))
-    policy = TimeoutPolicy(args.request_timeout, dict(args.sla_max_queue_time))
     if policy.enabled:
         async_engine.deadlines = DeadlineTracker(policy)
     return ServerState(
@@ -331,8 +331,9 @@ def run_server(args: argparse.Namespace) -> int:
     import uvicorn
 
     configure_logging(args.log_format)
-    state = build_state(args)
     api_key = args.api_key or os.environ.get("PAGODA_API_KEY") or None
+    parse_api_keys(api_key)  # NOTE: a malformed key list fails before the model loads
+    state = build_state(args)
     json_logs = args.log_format == "json"
     app = create_app(state, api_key, args.max_request_body_bytes,
                      enable_dashboard=not args.disable_dashboard, log_requests=json_logs)
