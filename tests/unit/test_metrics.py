@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+import pytest
 from prometheus_client import generate_latest
 
 from pagoda.core.scheduler import SchedulerStats
-from pagoda.engine.metrics import EngineMetrics
+from pagoda.engine.metrics import EngineMetrics, error_type, queue_snapshot
 from pagoda.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
 
@@ -150,3 +153,51 @@ def test_prefix_cache_host_hits_counter_follows_the_scheduler() -> None:
                                        prefix_cache_hits=64, prefix_cache_host_hits=host_hits))
     assert value(m, "pagoda:prefix_cache_host_hits_total") == 48
     assert value(m, "pagoda:prefix_cache_hits_total") == 64
+
+
+def test_timeouts_errors_windows_and_per_class_itl() -> None:
+    m = EngineMetrics("m", window_s=10.0)
+    rm = RequestMetrics(arrival_time=0.0, first_scheduled_time=0.0, first_token_time=1.0,
+                        sla_class="batch")
+    m.observe_outputs([delta("t", [(0, 2, None)], False, rm)], now=1.0)
+    m.observe_outputs([delta("t", [(0, 1, None)], False, rm)], now=1.5)
+    m.observe_outputs([delta("t", [(0, 0, "timeout")], True, rm)], now=2.0)
+    m.observe_timeout("batch", "running")
+    assert value(m, "pagoda:request_success_total", finished_reason="timeout") == 1
+    assert value(m, "pagoda:e2e_request_latency_seconds_count") == 0  # NOTE: not a success
+    assert value(m, "pagoda:request_timeouts_total", sla_class="batch", stage="running") == 1
+    assert value(m, "pagoda:request_timeouts_total", sla_class="batch", stage="queue") == 0
+    assert value(m, "pagoda:sla_inter_token_latency_seconds_sum", sla_class="batch") == 0.5
+    assert value(m, "pagoda:sla_inter_token_latency_seconds_count", sla_class="async") == 0
+    gen = m._windows["gen"]
+    assert gen.rate(now=5.0) == pytest.approx(0.3) and gen.rate(now=12.0) == 0.0
+    assert m._windows["req"].total(now=5.0) == 1
+    assert m._windows["prompt"].total(now=5.0) == 4
+    for status, type_ in ((400, "invalid_request_error"), (401, "authentication_error"),
+                          (408, "timeout"), (429, "rate_limit"), (499, "client_disconnect"),
+                          (500, "engine_error"), (503, "engine_error"), (418, "api_error")):
+        assert error_type(status) == type_
+    m.observe_request_error("rate_limit")
+    m.observe_request_error("no such type")
+    assert value(m, "pagoda:request_errors_total", type="rate_limit") == 1
+    assert value(m, "pagoda:request_errors_total", type="api_error") == 1
+    m.add_tenants(["alice"])
+    m.observe_tenant("alice", 5, 7)
+    m.observe_tenant("mallory", 1, 1)  # NOTE: unknown names make no series
+    assert value(m, "pagoda:tenant_requests_total", tenant="alice") == 1
+    assert value(m, "pagoda:tenant_generation_tokens_total", tenant="alice") == 7
+    assert m.registry.get_sample_value("pagoda:tenant_requests_total",
+                                       {"model_name": "m", "tenant": "mallory"}) is None
+
+    def req(sla_class: str, num_tokens: int, num_computed: int) -> SimpleNamespace:
+        return SimpleNamespace(sla_class=sla_class, num_tokens=num_tokens,
+                               num_computed_tokens=num_computed)
+
+    scheduler = SimpleNamespace(running=[req("interactive", 10, 9)],
+                                waiting=[req("batch", 8, 0), req("batch", 6, 4)])
+    m.observe_queues(queue_snapshot(scheduler))
+    assert value(m, "pagoda:sla_num_requests_waiting", sla_class="batch") == 2
+    assert value(m, "pagoda:sla_num_requests_waiting", sla_class="interactive") == 0
+    assert value(m, "pagoda:sla_num_requests_running", sla_class="interactive") == 1
+    assert value(m, "pagoda:num_tokens_running") == 10
+    assert value(m, "pagoda:num_tokens_waiting") == 10

@@ -2,7 +2,8 @@
 
 Every error is an OpenAI body `{"error": {"message", "type", "param", "code"}}`: 400 for
 invalid input (malformed JSON and wrong types included), 401 without the API key, 404 for
-an unknown model or route, 413 for an oversized body, 429 (with Retry-After) when the
+an unknown model or route, 408 when a deadline (--request-timeout, --sla-max-queue-time)
+aborted a non-streamed request, 413 for an oversized body, 429 (with Retry-After) when the
 waiting queue is full, 500 only for an engine fault (in a stream: an error event, then
 `[DONE]`), 503 when the engine thread is gone. /openapi.json documents these, not
 FastAPI's 422. Unexpected exceptions answer 500 and keep the connection open; the server
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hmac
 import logging
 import os
 import signal
@@ -35,8 +35,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import pagoda
 from pagoda.engine.async_engine import AsyncLLMEngine
+from pagoda.engine.deadlines import DeadlineTracker, TimeoutPolicy
 from pagoda.engine.llm_engine import MAX_LOGPROBS
 from pagoda.engine.metrics import EngineMetrics
+from pagoda.entrypoints.openai.dashboard import add_dashboard_routes
 from pagoda.entrypoints.openai.debug import add_debug_routes
 from pagoda.entrypoints.openai.openapi import ERROR_REF, openapi_schema
 from pagoda.entrypoints.openai.prompt_limits import default_body_bytes
@@ -49,23 +51,31 @@ from pagoda.entrypoints.openai.protocol import (
     bad_request,
     error_body,
 )
+from pagoda.entrypoints.openai.request_log import RequestObserver, configure_logging
 from pagoda.entrypoints.openai.serving import ServerState
 from pagoda.entrypoints.openai.serving_chat import chat_prompt_ids, create_chat_completion
 from pagoda.entrypoints.openai.serving_completion import create_completion
+from pagoda.entrypoints.openai.tenants import APIKeys, parse_api_keys
 
 logger = logging.getLogger(__name__)
 
 _PROTECTED_PREFIXES = ("/v1", "/tokenize", "/detokenize", "/debug")
+_TENANT_PREFIXES = ("/v1", "/tokenize", "/detokenize")  # what tenants' counts cover
 # Seconds past --shutdown-timeout before uvicorn cancels what has still not answered.
 _SHUTDOWN_BACKSTOP_S = 5.0
 
 
 def create_app(state: ServerState, api_key: str | None = None,
-               max_body_bytes: int | None = None) -> FastAPI:
+               max_body_bytes: int | None = None, enable_dashboard: bool = True,
+               log_requests: bool = False) -> FastAPI:
     """The ASGI app over `state`; starts the engine thread on start-up, stops it on exit.
-    `max_body_bytes` None: proportionate to max_model_len (prompt_limits.py)."""
+
+    `api_key`: one key or `NAME=KEY,...` (tenants.py); `max_body_bytes` None: proportionate
+    to max_model_len (prompt_limits.py); `log_requests`: one log record per request
+    (request_log.py)."""
     if max_body_bytes is None:
         max_body_bytes = default_body_bytes(state.max_prompt_chars, state.max_model_len)
+    api_keys = APIKeys(parse_api_keys(api_key))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -81,9 +91,14 @@ def create_app(state: ServerState, api_key: str | None = None,
     _add_error_handlers(app)
     _add_routes(app, state)
     app.openapi = lambda: openapi_schema(app)  # type: ignore[method-assign]
-    # NOTE: added first, so innermost of the two: HTTPGuard counts the 500s it sends.
+    if enable_dashboard:
+        add_dashboard_routes(app, state.metrics)
+    # NOTE: added first, so innermost: HTTPGuard counts the 500s it sends.
     app.add_middleware(InternalErrorGuard)
-    app.add_middleware(HTTPGuard, state=state, api_key=api_key, max_body_bytes=max_body_bytes)
+    app.add_middleware(HTTPGuard, state=state, api_keys=api_keys, max_body_bytes=max_body_bytes)
+    # NOTE: added last, so outermost: it sees the guard's 401 / 413 answers too.
+    app.add_middleware(RequestObserver, metrics=state.metrics, api_keys=api_keys,
+                       tenant_prefixes=_TENANT_PREFIXES, log_requests=log_requests)
     return app
 
 
@@ -218,11 +233,11 @@ class HTTPGuard:
     that turns out too large is refused before the app sees any of it.
     """
 
-    def __init__(self, app: ASGIApp, state: ServerState, api_key: str | None,
+    def __init__(self, app: ASGIApp, state: ServerState, api_keys: APIKeys,
                  max_body_bytes: int) -> None:
         self.app = app
         self.metrics = state.metrics
-        self.api_key = api_key.encode() if api_key else None
+        self.api_keys = api_keys
         self.max_body_bytes = max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -236,7 +251,7 @@ class HTTPGuard:
             await send(message)
 
         protected = scope["path"].startswith(_PROTECTED_PREFIXES)
-        if self.api_key and protected and not self._authorized(scope):
+        if self.api_keys and protected and self.api_keys.tenant_of(scope) is None:
             await _send_error(counting_send, 401, "missing or wrong API key "
                               "(send 'Authorization: Bearer <key>')")
             return
@@ -262,12 +277,6 @@ class HTTPGuard:
 
     def _too_large(self) -> str:
         return f"the request body is larger than {self.max_body_bytes} bytes"
-
-    def _authorized(self, scope: Scope) -> bool:
-        for name, value in scope.get("headers") or []:
-            if name == b"authorization" and value.startswith(b"Bearer "):
-                return hmac.compare_digest(value[7:].strip(), self.api_key)
-        return False
 
     async def _read_body(self, receive: Receive) -> tuple[bytes | None, Message]:
         chunks, size = [], 0
@@ -320,6 +329,7 @@ def build_state(args: argparse.Namespace) -> ServerState:
         raise ValueError("--max-queued-requests must be >= 0")
     chat_template = _load_chat_template(args.chat_template)
     config = replace(EngineArgs.from_cli_args(args), model=model).create_engine_config()
+    policy = TimeoutPolicy(args.request_timeout, dict(args.sla_max_queue_time))
     # NOTE: the model loads on the engine thread (see AsyncLLMEngine.build); the metrics,
     # which need the served name, are attached before the thread starts stepping.
     async_engine = AsyncLLMEngine.build(
@@ -329,7 +339,9 @@ def build_state(args: argparse.Namespace) -> ServerState:
     path = Path(engine.model_path)
     names = args.served_model_name or [model or (path.stem if path.suffix == ".gguf" else
                                                  path.name)]
-    metrics = async_engine.metrics = EngineMetrics(names[0])
+    metrics = async_engine.metrics = EngineMetrics(names[0], device=str(engine.device))
+    if policy.enabled:
+        async_engine.deadlines = DeadlineTracker(policy)
     return ServerState(
         engine=async_engine,
         tokenizer=engine.tokenizer, model_names=names, model_root=engine.model_path,
@@ -341,14 +353,22 @@ def build_state(args: argparse.Namespace) -> ServerState:
 
 def run_server(args: argparse.Namespace) -> int:
     """Serves until SIGTERM or Ctrl-C; returns 0 after a graceful shutdown."""
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    state = build_state(args)
+    configure_logging(args.log_format)
     api_key = args.api_key or os.environ.get("PAGODA_API_KEY") or None
-    app = create_app(state, api_key, args.max_request_body_bytes)
+    parse_api_keys(api_key)  # NOTE: a malformed key list fails before the model loads
+    state = build_state(args)
+    json_logs = args.log_format == "json"
+    app = create_app(state, api_key, args.max_request_body_bytes,
+                     enable_dashboard=not args.disable_dashboard, log_requests=json_logs)
+    # NOTE: in JSON mode uvicorn's loggers keep no handlers of their own: theirs would
+    # write text; they propagate to the root's JSON handler instead.
+    log_config = {"version": 1, "disable_existing_loggers": False} if json_logs else (
+        uvicorn.config.LOGGING_CONFIG)
     config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
         access_log=not args.disable_uvicorn_access_log,
         timeout_graceful_shutdown=args.shutdown_timeout + _SHUTDOWN_BACKSTOP_S,
+        log_config=log_config,
     )
     server = _GracefulServer(config, state, args.shutdown_timeout)
     # NOTE: uvicorn re-raises the signal it shut down on, once it has restored the handlers

@@ -37,6 +37,7 @@ from pagoda.engine.detokenizer import decode_token
 from pagoda.engine.metrics import EngineMetrics
 from pagoda.entrypoints.openai.prompt_limits import max_prompt_chars
 from pagoda.entrypoints.openai.protocol import APIError, bad_request, error_body
+from pagoda.entrypoints.openai.request_log import current_record, note_error
 from pagoda.outputs import RequestOutput
 
 T = TypeVar("T")
@@ -107,7 +108,7 @@ async def submit(
 ) -> OutputStream:
     """Hands `requests` to the engine; maps its refusals to APIErrors (400, 429, 503)."""
     try:
-        return await state.engine.generate(requests, arrival_time)
+        stream = await state.engine.generate(requests, arrival_time)
     except ValueError as e:
         raise bad_request(e) from e
     except QueueFullError as e:
@@ -116,6 +117,10 @@ async def submit(
         raise shutdown_error(e) from e
     except EngineDeadError as e:
         raise APIError(503, str(e)) from e
+    record = current_record()
+    if record is not None:
+        stream.observer = record.observe
+    return stream
 
 
 def shutdown_error(exc: EngineShutdownError) -> APIError:
@@ -123,7 +128,8 @@ def shutdown_error(exc: EngineShutdownError) -> APIError:
 
 
 async def collect(raw: Request, state: ServerState, stream: OutputStream) -> list[RequestOutput]:
-    """Every output of `stream`; aborts it if the client disconnects first (answered 499)."""
+    """Every output of `stream`; aborts it if the client disconnects first (answered 499);
+    408 if a deadline aborted it (nothing has been sent yet)."""
     async def consume() -> list[RequestOutput]:
         return [out async for out in stream]
 
@@ -134,11 +140,15 @@ async def collect(raw: Request, state: ServerState, stream: OutputStream) -> lis
         if not task.done():
             raise APIError(499, "the client closed the request")
         try:
-            return task.result()
+            outputs = task.result()
         except EngineShutdownError as e:
             raise shutdown_error(e) from e
         except (EngineFaultError, EngineDeadError) as e:
             raise APIError(500, str(e)) from e
+        if any(c.finish_reason == "timeout" for out in outputs for c in out.outputs):
+            raise APIError(408, "the request timed out (--request-timeout or "
+                           "--sla-max-queue-time) and was aborted")
+        return outputs
     finally:
         task.cancel()
         watch.cancel()
@@ -159,8 +169,14 @@ def sse(payload: dict[str, Any]) -> bytes:
 def sse_response(
     state: ServerState, stream: OutputStream, payloads: AsyncIterator[dict[str, Any]]
 ) -> SSEResponse:
-    """The streamed answer to one HTTP request: `payloads` as events, aborted on leaving."""
-    return SSEResponse(sse_events(state, stream, payloads), lambda: abort_unfinished(state, stream))
+    """The streamed answer to one HTTP request: `payloads` as events, aborted on leaving
+    (a stream that closes with engine requests unfinished lost its client)."""
+    def close() -> None:
+        if not stream.finished:
+            note_error("client_disconnect")
+        abort_unfinished(state, stream)
+
+    return SSEResponse(sse_events(state, stream, payloads), close)
 
 
 def abort_unfinished(state: ServerState, stream: OutputStream) -> None:
@@ -183,6 +199,7 @@ async def sse_events(
             yield sse(error_body(503, str(e), error_type=SHUTDOWN_ERROR_TYPE))
         except (EngineFaultError, EngineDeadError) as e:
             state.metrics.observe_http_error(500)
+            note_error("engine_error")
             yield sse(error_body(500, str(e)))
         yield SSE_DONE
     finally:
