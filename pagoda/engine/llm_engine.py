@@ -12,6 +12,8 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+import torch
+
 from pagoda.config import EngineConfig
 from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.kv_cache_spec import KVCacheSpec, bytes_per_block
@@ -240,6 +242,10 @@ class LLMEngine:
             if out is not None:
                 outputs.append(out)
         return outputs
+
+    @property
+    def device(self) -> torch.device:
+        return self.executor.device
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()

@@ -12,6 +12,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 
+import torch
+
 from pagoda.config import EngineConfig
 from pagoda.core.kv_cache_spec import KVCacheSpec
 from pagoda.core.scheduler_output import SchedulerOutput
@@ -47,6 +49,16 @@ class Executor(ABC):
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step on every worker; the block copies it lists happen first."""
+
+    @property
+    @abstractmethod
+    def device(self) -> torch.device:
+        """The device the (first) worker runs on."""
+
+    def kv_pools(self) -> dict[str, list[tuple[torch.Tensor, torch.Tensor]] | None]:
+        """This process's KV tensors by pool ("kv_pool", "swap_pool", "host_tier_pool"),
+        for memory reports; an executor whose workers run elsewhere has none here."""
+        return {}
 
     def shutdown(self) -> None:
         """Release the workers (nothing to do in-process)."""
@@ -95,3 +107,12 @@ class UniProcExecutor(Executor):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(scheduler_output)
+
+    @property
+    def device(self) -> torch.device:
+        return self.worker.device
+
+    def kv_pools(self) -> dict[str, list[tuple[torch.Tensor, torch.Tensor]] | None]:
+        w = self.worker
+        return {"kv_pool": w.kv_caches, "swap_pool": w.host_kv_caches,
+                "host_tier_pool": w.host_tier_kv_caches}

@@ -51,10 +51,8 @@ def add_debug_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/debug/memory")
     async def memory() -> dict[str, int]:
-        # NOTE: reads the runner's KV tensors (engine internals) on the engine thread.
-        pools = await state.engine.call(lambda e: {
-            "kv_pool": e.runner.kv_caches, "swap_pool": e.runner.host_kv_caches,
-            "host_tier_pool": e.runner.host_tier_kv_caches})
+        # NOTE: the in-process executor's KV tensors, read on the engine thread.
+        pools = await state.engine.call(lambda e: e.executor.kv_pools())
         out = {"rss_bytes": _rss_bytes()}
         for name, pairs in pools.items():
             spans = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
