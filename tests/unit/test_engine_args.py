@@ -15,6 +15,7 @@ from types import SimpleNamespace
 from typing import ClassVar
 
 import pytest
+import torch
 
 from pagoda import llm as llm_module
 from pagoda.config import EngineArgs, EngineConfig
@@ -33,6 +34,7 @@ class CapturedEngine:
         CapturedEngine.configs.append(config)
         self.tokenizer, self.model_path = None, "/m/tiny"
         self.max_model_len, self.vocab_size = 64, 100
+        self.device = torch.device("cpu")
 
 
 def _server_config(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> EngineConfig:

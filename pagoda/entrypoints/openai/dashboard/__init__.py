@@ -30,7 +30,9 @@ def add_dashboard_routes(app: FastAPI, metrics: EngineMetrics) -> None:
     page = (STATIC_DIR / "index.html").read_text().replace("{{model}}",
                                                           html.escape(metrics.model_name))
 
-    @app.get("/dashboard")
+    # NOTE: the page and its files are for browsers, not API clients: left out of
+    # /openapi.json (only the JSON feed is documented there).
+    @app.get("/dashboard", include_in_schema=False)
     async def dashboard() -> HTMLResponse:
         return HTMLResponse(page, headers={"Cache-Control": "no-cache"})
 
@@ -38,7 +40,7 @@ def add_dashboard_routes(app: FastAPI, metrics: EngineMetrics) -> None:
     async def dashboard_data() -> dict[str, Any]:
         return {"model": metrics.model_name, **data.snapshot()}
 
-    @app.get("/dashboard/static/{name}")
+    @app.get("/dashboard/static/{name}", include_in_schema=False)
     async def dashboard_static(name: str) -> FileResponse:
         media_type = _STATIC_TYPES.get(name)
         if media_type is None:
