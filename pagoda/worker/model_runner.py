@@ -97,7 +97,8 @@ class ModelRunner:
             batch.num_computed_tokens[slot] = new.num_computed_tokens
         for cached in out.scheduled_cached_reqs:
             slot = batch.req_id_to_slot[cached.req_id]
-            batch.append_block_ids(slot, cached.new_block_ids)
+            if cached.new_block_ids:
+                batch.append_block_ids(slot, cached.new_block_ids)
             batch.num_computed_tokens[slot] = cached.num_computed_tokens
 
     # ---- one step --------------------------------------------------------------------
@@ -151,7 +152,14 @@ class ModelRunner:
         slot_mapping += positions % bs
 
         seq_lens = step.starts + step.query_lens
-        max_blocks = int(-(-seq_lens.max() // bs))
+        blocks_needed = -(-seq_lens // bs)
+        if (blocks_needed > batch.num_blocks[step.slots]).any():
+            # NOTE: a table row is zero past its blocks: reading on would corrupt block 0.
+            row = int(np.argmax(blocks_needed > batch.num_blocks[step.slots]))
+            raise RuntimeError(f"request {step.req_ids[row]!r} needs {blocks_needed[row]} "
+                               f"blocks for {seq_lens[row]} tokens but was given "
+                               f"{batch.num_blocks[step.slots[row]]}")
+        max_blocks = int(blocks_needed.max())
         common = CommonAttentionMetadata(
             query_start_loc=step.query_start_loc,
             seq_lens=seq_lens,
