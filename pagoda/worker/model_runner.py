@@ -152,14 +152,7 @@ class ModelRunner:
         slot_mapping += positions % bs
 
         seq_lens = step.starts + step.query_lens
-        blocks_needed = -(-seq_lens // bs)
-        if (blocks_needed > batch.num_blocks[step.slots]).any():
-            # NOTE: a table row is zero past its blocks: reading on would corrupt block 0.
-            row = int(np.argmax(blocks_needed > batch.num_blocks[step.slots]))
-            raise RuntimeError(f"request {step.req_ids[row]!r} needs {blocks_needed[row]} "
-                               f"blocks for {seq_lens[row]} tokens but was given "
-                               f"{batch.num_blocks[step.slots[row]]}")
-        max_blocks = int(blocks_needed.max())
+        max_blocks = self._check_blocks(step, seq_lens)
         common = CommonAttentionMetadata(
             query_start_loc=step.query_start_loc,
             seq_lens=seq_lens,
@@ -175,6 +168,20 @@ class ModelRunner:
         md = self.attn_backend.build_metadata(common)
         input_ids = self._input_ids[:num_tokens].to(self.device)
         return input_ids, self._positions[:num_tokens].to(self.device), md
+
+    def _check_blocks(self, step: StepBatch, seq_lens: np.ndarray) -> int:
+        """The most blocks a row needs this step; RuntimeError if a row lacks some.
+
+        NOTE: a table row is zero past its blocks: reading on would touch block 0.
+        """
+        needed = -(-seq_lens // self.block_size)
+        short = needed > self.input_batch.num_blocks[step.slots]
+        if short.any():
+            row = int(np.argmax(short))
+            raise RuntimeError(f"request {step.req_ids[row]!r} needs {needed[row]} blocks for "
+                               f"{seq_lens[row]} tokens but was given "
+                               f"{self.input_batch.num_blocks[step.slots[row]]}")
+        return int(needed.max())
 
     def _sample(self, step: StepBatch, hidden: torch.Tensor, result: ModelRunnerOutput) -> None:
         batch, rows = self.input_batch, step.sample_rows
