@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-# NOTE: before anything imports torch (see pagoda/__init__.py for why).
+# NOTE: before anything imports torch (see pagoda/omp_env.py for why).
 if "OMP_WAIT_POLICY" not in os.environ:
     os.environ.setdefault("GOMP_SPINCOUNT", "3000")
 

@@ -97,7 +97,8 @@ class ModelRunner:
             batch.num_computed_tokens[slot] = new.num_computed_tokens
         for cached in out.scheduled_cached_reqs:
             slot = batch.req_id_to_slot[cached.req_id]
-            batch.append_block_ids(slot, cached.new_block_ids)
+            if cached.new_block_ids:
+                batch.append_block_ids(slot, cached.new_block_ids)
             batch.num_computed_tokens[slot] = cached.num_computed_tokens
 
     # ---- one step --------------------------------------------------------------------
@@ -151,7 +152,7 @@ class ModelRunner:
         slot_mapping += positions % bs
 
         seq_lens = step.starts + step.query_lens
-        max_blocks = int(-(-seq_lens.max() // bs))
+        max_blocks = self._check_blocks(step, seq_lens)
         common = CommonAttentionMetadata(
             query_start_loc=step.query_start_loc,
             seq_lens=seq_lens,
@@ -167,6 +168,20 @@ class ModelRunner:
         md = self.attn_backend.build_metadata(common)
         input_ids = self._input_ids[:num_tokens].to(self.device)
         return input_ids, self._positions[:num_tokens].to(self.device), md
+
+    def _check_blocks(self, step: StepBatch, seq_lens: np.ndarray) -> int:
+        """The most blocks a row needs this step; RuntimeError if a row lacks some.
+
+        NOTE: a table row is zero past its blocks: reading on would touch block 0.
+        """
+        needed = -(-seq_lens // self.block_size)
+        short = needed > self.input_batch.num_blocks[step.slots]
+        if short.any():
+            row = int(np.argmax(short))
+            raise RuntimeError(f"request {step.req_ids[row]!r} needs {needed[row]} blocks for "
+                               f"{seq_lens[row]} tokens but was given "
+                               f"{self.input_batch.num_blocks[step.slots[row]]}")
+        return int(needed.max())
 
     def _sample(self, step: StepBatch, hidden: torch.Tensor, result: ModelRunnerOutput) -> None:
         batch, rows = self.input_batch, step.sample_rows

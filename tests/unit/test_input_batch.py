@@ -171,3 +171,10 @@ def test_sampler_reads_only_penalty_rows_histories() -> None:
     assert md.output_token_counts[0].tolist() == [0, 0, 1, 1, 0, 0]
     # Row 1 has 1 of its min_tokens 3: its stop token (eos 0) is banned, by length alone.
     assert md.banned_tokens[0].tolist() == [1] and md.banned_tokens[1].tolist() == [0]
+
+
+def test_a_step_beyond_the_given_blocks_is_refused() -> None:
+    runner, _ = make_runner()
+    with pytest.raises(RuntimeError, match="needs 2 blocks"):
+        runner.execute_model(sched_out([new("a", [5, 6, 7, 8, 9], [3])],
+                                       num_scheduled={"a": 5}))
