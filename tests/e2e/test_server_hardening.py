@@ -269,3 +269,6 @@ def test_kv_pool_is_resident_from_the_start(client: httpx.Client) -> None:
     mem = client.get("/debug/memory").json()
     assert mem["kv_pool_bytes"] > 0 and mem["rss_bytes"] > mem["kv_pool_bytes"], mem
     assert mem["kv_pool_resident_bytes"] >= mem["kv_pool_bytes"], mem
+    trimmed = client.get("/debug/memory", params={"trim": "true"}).json()
+    assert 0 < trimmed["rss_after_trim_bytes"] <= trimmed["rss_bytes"] + (64 << 20), trimmed
+    assert trimmed["num_py_objects"] > 0, trimmed

@@ -4,6 +4,8 @@ step and in a handler."""
 
 from __future__ import annotations
 
+import ctypes
+import gc
 from pathlib import Path
 from typing import Any
 
@@ -50,10 +52,15 @@ def add_debug_routes(app: FastAPI, state: ServerState) -> None:
         raise RuntimeError("injected handler fault (test hook)")
 
     @app.get("/debug/memory")
-    async def memory() -> dict[str, int]:
+    async def memory(trim: bool = False) -> dict[str, int]:
+        """RSS and the pools' resident bytes; `trim`: first hand the C heap's free memory
+        back to the system (malloc_trim), which tells a leak from allocator slack."""
         # NOTE: the in-process executor's KV tensors, read on the engine thread.
         pools = await state.engine.call(lambda e: e.executor.kv_pools())
-        out = {"rss_bytes": _rss_bytes()}
+        out = {"rss_bytes": _rss_bytes(), "num_py_objects": len(gc.get_objects())}
+        if trim:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+            out["rss_after_trim_bytes"] = _rss_bytes()
         for name, pairs in pools.items():
             spans = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
                      for pair in pairs or [] for t in pair]

@@ -3,7 +3,7 @@
 Requests are pydantic models (wrong types fail as 400s); unknown fields are accepted and
 ignored, as OpenAI clients send fields this server has no use for, except the OpenAI
 fields whose meaning pagoda does not honour (`UNSUPPORTED_FIELDS`: structured output,
-tools, best_of > n), which are 400s naming the field rather than silently free text.
+tools, best_of other than n), which are 400s naming the field, not silently free text.
 Text containing a lone UTF-16 surrogate (`"\\ud800"`, which JSON allows and no tokenizer
 or UTF-8 encoder accepts) is a 400 naming the top-level field it is in. Responses are
 plain dicts built by the serving modules (cheaper per streamed chunk than models).
