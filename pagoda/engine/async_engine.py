@@ -437,6 +437,8 @@ class AsyncLLMEngine:
     def _fail_running(self, exc: Exception) -> None:
         ids = _running_request_ids(self.engine) or _all_request_ids(self.engine)
         error = EngineFaultError(f"engine step failed: {type(exc).__name__}: {exc}")
+        for rid in ids if self.deadlines is not None else ():
+            self.deadlines.discard(rid)
         for out in self.engine.abort_request(ids):
             if self.metrics is not None:
                 num = sum(1 for c in out.outputs if c.finish_reason == "abort")

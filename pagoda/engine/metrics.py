@@ -75,7 +75,8 @@ _REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 2
 _FINISH_REASONS = ("stop", "length", "abort", "error", "timeout")
 _UNSUCCESSFUL = ("abort", "error", "timeout")
 TIMEOUT_STAGES = ("queue", "running")
-# OpenAI's error types (the `type` of its error bodies), and pagoda's for a lost client.
+# request_errors_total's types: OpenAI's error-body names where it has one
+# (invalid_request_error, authentication_error, api_error), pagoda's for the rest.
 ERROR_TYPES = ("invalid_request_error", "authentication_error", "rate_limit", "timeout",
                "engine_error", "client_disconnect", "api_error")
 _ERROR_TYPE_BY_STATUS = {400: "invalid_request_error", 401: "authentication_error",
@@ -135,26 +136,39 @@ class EngineMetrics:
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None,
                  device: str = "cpu", window_s: float = DEFAULT_WINDOW_S) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
-        reg, labels = self.registry, ["model_name"]
         self.model_name = model_name
+        self._init_vllm_series()
+        self._init_sla_series()
+        self._init_pagoda_series(window_s)
+        self.resources = ResourceMetrics(self.registry, model_name, device, window_s)
+        self._tenant_families: tuple[Counter, ...] | None = None
+        self._tenant_counters: dict[str, tuple[Counter, ...]] = {}
+        self._tracked: dict[str, _Tracked] = {}
+        self._last_stats: SchedulerStats | None = None
 
-        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(PREFIX + name, doc, labels, buckets=buckets,
-                             registry=reg).labels(model_name)
+    # ---- registration --------------------------------------------------------------------
+    def _hist(self, name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+        return Histogram(PREFIX + name, doc, ["model_name"], buckets=buckets,
+                         registry=self.registry).labels(self.model_name)
 
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(PREFIX + name, doc, labels, registry=reg).labels(model_name)
+    def _counter(self, name: str, doc: str) -> Counter:
+        return Counter(PREFIX + name, doc, ["model_name"],
+                       registry=self.registry).labels(self.model_name)
 
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(PREFIX + name, doc, labels, registry=reg).labels(model_name)
+    def _gauge(self, name: str, doc: str) -> Gauge:
+        return Gauge(PREFIX + name, doc, ["model_name"],
+                     registry=self.registry).labels(self.model_name)
 
-        def per_class(kind: type, name: str, doc: str, **kwargs: Any) -> Any:
-            metric = kind(PREFIX + name, doc, ["model_name", "sla_class"], registry=reg,
-                          **kwargs)
-            for sla_class in SLA_CLASS_RANKS:
-                metric.labels(model_name, sla_class)  # NOTE: every class's series, at zero
-            return metric
+    def _per_class(self, kind: type, name: str, doc: str, **kwargs: Any) -> Any:
+        metric = kind(PREFIX + name, doc, ["model_name", "sla_class"], registry=self.registry,
+                      **kwargs)
+        for sla_class in SLA_CLASS_RANKS:
+            metric.labels(self.model_name, sla_class)  # NOTE: every class's series, at zero
+        return metric
 
+    def _init_vllm_series(self) -> None:
+        """vLLM's series (its names and meanings)."""
+        hist, counter, gauge = self._hist, self._counter, self._gauge
         self.ttft = hist("time_to_first_token_seconds", "Arrival to first token.",
                          _TTFT_BUCKETS)
         self.itl = hist("inter_token_latency_seconds", "Time between output tokens.",
@@ -169,10 +183,27 @@ class EngineMetrics:
         self.prompt_tokens = counter("prompt_tokens", "Prefilled prompt tokens.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         success = Counter(PREFIX + "request_success", "Finished sequences by finish reason.",
-                          ["model_name", "finished_reason"], registry=reg)
-        self.request_success = {r: success.labels(model_name, r) for r in _FINISH_REASONS}
+                          ["model_name", "finished_reason"], registry=self.registry)
+        self.request_success = {r: success.labels(self.model_name, r) for r in _FINISH_REASONS}
         self.num_preemptions = counter("num_preemptions", "Preemptions (recompute and swap).")
         self.num_swaps = counter("num_swaps", "Preemptions that swapped KV to host memory.")
+        self.prefix_cache_queries = counter("prefix_cache_queries",
+                                            "Prompt tokens looked up in the prefix cache.")
+        self.prefix_cache_hits = counter("prefix_cache_hits",
+                                         "Prompt tokens found in the prefix cache.")
+        self.prefix_cache_host_hits = counter(
+            "prefix_cache_host_hits",
+            "Prompt tokens found in the prefix cache's host tier (part of the hits).")
+        self.http_errors = Counter(PREFIX + "http_errors", "HTTP error responses by status.",
+                                   ["model_name", "status"], registry=self.registry)
+        self.num_running = gauge("num_requests_running", "Sequences running in the engine.")
+        self.num_waiting = gauge("num_requests_waiting", "Sequences waiting in the engine.")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0..1).")
+        self.num_swapped = gauge("num_requests_swapped", "Sequences swapped out to host memory.")
+
+    def _init_sla_series(self) -> None:
+        """pagoda's per-SLA-class series."""
+        per_class = self._per_class
         self.sla_first_tokens = per_class(Counter, "sla_first_tokens",
                                           "First tokens by SLA class.")
         self.sla_ttft_misses = per_class(Counter, "sla_ttft_misses",
@@ -186,19 +217,6 @@ class EngineMetrics:
                                         buckets=_REQUEST_BUCKETS)
         self.sla_preemptions = per_class(Counter, "sla_num_preemptions",
                                          "Preemptions by the preempted request's SLA class.")
-        self.prefix_cache_queries = counter("prefix_cache_queries",
-                                            "Prompt tokens looked up in the prefix cache.")
-        self.prefix_cache_hits = counter("prefix_cache_hits",
-                                         "Prompt tokens found in the prefix cache.")
-        self.prefix_cache_host_hits = counter(
-            "prefix_cache_host_hits",
-            "Prompt tokens found in the prefix cache's host tier (part of the hits).")
-        self.http_errors = Counter(PREFIX + "http_errors", "HTTP error responses by status.",
-                                   ["model_name", "status"], registry=reg)
-        self.num_running = gauge("num_requests_running", "Sequences running in the engine.")
-        self.num_waiting = gauge("num_requests_waiting", "Sequences waiting in the engine.")
-        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0..1).")
-        self.num_swapped = gauge("num_requests_swapped", "Sequences swapped out to host memory.")
         self.sla_itl = per_class(Histogram, "sla_inter_token_latency_seconds",
                                  "Time between output tokens, by SLA class.",
                                  buckets=_ITL_BUCKETS)
@@ -206,6 +224,10 @@ class EngineMetrics:
                                      "Sequences waiting in the engine, by SLA class.")
         self.sla_running = per_class(Gauge, "sla_num_requests_running",
                                      "Sequences running in the engine, by SLA class.")
+
+    def _init_pagoda_series(self, window_s: float) -> None:
+        """pagoda's own: tokens in the queues, host memory, outcomes, throughput windows."""
+        gauge, reg = self._gauge, self.registry
         self.num_tokens_running = gauge("num_tokens_running",
                                         "Tokens (prompt + output) of the running sequences.")
         self.num_tokens_waiting = gauge("num_tokens_waiting",
@@ -219,10 +241,10 @@ class EngineMetrics:
                                         ["model_name", "sla_class", "stage"], registry=reg)
         for sla_class in SLA_CLASS_RANKS:
             for stage in TIMEOUT_STAGES:
-                self.request_timeouts.labels(model_name, sla_class, stage)
+                self.request_timeouts.labels(self.model_name, sla_class, stage)
         errors = Counter(PREFIX + "request_errors", "Failed HTTP requests by error type.",
                          ["model_name", "type"], registry=reg)
-        self.request_errors = {t: errors.labels(model_name, t) for t in ERROR_TYPES}
+        self.request_errors = {t: errors.labels(self.model_name, t) for t in ERROR_TYPES}
         self.window_s = window_s
         self._windows = {name: SlidingWindow(window_s) for name in ("prompt", "gen", "req")}
         for name, key, doc in (
@@ -231,11 +253,6 @@ class EngineMetrics:
                 ("avg_request_throughput_per_s", "req", "Finished requests per second.")):
             gauge(name, f"{doc} (sliding window of {window_s:g} s)").set_function(
                 self._windows[key].rate)
-        self.resources = ResourceMetrics(reg, model_name, device, window_s)
-        self._tenant_families: tuple[Counter, ...] | None = None
-        self._tenant_counters: dict[str, tuple[Counter, ...]] = {}
-        self._tracked: dict[str, _Tracked] = {}
-        self._last_stats: SchedulerStats | None = None
 
     # ---- engine thread -----------------------------------------------------------------
     def observe_outputs(self, outputs: Iterable[RequestOutput], now: float | None = None) -> None:
