@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from pagoda.layers.linear import divide, load_shard
-from pagoda.quant.base import QuantizableLayer, QuantizationConfig
+from pagoda.quant.base import QuantizableLayer, QuantizationConfig, QuantizeMethodBase
 from pagoda.quant.unquantized import UnquantizedEmbeddingMethod, UnquantizedLinearMethod
 
 
@@ -40,7 +40,8 @@ class VocabParallelEmbedding(QuantizableLayer):
             weight_loader=self.weight_loader,
         )
 
-    def _make_quant_method(self) -> UnquantizedLinearMethod:
+    def _make_quant_method(self) -> QuantizeMethodBase:
+        # NOTE: lookups need `embedding()`, which only the unquantized table method has.
         return UnquantizedEmbeddingMethod()
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
@@ -85,7 +86,7 @@ class ParallelLMHead(VocabParallelEmbedding):
             tp_rank=tp_rank, tp_size=tp_size,
         )
 
-    def _make_quant_method(self) -> UnquantizedLinearMethod:
+    def _make_quant_method(self) -> QuantizeMethodBase:
         config = self._quant_config
         method = config.get_quant_method(self, self.prefix) if config else None
         return method or UnquantizedLinearMethod()
