@@ -8,6 +8,7 @@ extension builds on. Anything else, and `PAGODA_DISABLE_CPU_KERNELS=1`, runs the
 
 from __future__ import annotations
 
+import functools
 from types import ModuleType
 
 import torch
@@ -19,40 +20,32 @@ LOW_PRECISION = frozenset({torch.bfloat16, torch.float16})
 _ATTENTION_DTYPES = frozenset({torch.float32, torch.bfloat16})
 
 
-def _fused() -> ModuleType | None:
-    return cpu_kernels.kernel_for("fused_ops")
-
-
-def _attention() -> ModuleType | None:
-    return cpu_kernels.kernel_for("paged_attention")
-
-
 def _fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ext: ModuleType, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    _fused().fused_add_rms_norm(x, residual, weight, eps)
+    ext.fused_add_rms_norm(x, residual, weight, eps)
     return x, residual
 
 
 def _add_rms_norm_supports(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, _eps: float
 ) -> bool:
+    # NOTE: the kernel checks the rest (shapes, weight layout) with a clear error.
     return (
         x.dim() == 2
         and x.is_contiguous()
         and residual.is_contiguous()
         and residual.dtype == x.dtype
         and weight.dtype == x.dtype
-        and weight.is_contiguous()
     )
 
 
-def _silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    return _fused().silu_and_mul(x)
+def _silu_and_mul(ext: ModuleType, x: torch.Tensor) -> torch.Tensor:
+    return ext.silu_and_mul(x)
 
 
-def _rotary_and_cache(*args) -> None:
-    _fused().rotary_and_cache(*args)
+def _rotary_and_cache(ext: ModuleType, *args) -> None:
+    ext.rotary_and_cache(*args)
 
 
 def _rotary_supports(qkv, cos, sin, positions, k_cache, v_cache, *_rest) -> bool:
@@ -67,6 +60,7 @@ def _rotary_supports(qkv, cos, sin, positions, k_cache, v_cache, *_rest) -> bool
 
 
 def _paged_attention(
+    ext: ModuleType,
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -79,7 +73,7 @@ def _paged_attention(
     q = q.contiguous()
     out = torch.empty_like(q)
     window = -1 if sliding_window is None else int(sliding_window)
-    _attention().paged_decode_attention(
+    ext.paged_decode_attention(
         out, q, k_cache, v_cache, block_tables, seq_lens, float(scale), window
     )
     return out
@@ -101,22 +95,18 @@ def _matrix_contiguous(x: torch.Tensor) -> bool:
 
 
 def register() -> None:
-    def has_fused() -> bool:
-        return _fused() is not None
-
-    def has_attention() -> bool:
-        return _attention() is not None
-
+    fused = functools.partial(cpu_kernels.kernel_for, "fused_ops")
+    attention = functools.partial(cpu_kernels.kernel_for, "paged_attention")
     OPS["fused_add_rms_norm"].register(
-        "cpu", Kernel("cpp", _fused_add_rms_norm, LOW_PRECISION, has_fused, _add_rms_norm_supports)
+        "cpu", Kernel("cpp", _fused_add_rms_norm, LOW_PRECISION, fused, _add_rms_norm_supports)
     )
     OPS["silu_and_mul"].register(
-        "cpu", Kernel("cpp", _silu_and_mul, LOW_PRECISION, has_fused, _matrix_contiguous)
+        "cpu", Kernel("cpp", _silu_and_mul, LOW_PRECISION, fused, _matrix_contiguous)
     )
     OPS["rotary_and_cache"].register(
-        "cpu", Kernel("cpp", _rotary_and_cache, LOW_PRECISION, has_fused, _rotary_supports)
+        "cpu", Kernel("cpp", _rotary_and_cache, LOW_PRECISION, fused, _rotary_supports)
     )
     OPS["paged_attention"].register(
         "cpu",
-        Kernel("cpp", _paged_attention, _ATTENTION_DTYPES, has_attention, _attention_supports),
+        Kernel("cpp", _paged_attention, _ATTENTION_DTYPES, attention, _attention_supports),
     )

@@ -14,8 +14,10 @@ slow path.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
+import importlib.util
 import logging
 import os
 import shutil
@@ -25,12 +27,18 @@ import time
 from pathlib import Path
 from types import ModuleType
 
+import torch
+
 logger = logging.getLogger(__name__)
 
 _SOURCES = [
     Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp",
     Path(__file__).parent / "csrc" / "fused_ops_cpu.cpp",
 ]
+_CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+_LDFLAGS = ["-fopenmp"]
+# NOTE: a build takes ~1.5 min on a loaded 2-core machine; a lock this old has no owner.
+_STALE_LOCK_S = 30 * 60
 # The subsets an op's compiled vector path must have for the kernel to be worth calling.
 REQUIRED_ISA: dict[str, tuple[str, ...]] = {
     "paged_attention": (),  # NOTE: its portable path is still faster than gather + SDPA
@@ -88,15 +96,17 @@ def _cpu_flags_tag() -> str:
 
 
 def _sources_tag() -> str:
-    """A short hash of the C++ sources.
+    """A short hash of the C++ sources, the compiler flags and the torch version.
 
     NOTE: torch's loader keeps one build per name and rebuilds in place when the sources
     change; two checkouts (or two installed versions) sharing the cache dir would then
-    rebuild over each other. A name per source version lets them coexist.
+    rebuild over each other. A name per build input lets them coexist, and lets a finished
+    build be imported as is (`_import_built`).
     """
     digest = hashlib.sha256()
     for path in _SOURCES:
         digest.update(path.read_bytes())
+    digest.update(" ".join([*_CFLAGS, *_LDFLAGS, torch.__version__]).encode())
     return digest.hexdigest()[:8]
 
 
@@ -104,12 +114,41 @@ def extension_name() -> str:
     return f"pagoda_paged_attention_cpu_{_cpu_flags_tag()}_{_sources_tag()}"
 
 
-def _announce_first_build(name: str) -> None:
-    """A one-line notice when `name` has no cached build: the build is silent otherwise."""
-    from torch.utils.cpp_extension import _get_build_directory
+def build_directory(name: str) -> Path:
+    """Where the build of `name` lives (under TORCH_EXTENSIONS_DIR or torch's default root)."""
+    from torch.utils.cpp_extension import get_default_build_root
 
-    if not any(Path(_get_build_directory(name, False)).glob(f"{name}*.so")):
-        print("pagoda: building CPU kernels, once, ~40 s ...", file=sys.stderr, flush=True)
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    return Path(root) / "pagoda" / name
+
+
+def _import_built(name: str, build_dir: Path) -> ModuleType | None:
+    """The finished build of an earlier process, imported directly; None if there is none.
+
+    NOTE: torch's loader takes a lock file in the build dir on every load, even when
+    nothing needs building, and waits forever on a lock left by a process killed inside
+    that window (a server stopped while starting): every later start then hangs. The name
+    already pins every build input, so an existing library is the right one.
+    """
+    path = build_dir / f"{name}.so"
+    if not path.is_file():
+        return None
+    try:
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    except ImportError as exc:  # e.g. a link cut short: build again
+        logger.warning("pagoda CPU kernels: cannot import %s (%s), rebuilding", path, exc)
+        return None
+    return module
+
+
+def _remove_stale_lock(build_dir: Path) -> None:
+    lock = build_dir / "lock"
+    with contextlib.suppress(OSError):
+        if time.time() - lock.stat().st_mtime > _STALE_LOCK_S:
+            lock.unlink()
+            logger.warning("pagoda CPU kernels: removed a stale build lock %s", lock)
 
 
 def load_extension() -> ModuleType | None:
@@ -124,15 +163,23 @@ def load_extension() -> ModuleType | None:
         try:
             from torch.utils.cpp_extension import load
 
-            _ensure_ninja_on_path()
-            _announce_first_build(extension_name())
-            _module = load(
-                name=extension_name(),
-                sources=[str(p) for p in _SOURCES],
-                extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                extra_ldflags=["-fopenmp"],
-                verbose=False,
-            )
+            name = extension_name()
+            build_dir = build_directory(name)
+            _module = _import_built(name, build_dir)
+            if _module is None:
+                build_dir.mkdir(parents=True, exist_ok=True)
+                _remove_stale_lock(build_dir)
+                _ensure_ninja_on_path()
+                print("pagoda: building CPU kernels, once, ~40 s ...", file=sys.stderr,
+                      flush=True)
+                _module = load(
+                    name=name,
+                    sources=[str(p) for p in _SOURCES],
+                    extra_cflags=_CFLAGS,
+                    extra_ldflags=_LDFLAGS,
+                    build_directory=str(build_dir),
+                    verbose=False,
+                )
         except Exception as exc:  # noqa: BLE001 - any build failure means "use the reference"
             _load_failed = True
             logger.warning("pagoda CPU kernels unavailable, using the PyTorch path: %s", exc)

@@ -2,14 +2,15 @@
 
 Every op has a plain PyTorch reference that runs on any device. A device type may register
 kernels for an op; a call runs the first kernel registered for its first tensor's device
-type whose dtype set holds that tensor's dtype, whose `available()` holds (built, enabled,
-the CPU can run it) and whose `supports(*args)` accepts this call (layouts, contiguity).
+type whose dtype set holds that tensor's dtype, whose `resolve()` gives a handle (built,
+enabled, the CPU can run it) and whose `supports(*args)` accepts this call (layouts, contiguity).
 Otherwise the reference runs. A kernel must compute what the reference computes (to its
 documented rounding); the tests compare each with the reference.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -24,9 +25,9 @@ def _always(*_args: Any) -> bool:
 @dataclass(frozen=True, slots=True)
 class Kernel:
     name: str
-    fn: Callable[..., Any]
+    fn: Callable[..., Any]  # fn(handle, *args): the op's arguments after resolve()'s handle
     dtypes: frozenset[torch.dtype]  # of the op's first tensor argument
-    available: Callable[[], bool]
+    resolve: Callable[[], Any]  # what fn needs (e.g. the loaded extension); None: unavailable
     supports: Callable[..., bool] = _always
 
 
@@ -46,19 +47,28 @@ class Op:
     def kernel_for(self, x: torch.Tensor) -> Kernel | None:
         """The kernel that could take a call whose first tensor is `x` (before `supports`)."""
         for k in self._kernels.get(x.device.type, ()):
-            if x.dtype in k.dtypes and k.available():
+            if x.dtype in k.dtypes and k.resolve() is not None:
                 return k
         return None
 
     def select(self, *args: Any) -> Callable[..., Any]:
         """The function a call with these arguments runs: a kernel's, or the reference."""
         for k in self._kernels.get(args[0].device.type, ()):
-            if args[0].dtype in k.dtypes and k.available() and k.supports(*args):
-                return k.fn
+            if args[0].dtype in k.dtypes:
+                handle = k.resolve()
+                if handle is not None and k.supports(*args):
+                    return functools.partial(k.fn, handle)
         return self.reference
 
     def __call__(self, *args: Any) -> Any:
-        return self.select(*args)(*args)
+        # NOTE: select's loop written out: this runs several times per layer per step.
+        x = args[0]
+        for k in self._kernels.get(x.device.type, ()):
+            if x.dtype in k.dtypes:
+                handle = k.resolve()
+                if handle is not None and k.supports(*args):
+                    return k.fn(handle, *args)
+        return self.reference(*args)
 
 
 OPS: dict[str, Op] = {}

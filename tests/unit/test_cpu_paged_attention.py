@@ -28,7 +28,7 @@ def _kernel(q, k_cache, v_cache, block_tables, seq_lens, scale, window=None) -> 
     """The registered C++ kernel, called directly (not through dispatch)."""
     kernel = ops.paged_attention.kernel_for(q)
     assert kernel is not None and kernel.name == "cpp"
-    return kernel.fn(q, k_cache, v_cache, block_tables, seq_lens, scale, window)
+    return kernel.fn(kernel.resolve(), q, k_cache, v_cache, block_tables, seq_lens, scale, window)
 
 
 def _make_case(

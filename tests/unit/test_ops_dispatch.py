@@ -26,9 +26,9 @@ def test_first_accepting_kernel_runs_else_the_reference() -> None:
     bf16 = frozenset({torch.bfloat16})
     flags = {"available": True}
     op = _op_with([
-        Kernel("contig", lambda x: ("contig", x), bf16, lambda: flags["available"],
+        Kernel("contig", lambda h, x: (h, x), bf16, lambda: "contig" if flags["available"] else None,
                lambda x: x.is_contiguous()),
-        Kernel("any", lambda x: ("any", x), bf16, lambda: True),
+        Kernel("any", lambda h, x: (h, x), bf16, lambda: "any"),
     ])
     x = torch.zeros(4, 4, dtype=torch.bfloat16)
     assert op(x)[0] == "contig"
@@ -37,6 +37,7 @@ def test_first_accepting_kernel_runs_else_the_reference() -> None:
     assert op(x)[0] == "any" and op.kernel_for(x).name == "any"
     assert op(x.float())[0] == "reference"  # no kernel for the dtype
     assert op(x.to("meta"))[0] == "reference"  # nor for the device
+    assert op.select(x)(x)[0] == "any" and op.select(x.float()) is op.reference
 
 
 def test_every_op_has_a_reference_and_no_cuda_kernel_yet() -> None:
