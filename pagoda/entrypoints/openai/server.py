@@ -3,8 +3,7 @@
 Every error is an OpenAI body `{"error": {"message", "type", "param", "code"}}`: 400 for
 invalid input (malformed JSON and wrong types included), 401 without the API key, 404 for
 an unknown model or route, 408 when a deadline (--request-timeout, --sla-max-queue-time)
-aborted a request before anything was sent (a stream that has begun ends with finish_reason
-"timeout" instead), 413 for an oversized body, 429 (with Retry-After) when the
+aborted a non-streamed request, 413 for an oversized body, 429 (with Retry-After) when the
 waiting queue is full, 500 only for an engine fault (in a stream: an error event, then
 `[DONE]`), 503 when the engine thread is gone. Unexpected exceptions answer 500; the server
 stays up. SIGTERM: stop accepting, let in-flight requests finish within

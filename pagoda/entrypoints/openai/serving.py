@@ -18,7 +18,7 @@ from typing import Any
 
 import anyio
 from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from pagoda.engine.async_engine import (
@@ -36,12 +36,6 @@ from pagoda.entrypoints.openai.request_log import current_record, note_error
 from pagoda.outputs import RequestOutput
 
 SSE_DONE = b"data: [DONE]\n\n"
-TIMEOUT_MESSAGE = ("the request timed out (--request-timeout or --sla-max-queue-time) and was "
-                   "aborted")
-
-
-class TimedOutBeforeOutput(Exception):
-    """A stream's deadline passed before its first event: it is answered 408 instead."""
 
 
 @dataclass
@@ -110,7 +104,8 @@ async def collect(raw: Request, state: ServerState, stream: OutputStream) -> lis
         except (EngineFaultError, EngineDeadError) as e:
             raise APIError(500, str(e)) from e
         if any(c.finish_reason == "timeout" for out in outputs for c in out.outputs):
-            raise APIError(408, TIMEOUT_MESSAGE)
+            raise APIError(408, "the request timed out (--request-timeout or "
+                           "--sla-max-queue-time) and was aborted")
         return outputs
     finally:
         task.cancel()
@@ -151,15 +146,10 @@ async def sse_events(
     state: ServerState, stream: OutputStream, payloads: AsyncIterator[dict[str, Any]]
 ) -> AsyncIterator[bytes]:
     """`payloads` as server-sent events, then `[DONE]`; an engine fault becomes an error
-    event (status 500) before `[DONE]`; leaving early aborts what is still running. Raises
-    TimedOutBeforeOutput if the first payload only says that every choice timed out."""
+    event (status 500) before `[DONE]`; leaving early aborts what is still running."""
     try:
         try:
-            first = True
             async for payload in payloads:
-                if first and _only_timeouts(payload):
-                    raise TimedOutBeforeOutput
-                first = False
                 yield sse(payload)
         except (EngineFaultError, EngineDeadError) as e:
             state.metrics.observe_http_error(500)
@@ -170,17 +160,9 @@ async def sse_events(
         abort_unfinished(state, stream)
 
 
-def _only_timeouts(payload: dict[str, Any]) -> bool:
-    choices = payload.get("choices") or []
-    return bool(choices) and all(
-        c.get("finish_reason") == "timeout" and not c.get("text")
-        and not (c.get("delta") or {}).get("content") for c in choices)
-
-
 class SSEResponse(StreamingResponse):
     """A streaming response that stops (and so aborts its request) as soon as the client
-    disconnects, even while no token is ready to be written. Its headers wait for the first
-    event, so that a deadline that passes before it is still answered 408.
+    disconnects, even while no token is ready to be written.
 
     NOTE: Starlette only notices a disconnect when a write fails under ASGI spec 2.4, which
     can be a long prefill later; here a watcher cancels the stream at once, and the body
@@ -195,24 +177,6 @@ class SSEResponse(StreamingResponse):
         # NOTE: closing a generator that never started skips its `finally`; a client that
         # leaves before the first byte is aborted by this instead.
         self.on_close = on_close
-
-    async def stream_response(self, send: Send) -> None:
-        try:
-            first = await anext(self.body_iterator)  # type: ignore[call-overload]
-        except StopAsyncIteration:
-            first = b""
-        except TimedOutBeforeOutput:
-            response = JSONResponse(error_body(408, TIMEOUT_MESSAGE), status_code=408)
-            await send({"type": "http.response.start", "status": 408,
-                        "headers": response.raw_headers})
-            await send({"type": "http.response.body", "body": response.body})
-            return
-        await send({"type": "http.response.start", "status": self.status_code,
-                    "headers": self.raw_headers})
-        await send({"type": "http.response.body", "body": first, "more_body": True})
-        async for chunk in self.body_iterator:
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
