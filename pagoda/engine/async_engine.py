@@ -367,7 +367,9 @@ class AsyncLLMEngine:
         self._deliver(outputs)
 
     def _fail_running(self, exc: Exception) -> None:
-        ids = _running_request_ids(self.engine) or _all_request_ids(self.engine)
+        # NOTE: a step that failed inside LLMEngine.step was rolled back: its requests wait.
+        ids = (self.engine.failed_request_ids or _running_request_ids(self.engine)
+               or _all_request_ids(self.engine))
         error = EngineFaultError(f"engine step failed: {type(exc).__name__}: {exc}")
         for out in self.engine.abort_request(ids):
             if self.metrics is not None:

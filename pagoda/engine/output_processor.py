@@ -149,12 +149,12 @@ class OutputProcessor:
             state.metrics.first_token_time = time.monotonic()
         sample.token_ids.extend(co.new_token_ids)
         if co.new_logprobs is not None and sample.logprobs is not None:
-            ids, lps, rank = co.new_logprobs
-            entry = {ids[0]: Logprob(lps[0], rank, self._decode(ids[0]))}
-            for r, (tid, lp) in enumerate(zip(ids[1:], lps[1:]), start=1):
-                entry.setdefault(tid, Logprob(lp, r, self._decode(tid)))
-            sample.logprobs.append(entry)
-            sample.cumulative_logprob += lps[0]
+            for ids, lps, rank in co.new_logprobs:
+                entry = {ids[0]: Logprob(lps[0], rank, self._decode(ids[0]))}
+                for r, (tid, lp) in enumerate(zip(ids[1:], lps[1:]), start=1):
+                    entry.setdefault(tid, Logprob(lp, r, self._decode(tid)))
+                sample.logprobs.append(entry)
+                sample.cumulative_logprob += lps[0]
         finish = co.finish_status
         if sample.detok is not None:
             stop_str = sample.detok.update(co.new_token_ids, finish == RequestStatus.FINISHED_STOPPED)

@@ -32,9 +32,11 @@ class CachedRequestState:
 
 @dataclass
 class ModelRunnerOutput:
-    sampled_token_ids: dict[str, int] = field(default_factory=dict)
-    # req_id -> (ids [K+1], logprobs [K+1], rank of the sampled token)
-    logprobs: dict[str, tuple[list[int], list[float], int]] = field(default_factory=dict)
+    # req_id -> the tokens the step produced, in order; absent = nothing sampled (e.g. a
+    # prefill chunk that does not reach the end of the prompt).
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # req_id -> per sampled token: (ids [K+1], logprobs [K+1], rank of the sampled token)
+    logprobs: dict[str, list[tuple[list[int], list[float], int]]] = field(default_factory=dict)
     # req_id -> (first position, ids [N][K+1], logprobs [N][K+1], ranks [N])
     prompt_logprobs: dict[str, tuple] = field(default_factory=dict)
 
@@ -195,14 +197,14 @@ class ModelRunner:
         token_ids = sampled.sampled_token_ids.tolist()
         for j, s in enumerate(chosen):
             s.token_ids.append(token_ids[j])
-            result.sampled_token_ids[s.req_id] = token_ids[j]
+            result.sampled_token_ids[s.req_id] = [token_ids[j]]
             k = s.sampling_params.logprobs
             if k is not None and sampled.logprobs is not None:
-                result.logprobs[s.req_id] = (
+                result.logprobs[s.req_id] = [(
                     sampled.logprob_token_ids[j, : k + 1].tolist(),
                     sampled.logprobs[j, : k + 1].tolist(),
                     int(sampled.sampled_token_ranks[j]),
-                )
+                )]
 
     def _prompt_logprobs(
         self,
