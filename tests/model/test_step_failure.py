@@ -8,6 +8,7 @@ earlier, stay cached and are reused."""
 from __future__ import annotations
 
 import random
+import signal
 
 import pytest
 
@@ -107,3 +108,34 @@ def test_engine_step_rolls_back_and_names_the_failed_requests(
     assert engine.failed_request_ids == []
     assert [o.outputs[0].token_ids for o in finals] == [expected[0]]
     engine.check_integrity()
+
+
+def test_ctrl_c_during_the_commit_is_held_until_the_scheduler_is_consistent(
+    model_path, prompts, expected, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIGINT delivered while the commit frees a finished request (after it left the
+    running list, before its blocks are freed): the KeyboardInterrupt surfaces once the
+    commit is done, so aborting leaves nothing half-finished, and the same LLM then gives
+    a fresh engine's output. Without the hold the abort finds the request in no queue."""
+    from pagoda.core.preemption import Preemptor
+
+    llm = LLM(str(model_path), **ENGINE)
+    free = Preemptor.free
+    calls = [0]
+
+    def interrupted_free(self, req):
+        calls[0] += 1
+        if calls[0] == 1:
+            signal.raise_signal(signal.SIGINT)
+        return free(self, req)
+
+    monkeypatch.setattr(Preemptor, "free", interrupted_free)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([{"prompt_token_ids": prompts[0]}], PARAMS, use_tqdm=False)
+    assert calls[0] == 1
+    engine = llm.llm_engine
+    engine.check_integrity()
+    assert not engine.has_unfinished_requests() and engine.kv_cache_manager.usage == 0.0
+    monkeypatch.undo()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
