@@ -287,10 +287,13 @@ class BlockPool:
                     f"the null block {null} was allocated, cached or freed")
         uncached = self.free_block_queue.get_all_free_blocks()
         cached = self.cached_free_queue.get_all_free_blocks()
-        assert_that(all(b.block_hash is None for b in uncached), "a cached block is uncached-free")
-        assert_that(all(b.block_hash is not None for b in cached), "an uncached block is cached-free")
+        assert_that(all(b.block_hash is None for b in uncached),
+                    "a cached block is uncached-free")
+        assert_that(all(b.block_hash is not None for b in cached),
+                    "an uncached block is cached-free")
         free_ids = {block.block_id for block in [*uncached, *cached]}
-        assert_that(len(free_ids) == len(uncached) + len(cached), "a block is twice in the free queues")
+        assert_that(len(free_ids) == len(uncached) + len(cached),
+                    "a block is twice in the free queues")
         num_used = 0
         for block_id, block in enumerate(self.blocks):
             assert_that(block.block_id == block_id, f"{block} is at index {block_id}")

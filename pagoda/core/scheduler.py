@@ -378,7 +378,9 @@ class Scheduler:
                 self._free(req, status)
         return outputs
 
-    def _append_tokens(self, req: Request, token_ids: list[int]) -> tuple[int, RequestStatus | None]:
+    def _append_tokens(
+        self, req: Request, token_ids: list[int]
+    ) -> tuple[int, RequestStatus | None]:
         """Append `token_ids` one at a time until one stops the request; returns how many
         were appended and the finish status (None: still running)."""
         status = None

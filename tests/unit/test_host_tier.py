@@ -349,7 +349,8 @@ class KVCheckingRunner:
             assert k[slots].flatten().long().tolist() == req.all_token_ids[: len(pos)], req_id
             assert v[slots].flatten().long().tolist() == pos.tolist(), req_id
             if req.num_computed_tokens == req.num_tokens:
-                result.sampled_token_ids[req_id] = [3 + (req.all_token_ids[-1] * 31 + len(pos)) % 997]
+                token = 3 + (req.all_token_ids[-1] * 31 + len(pos)) % 997
+                result.sampled_token_ids[req_id] = [token]
         return result
 
 
