@@ -30,7 +30,10 @@ KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """'auto' -> bfloat16 where the device computes it natively, else float32."""
+    """'auto' -> bfloat16 where the device computes it natively, else float32. An explicit
+    dtype is taken as given: float16 runs on every CPU (PyTorch converts per op where the
+    CPU has no float16 arithmetic; oneDNN packs float16 weights only with AVX512_FP16 or
+    AVX_NE_CONVERT, elsewhere the linears stay on F.linear)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
@@ -39,10 +42,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
         return torch.bfloat16 if cpu_has_bf16() else torch.float32
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {['auto', *_DTYPES]}, got {dtype!r}")
-    resolved = _DTYPES[dtype]
-    if resolved == torch.float16 and device.type == "cpu":
-        raise ValueError("dtype float16 is not supported on CPU; use bfloat16 or float32")
-    return resolved
+    return _DTYPES[dtype]
 
 
 def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:

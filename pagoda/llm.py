@@ -104,7 +104,7 @@ class LLM:
                     sla_class=classes[i] if classes else DEFAULT_SLA_CLASS,
                 )
                 order[req_id] = i
-        except Exception:
+        except BaseException:
             engine.abort_request(list(order))
             raise
         results: list[RequestOutput | None] = [None] * len(prompts)
@@ -116,6 +116,9 @@ class LLM:
                         results[order[out.request_id]] = out
                         bar.update(1)
         except BaseException:
+            # NOTE: an error or Ctrl-C (KeyboardInterrupt) mid-step leaves the step rolled
+            # back (LLMEngine.step); aborting frees every block of this call's requests, so
+            # the same LLM serves the next call correctly.
             engine.abort_request(list(order))
             raise
         finally:

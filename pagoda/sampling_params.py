@@ -88,8 +88,13 @@ class SamplingParams:
     def _verify_counts(self) -> None:
         if not _is_int(self.n) or self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n}")
-        if self.best_of is not None and (not _is_int(self.best_of) or self.best_of < self.n):
-            raise ValueError(f"best_of must be at least n ({self.n}), got {self.best_of}")
+        if self.best_of is not None and self.best_of != self.n:
+            # NOTE: best_of > n (generate more, return the n most likely) is not
+            # implemented; accepting it and returning n plain samples would silently give
+            # other results than asked for.
+            raise ValueError(
+                f"best_of is not supported unless it equals n ({self.n}), got {self.best_of}"
+            )
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:

@@ -6,8 +6,10 @@ prompt; each later one forks from it once it has (pagoda/core/scheduler.py `_adm
 it shares the prompt's full blocks, gets a copy of the partly filled last block
 (copy-on-write: its first token lands there) and computes only the last prompt token, for
 its own first sample. So they share with prefix caching on or off; four separate requests
-share only through the prefix cache. Peak = the most KV blocks in use at any moment of the
-run (`KVCacheManager.peak_num_used_blocks`), output lengths forced with `ignore_eos`.
+share only through the prefix cache, whose blocks are registered when a step commits, so
+separate requests admitted in the same step share nothing. Peak = the most KV blocks in
+use at any moment of the run (`KVCacheManager.peak_num_used_blocks`), output lengths
+forced with `ignore_eos`.
 
 Reported: peak blocks (and MiB) of each of the four runs, and the saving
 1 - peak(n samples) / peak(n separate requests, prefix caching off).

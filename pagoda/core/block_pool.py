@@ -1,17 +1,23 @@
-"""The pool of KV-cache blocks: reference counts, the free queue and the prefix-cache map.
+"""The pool of KV-cache blocks: reference counts, the free queues and the prefix-cache map.
 
-Every block is in exactly one of two states:
+Block 0 is the reserved null block: never allocated, never freed, counted neither free nor
+used (a placeholder for table entries that hold no KV, e.g. blocks a sliding window has
+left). The pool serves `num_blocks - 1` blocks. Every other block is in one of three states:
 
-| state  | ref_cnt | in free queue | block_hash                                      |
-|--------|---------|---------------|-------------------------------------------------|
-| used   | >= 1    | no            | set once the block is full and registered        |
-| free   | 0       | yes           | may still be set: reusable on a prefix hit until |
-|        |         |               | the block is popped for new data (evicted)       |
+| state         | ref_cnt | in a free queue | block_hash                                  |
+|---------------|---------|-----------------|---------------------------------------------|
+| used          | >= 1    | no              | set once full and its step committed        |
+| free          | 0       | uncached queue  | None                                        |
+| free, cached  | 0       | cached queue    | set: reusable on a prefix hit until evicted |
 
-The free queue is the eviction order: blocks are allocated from its head and freed to its
-tail, so the least recently freed block is evicted first. A prefix hit takes a free
-cached block out of the middle of the queue in O(1) (intrusive doubly linked list).
-Block 0 is an ordinary block.
+A block only gets a hash once the step that computed its K/V has committed
+(`cache_full_blocks` is called from the scheduler's `update_from_output`), so a hash never
+names a block whose K/V was not written.
+
+Allocation takes uncached free blocks first (they hold nothing anyone can reuse), then
+evicts cached ones least recently freed first; both queues take freed blocks at the tail,
+in the order given. A prefix hit takes a free cached block out of the middle of its queue
+in O(1) (intrusive doubly linked lists).
 
 With a host tier (core/host_tier.py), evicting a cached block offloads it: its hash and KV
 move to a host slot (the copy is queued there) instead of being forgotten. The tiers are
@@ -110,41 +116,55 @@ class FreeKVCacheBlockQueue:
 
 
 class BlockPool:
-    """All KV blocks of one cache, with ref counting, LRU eviction and the prefix map.
+    """All KV blocks of one cache, with ref counting, eviction order and the prefix map.
 
-    Invariant: a block is in the free queue iff its ref_cnt is 0; `cached_block_hash_to_block`
-    maps a hash to the one block registered under it, and that block's `block_hash` is
-    that hash. A hash maps to at most one block: when two requests fill identical blocks
-    at the same time, the first to register wins and the other block stays uncached.
+    Invariant: a block other than the null block is in a free queue iff its ref_cnt is 0,
+    the cached queue iff it also has a hash; `cached_block_hash_to_block` maps a hash to the
+    one block registered under it, and that block's `block_hash` is that hash. A hash maps
+    to at most one block: when two requests fill identical blocks in the same step, the
+    first to register wins and the other block stays uncached.
     """
 
     def __init__(
         self, num_blocks: int, enable_caching: bool, host_tier: HostPrefixTier | None = None
     ) -> None:
-        if num_blocks <= 0:
-            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        if num_blocks < 2:
+            raise ValueError(
+                f"num_blocks must be at least 2 (block 0 is the reserved null block), "
+                f"got {num_blocks}"
+            )
         if host_tier is not None and not enable_caching:
             raise ValueError("a host tier needs prefix caching")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.host_tier = host_tier
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
-        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
+        self.null_block = self.blocks[0]
+        # NOTE: uncached free blocks are handed out before cached ones are evicted.
+        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks[1:])
+        self.cached_free_queue = FreeKVCacheBlockQueue([])
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
 
+    @property
+    def num_usable_blocks(self) -> int:
+        """Blocks the pool can hand out: all but the null block."""
+        return self.num_blocks - 1
+
     def get_new_blocks(self, n: int) -> list[KVCacheBlock]:
-        """Pop `n` blocks from the free queue head (LRU first), evict their cached hashes
-        and return them with ref_cnt 1. ValueError (and no change) if fewer are free.
+        """Take `n` free blocks, uncached ones first, then cached ones least recently freed
+        first (evicting their hashes); return them with ref_cnt 1. ValueError (and no
+        change) if fewer are free.
         """
-        if n > self.free_block_queue.num_free_blocks:
-            raise ValueError(
-                f"cannot get {n} blocks: only {self.free_block_queue.num_free_blocks} free"
-            )
-        popleft = self.free_block_queue.popleft
+        num_free = self.get_num_free_blocks()
+        if n > num_free:
+            raise ValueError(f"cannot get {n} blocks: only {num_free} free")
+        uncached, cached = self.free_block_queue, self.cached_free_queue
         blocks = []
         for _ in range(n):
-            block = popleft()
-            if block.block_hash is not None:
+            if uncached.num_free_blocks:
+                block = uncached.popleft()
+            else:
+                block = cached.popleft()
                 self._evict(block)
             block.ref_cnt = 1
             blocks.append(block)
@@ -165,24 +185,29 @@ class BlockPool:
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on each block; a free block (a prefix hit on a freed block)
-        leaves the free queue in O(1) so it cannot be evicted while in use.
+        leaves its free queue in O(1) so it cannot be evicted while in use.
         """
         for block in blocks:
             if block.ref_cnt == 0:
-                self.free_block_queue.remove(block)
+                self._queue_of(block).remove(block)
             block.ref_cnt += 1
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
-        """Drop a reference on each block; blocks reaching 0 go to the free queue tail in
-        the given order (first given, first evicted) and keep their hash until evicted.
+        """Drop a reference on each block; blocks reaching 0 go to the tail of their free
+        queue (cached or not) in the given order (first given, first evicted) and keep
+        their hash until evicted.
         """
-        append = self.free_block_queue.append
         for block in ordered_blocks:
             if block.ref_cnt <= 0:
                 raise ValueError(f"double free of {block}")
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                append(block)
+                self._queue_of(block).append(block)
+
+    def _queue_of(self, block: KVCacheBlock) -> FreeKVCacheBlockQueue:
+        if block is self.null_block:
+            raise ValueError("the null block is never allocated or freed")
+        return self.free_block_queue if block.block_hash is None else self.cached_free_queue
 
     def cache_full_blocks(
         self,
@@ -192,9 +217,9 @@ class BlockPool:
         num_full_blocks: int,
     ) -> None:
         """Register `blocks[i]` under `block_hashes[i]` for i in [num_cached_blocks,
-        num_full_blocks): blocks that just became full. Needs len(block_hashes) >=
-        num_full_blocks. A block already registered, or a hash already held by another
-        block, is left as it is.
+        num_full_blocks): blocks whose K/V a committed step has just completed (blocks in
+        use). Needs len(block_hashes) >= num_full_blocks. A block already registered, or a
+        hash already held by another block, is left as it is.
         """
         if not self.enable_caching:
             return
@@ -217,57 +242,71 @@ class BlockPool:
                 # device copy wins, so that no hash is held by both tiers.
                 host_tier.discard(block_hash)
 
-    def uncache_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """Unregister `blocks` from the prefix cache without offloading them: their K/V
-        were never computed (a step undone after its blocks were registered)."""
-        for block in blocks:
-            if block.block_hash is None:
-                continue
-            if self.cached_block_hash_to_block.get(block.block_hash) is block:
-                del self.cached_block_hash_to_block[block.block_hash]
-            block.block_hash = None
-
     def get_num_free_blocks(self) -> int:
-        """Blocks in the free queue (including cached ones, which are evictable)."""
-        return self.free_block_queue.num_free_blocks
+        """Blocks that can be allocated now: free ones, cached (evictable) ones included."""
+        return self.free_block_queue.num_free_blocks + self.cached_free_queue.num_free_blocks
+
+    def get_num_used_blocks(self) -> int:
+        """Blocks held by requests (ref_cnt > 0)."""
+        return self.num_usable_blocks - self.get_num_free_blocks()
+
+    def get_free_blocks(self) -> list[KVCacheBlock]:
+        """The free blocks in eviction order: uncached ones, then cached ones LRU first.
+        O(n), for tests and checks."""
+        return [*self.free_block_queue.get_all_free_blocks(),
+                *self.cached_free_queue.get_all_free_blocks()]
 
     def get_usage(self) -> float:
-        """Fraction of blocks in use (ref_cnt > 0), in [0, 1]."""
-        return 1.0 - self.free_block_queue.num_free_blocks / self.num_blocks
+        """Fraction of the usable blocks in use (ref_cnt > 0), in [0, 1]."""
+        return self.get_num_used_blocks() / self.num_usable_blocks
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash. Only when no block is in use (returns False and
         changes nothing otherwise): running requests track how many of their blocks are
         registered, and unregistering their blocks behind their back breaks that count.
         """
-        if self.free_block_queue.num_free_blocks != self.num_blocks:
+        if self.get_num_used_blocks():
             return False
-        for block in self.cached_block_hash_to_block.values():
+        while self.cached_free_queue.num_free_blocks:
+            block = self.cached_free_queue.popleft()
             block.block_hash = None
+            self.free_block_queue.append(block)
         self.cached_block_hash_to_block.clear()
         if self.host_tier is not None:
             self.host_tier.reset()
         return True
 
     def check_integrity(self) -> None:
-        """Assert the table in the module docstring (AssertionError with a message):
-        free queue == blocks with ref 0, and the hash map agrees with the blocks' hashes;
-        the host tier's own invariants, and no hash in both tiers. Between steps only.
+        """Assert the table in the module docstring (AssertionError with a message): the
+        null block untouched, each free queue == the free blocks with / without a hash,
+        free + used == usable, and the hash map agrees with the blocks' hashes; the host
+        tier's own invariants, and no hash in both tiers. Between steps only.
         """
-        free_blocks = self.free_block_queue.get_all_free_blocks()
-        free_ids = {block.block_id for block in free_blocks}
-        assert_that(len(free_ids) == len(free_blocks), "a block is twice in the free queue")
+        null = self.null_block
+        assert_that(null.ref_cnt == 0 and null.block_hash is None and null.prev_free is None,
+                    f"the null block {null} was allocated, cached or freed")
+        uncached = self.free_block_queue.get_all_free_blocks()
+        cached = self.cached_free_queue.get_all_free_blocks()
+        assert_that(all(b.block_hash is None for b in uncached),
+                    "a cached block is uncached-free")
+        assert_that(all(b.block_hash is not None for b in cached),
+                    "an uncached block is cached-free")
+        free_ids = {block.block_id for block in [*uncached, *cached]}
+        assert_that(len(free_ids) == len(uncached) + len(cached),
+                    "a block is twice in the free queues")
         num_used = 0
         for block_id, block in enumerate(self.blocks):
             assert_that(block.block_id == block_id, f"{block} is at index {block_id}")
+            if block is null:
+                continue
             assert_that(block.ref_cnt >= 0, f"{block} has a negative ref count")
             in_queue = block_id in free_ids
             assert_that(in_queue == (block.ref_cnt == 0), f"{block}: in free queue={in_queue}")
             num_used += block.ref_cnt > 0
             if block.block_hash is not None:
-                cached = self.cached_block_hash_to_block.get(block.block_hash)
-                assert_that(cached is block, f"{block} has a hash that maps to {cached}")
-        assert_that(len(free_ids) + num_used == self.num_blocks, "free + used != total")
+                registered = self.cached_block_hash_to_block.get(block.block_hash)
+                assert_that(registered is block, f"{block} has a hash that maps to {registered}")
+        assert_that(len(free_ids) + num_used == self.num_usable_blocks, "free + used != usable")
         for block_hash, block in self.cached_block_hash_to_block.items():
             assert_that(block.block_hash == block_hash, f"hash map entry points at {block}")
         assert_that(

@@ -33,7 +33,7 @@ is simply forgotten, as without the tier.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Container, Sequence
+from collections.abc import Container, Iterable, Sequence
 
 from pagoda.core.block_pool import assert_that
 from pagoda.core.hashing import BlockHash
@@ -135,10 +135,22 @@ class HostPrefixTier:
         self.num_loaded += len(slots)
 
     def discard(self, block_hash: BlockHash) -> None:
-        """Drop `block_hash` (no-op if absent): a device block was just registered under it."""
+        """Drop `block_hash` (no-op if absent): a device block was just registered under it.
+        Between steps (registration happens at a step's commit, when no copy is in flight):
+        the slot is free at once."""
         slot = self._entries.pop(block_hash, None)
         if slot is not None:
-            self._release(slot)
+            self._free.append(slot)
+
+    def discard_slots(self, slots: Iterable[int]) -> None:
+        """Drop the entries held in `slots` (slots no entry holds are skipped): the copies
+        that were to fill them belong to a step that failed. Between steps: the slots are
+        free at once."""
+        dropped = set(slots)
+        if not dropped:
+            return
+        for block_hash in [h for h, slot in self._entries.items() if slot in dropped]:
+            self._free.append(self._entries.pop(block_hash))
 
     def _release(self, slot: int) -> None:
         # NOTE: a slot read or written by this step's copies must not be reused before the

@@ -1,4 +1,4 @@
-"""Per-request block tables over one BlockPool: admission, prefix hits and frees.
+"""Per-request block tables over one BlockPool: admission, prefix hits, commits and frees.
 
 The scheduler's view of KV memory. A request's block table is append-only while it
 runs: block i holds the K/V of tokens [i * block_size, (i + 1) * block_size). Prefix
@@ -13,12 +13,17 @@ are shared), so sharing needs no copy-on-write here.
 | num_cached_blocks | leading blocks already offered to the prefix cache (registered,  |
 |                   | or skipped as duplicates); the next registration starts there    |
 
+Registration happens at commit only: `cache_blocks(request)`, called by the scheduler once
+a step has returned, registers the full blocks that the request's computed tokens cover.
+Allocation registers nothing, so a step that fails or is interrupted leaves no block
+findable whose K/V was never written, and needs no undo.
+
 With a host tier (`num_host_tier_blocks` > 0, core/host_tier.py), a prefix lookup that runs
 out of device hits continues its chain in host memory. Admission gives each host hit a new
-device block, queues the host -> device copy (performed before the step's forward) and
-registers the block like any other full one; the request skips those tokens as computed.
-The step's copies, device -> host offloads of evicted blocks included, are handed to the
-scheduler by `end_step()`.
+device block and queues the host -> device copy (performed before the step's forward); the
+request skips those tokens as computed, and the block is registered at commit like any
+other. The step's copies, device -> host offloads of evicted blocks included, are handed to
+the scheduler by `end_step()`; `discard_offloads` forgets the offloads of a failed step.
 """
 
 from __future__ import annotations
@@ -100,8 +105,13 @@ class KVCacheManager:
         return self.block_pool.get_num_free_blocks()
 
     @property
+    def num_usable_blocks(self) -> int:
+        """`num_blocks` less the reserved null block."""
+        return self.block_pool.num_usable_blocks
+
+    @property
     def usage(self) -> float:
-        """Fraction of blocks held by requests, in [0, 1]."""
+        """Fraction of the usable blocks held by requests, in [0, 1]."""
         return self.block_pool.get_usage()
 
     def get_computed_blocks(self, request: _CacheRequest) -> tuple[list[KVCacheBlock], int]:
@@ -144,9 +154,8 @@ class KVCacheManager:
 
         `new_computed_blocks` (from `get_computed_blocks`, only for a request that holds no
         blocks) are shared and prepended. Computed tokens past them are host-tier hits:
-        each gets a new device block and a queued host -> device copy. With caching on,
-        blocks that become full with these tokens and have a hash in
-        `request.block_hashes` are registered.
+        each gets a new device block and a queued host -> device copy. Registers nothing
+        (see `cache_blocks`).
         """
         block_size = self.block_size
         num_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
@@ -171,9 +180,6 @@ class KVCacheManager:
             )
             if new_blocks is None:
                 return None
-            blocks = self.req_to_blocks[request.req_id]
-        if self.enable_caching:
-            self._cache_full_blocks(request, blocks, num_tokens)
         return new_blocks
 
     def _allocate_first(
@@ -256,19 +262,24 @@ class KVCacheManager:
             )
         return hashes
 
-    def _cache_full_blocks(
-        self, request: _CacheRequest, blocks: list[KVCacheBlock], num_tokens: int
-    ) -> None:
-        """Register the blocks that `num_tokens` fills and that have a hash."""
-        # NOTE: capping by the hashes keeps tokens scheduled past the hashed ones (draft
+    def cache_blocks(self, request: _CacheRequest) -> None:
+        """Register the full blocks that the request's computed tokens cover and that have a
+        hash in `request.block_hashes`. Called at commit: once the step that computed those
+        tokens (or copied them in from host memory) has returned.
+        """
+        if not self.enable_caching:
+            return
+        # NOTE: capping by the hashes keeps tokens computed past the hashed ones (draft
         # tokens, which must not be hashed until accepted) out of the cache.
-        num_full_blocks = min(num_tokens // self.block_size, len(request.block_hashes))
-        num_cached = self.num_cached_blocks[request.req_id]
+        num_full_blocks = min(request.num_computed_tokens // self.block_size,
+                              len(request.block_hashes))
+        req_id = request.req_id
+        num_cached = self.num_cached_blocks.get(req_id, 0)
         if num_full_blocks > num_cached:
             self.block_pool.cache_full_blocks(
-                blocks, request.block_hashes, num_cached, num_full_blocks
+                self.req_to_blocks[req_id], request.block_hashes, num_cached, num_full_blocks
             )
-            self.num_cached_blocks[request.req_id] = num_full_blocks
+            self.num_cached_blocks[req_id] = num_full_blocks
 
     def fork(
         self, parent: _CacheRequest, child: _CacheRequest, num_tokens: int
@@ -301,25 +312,6 @@ class KVCacheManager:
         self._set_table(child.req_id, blocks, num_full)
         return copies
 
-    def uncomputed_cached_blocks(self, request: _CacheRequest) -> list[KVCacheBlock]:
-        """The request's blocks registered in the prefix cache in this step, ahead of its
-        computed tokens (registration happens at allocation, before the forward; the
-        scheduler advances num_computed_tokens only once the step is scheduled).
-        """
-        first = request.num_computed_tokens // self.block_size
-        num_cached = self.num_cached_blocks.get(request.req_id, 0)
-        blocks = self.req_to_blocks.get(request.req_id, [])
-        return [b for b in blocks[first:num_cached] if b.block_hash is not None]
-
-    def uncache_uncomputed(self, request: _CacheRequest) -> None:
-        """Undo this step's registrations of the request's blocks (its step is undone)."""
-        self.block_pool.uncache_blocks(self.uncomputed_cached_blocks(request))
-        if request.req_id in self.num_cached_blocks:
-            first = request.num_computed_tokens // self.block_size
-            self.num_cached_blocks[request.req_id] = min(
-                self.num_cached_blocks[request.req_id], first
-            )
-
     def free(self, request: _CacheRequest) -> None:
         """Release the request's blocks (no-op if it holds none). Frees the table in
         reverse so that a sequence's tail is evicted before its head, which other
@@ -341,12 +333,12 @@ class KVCacheManager:
         self._note_usage()
 
     def _note_usage(self) -> None:
-        used = self.num_blocks - self.block_pool.get_num_free_blocks()
+        used = self.block_pool.get_num_used_blocks()
         self.peak_num_used_blocks = max(self.peak_num_used_blocks, used)
 
     def reset_peak_num_used_blocks(self) -> None:
         """Restart the high-water mark from the blocks held now."""
-        self.peak_num_used_blocks = self.num_blocks - self.block_pool.get_num_free_blocks()
+        self.peak_num_used_blocks = self.block_pool.get_num_used_blocks()
 
     def occupancy(self, requests: Iterable[_CacheRequest]) -> KVOccupancy:
         """Read-only: the distinct blocks that `requests` hold, their slots, and the tokens
@@ -378,6 +370,12 @@ class KVCacheManager:
         self.host_tier.end_step()
         return copies
 
+    def discard_offloads(self, offloads: Iterable[tuple[int, int]]) -> None:
+        """Forget the host-tier entries that a failed step's (device, slot) offloads were
+        to fill: the copies may not have happened."""
+        if self.host_tier is not None:
+            self.host_tier.discard_slots(slot for _, slot in offloads)
+
     @property
     def host_tier_usage(self) -> float:
         """Fraction of host-tier slots holding a block, in [0, 1] (0 without a tier)."""
@@ -394,10 +392,13 @@ class KVCacheManager:
         is in use."""
         return self.block_pool.reset_prefix_cache()
 
-    def check_integrity(self) -> None:
+    def check_integrity(self, requests: Iterable[_CacheRequest] = ()) -> None:
         """Assert the pool's invariants plus: each block's ref_cnt equals its number of
-        appearances over all tables, no block is twice in one table, and the id tables
-        match the block tables. Raises AssertionError with a message.
+        appearances over all tables, no block is twice in one table, the null block is in
+        none, and the id tables match the block tables. For each of `requests` (those that
+        hold blocks): every registered block in its table was computed, i.e. lies within
+        its computed tokens and carries the hash of its own tokens there. Raises
+        AssertionError with a message.
         """
         self.block_pool.check_integrity()
         num_refs: Counter[int] = Counter()
@@ -408,8 +409,25 @@ class KVCacheManager:
             assert_that(self.num_cached_blocks[req_id] <= len(blocks), f"{req_id}: cached > table")
             num_refs.update(block_ids)
         assert_that(self.req_to_block_ids.keys() == self.req_to_blocks.keys(), "tables disagree")
+        assert_that(num_refs[self.block_pool.null_block.block_id] == 0, "null block in a table")
         for block in self.block_pool.blocks:
             assert_that(
                 block.ref_cnt == num_refs[block.block_id],
                 f"{block}: ref_cnt != {num_refs[block.block_id]} table appearances",
             )
+        for request in requests:
+            self._check_registered_were_computed(request)
+
+    def _check_registered_were_computed(self, request: _CacheRequest) -> None:
+        req_id = request.req_id
+        num_computed_blocks = request.num_computed_tokens // self.block_size
+        assert_that(self.num_cached_blocks.get(req_id, 0) <= num_computed_blocks,
+                    f"{req_id}: more blocks offered to the cache than computed")
+        for i, block in enumerate(self.req_to_blocks.get(req_id, ())):
+            if block.block_hash is None:
+                continue
+            assert_that(i < num_computed_blocks,
+                        f"{req_id}: {block} is registered but its tokens were not computed")
+            assert_that(i < len(request.block_hashes) and
+                        block.block_hash == request.block_hashes[i],
+                        f"{req_id}: {block} is registered under another prefix's hash")

@@ -38,6 +38,10 @@ class RequestQueue(Protocol):
     def prepend(self, request: Request) -> None:
         """Queue a preempted request (FCFS: at the front)."""
 
+    def requeue(self, requests: Sequence[Request]) -> None:
+        """Put back requests taken out of the queue in this step, in their order, where they
+        were (FCFS: at the front)."""
+
     def peek(self) -> Request:
         """The request to admit next; IndexError if empty."""
 
@@ -72,6 +76,9 @@ class FCFSQueue:
 
     def prepend(self, request: Request) -> None:
         self._q.appendleft(request)
+
+    def requeue(self, requests: Sequence[Request]) -> None:
+        self._q.extendleft(reversed(requests))
 
     def peek(self) -> Request:
         return self._q[0]
@@ -127,6 +134,10 @@ class PriorityQueue:
         # NOTE: a preempted request keeps its rank (its arrival is unchanged), so it goes
         # back to where it belongs: no special case.
         self.add(request)
+
+    def requeue(self, requests: Sequence[Request]) -> None:
+        for request in requests:
+            self.add(request)
 
     def peek(self) -> Request:
         return self._heap[0][-1]

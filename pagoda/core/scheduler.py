@@ -6,6 +6,13 @@ Chunked prefill, prefix-cache hits and recompute after preemption are all this o
 
 n > 1: the later samples of a request wait until its first sample has computed the
 prompt, then fork from it (shared full blocks, a copy of the partly filled last one).
+A waiting sample is skipped past: the requests behind it are admitted meanwhile.
+
+Commit: `update_from_output` runs once the step has returned. Only then are the blocks
+the step's computed tokens filled registered in the prefix cache, and the sampled tokens
+appended (one or more per request, with stop checks per token). A step that raises or is
+interrupted is undone by `rollback_step` instead: nothing it allocated is registered, so
+there is nothing to unregister.
 
 Preemption (carried out by core/preemption.py, victims chosen by the policy in
 core/request_queue.py):
@@ -15,7 +22,7 @@ core/request_queue.py):
 - Priority policy only: a waiting request that outranks the policy's victim among the
   requests that were already running preempts it when `max_num_seqs` is reached or the
   blocks run out. The victim's work of this step is undone (it was scheduled in the
-  running phase), its tokens go back to the budget.
+  running phase), its tokens go back to the budget; nothing of it was registered.
 """
 
 from __future__ import annotations
@@ -166,6 +173,7 @@ class Scheduler:
         now = time.monotonic()
         admitted: set[str] = set()
         preempted: set[str] = set()
+        skipped: list[Request] = []
         while len(self.waiting):
             budget = self.max_num_batched_tokens - out.total_num_scheduled_tokens
             req = self.waiting.peek()
@@ -173,6 +181,11 @@ class Scheduler:
             # again at once would only copy or recompute what was just given up.
             if budget <= 0 or req.req_id in preempted:
                 break
+            if self._fork_parent(req, self._wants_prompt_logprobs(req)) is _WAIT_FOR_PARENT:
+                # NOTE: taken out of the queue for this pass only, so that the requests
+                # behind it are not held up by a wait that is not theirs.
+                skipped.append(self.waiting.pop())
+                continue
             if len(self.running) >= self.max_num_seqs:
                 if self._preempt_for(req, out, admitted, preempted):
                     continue
@@ -185,21 +198,16 @@ class Scheduler:
                     continue
                 break
             admitted.add(req.req_id)
+        self.waiting.requeue(skipped)
 
     def _admit(self, req: Request, budget: int, out: SchedulerOutput, now: float) -> int | None:
         """Move the waiting head `req` to running with up to `budget` new tokens; returns
-        that count, 0 if its prompt would have to be split with chunked prefill off or it
-        waits to fork from its group's first sample, or None if the blocks are short (no
-        change in any case).
+        that count, 0 if its prompt would have to be split with chunked prefill off, or
+        None if the blocks are short (no change in any case). Not for a sample that waits
+        to fork from its group's first one.
         """
-        # NOTE: prompt logprobs need logits at every prompt position, so such a request
-        # skips the prefix cache until its prompt has been computed once in full.
-        want_prompt_logprobs = (
-            req.sampling_params.prompt_logprobs is not None and req.num_output_tokens == 0
-        )
+        want_prompt_logprobs = self._wants_prompt_logprobs(req)
         parent = self._fork_parent(req, want_prompt_logprobs)
-        if parent is _WAIT_FOR_PARENT:
-            return 0
         if parent is not None:
             return self._admit_fork(req, parent, budget, out, now)
         if req.status == RequestStatus.SWAPPED:
@@ -250,6 +258,12 @@ class Scheduler:
         out.num_scheduled_tokens[req.req_id] = n
         out.total_num_scheduled_tokens += n
         return n
+
+    @staticmethod
+    def _wants_prompt_logprobs(req: Request) -> bool:
+        # NOTE: prompt logprobs need logits at every prompt position, so such a request
+        # skips the prefix cache until its prompt has been computed once in full.
+        return req.sampling_params.prompt_logprobs is not None and req.num_output_tokens == 0
 
     def _fork_parent(self, req: Request, want_prompt_logprobs: bool) -> Request | None | object:
         """For a later sample of an n > 1 request that has not started: its group's first
@@ -302,18 +316,11 @@ class Scheduler:
         victim = self.waiting.pick_victim(candidates)
         if not self.waiting.outranks(req, victim):
             return False
-        # NOTE: blocks the victim's undone tokens would fill are already registered in
-        # the prefix cache (registration happens at allocation). A request admitted in
-        # this step may have hit one of them, counting on this step to compute it: then
-        # the victim's step cannot be undone. Otherwise they are unregistered below,
-        # or a later hit would read K/V that were never written.
-        if any(b.ref_cnt > 1 for b in self.kv.uncomputed_cached_blocks(victim)):
-            return False
         # NOTE: the victim was scheduled in the running phase of this step: undo that
-        # before its blocks go (its num_computed_tokens only advances at the end).
+        # before its blocks go (its num_computed_tokens only advances at the end, and its
+        # blocks are only registered at commit, so nothing else needs undoing).
         n = out.num_scheduled_tokens.pop(victim.req_id, 0)
         if n:
-            self.kv.uncache_uncomputed(victim)
             out.total_num_scheduled_tokens -= n
             out.scheduled_cached_reqs = [
                 c for c in out.scheduled_cached_reqs if c.req_id != victim.req_id
@@ -336,31 +343,32 @@ class Scheduler:
     def update_from_output(
         self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput  # noqa: F821
     ) -> list[EngineCoreOutput]:
+        """Commit a step that returned: register the blocks its computed tokens filled,
+        append each request's sampled tokens with stop checks per token (a stop discards
+        the tokens after it), free the requests that finished."""
         outputs: list[EngineCoreOutput] = []
         now = time.monotonic()
         for req_id in sched_out.num_scheduled_tokens:
             req = self.requests.get(req_id)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue
-            sampled = runner_out.sampled_token_ids.get(req_id)
+            self.kv.cache_blocks(req)
+            token_ids = runner_out.sampled_token_ids.get(req_id)
             prompt_lps = runner_out.prompt_logprobs.get(req_id)
-            if not sampled:
+            if not token_ids:
                 if prompt_lps is not None:
                     outputs.append(EngineCoreOutput(req_id, [], new_prompt_logprobs=prompt_lps))
                 continue
-            # NOTE: one token per step until speculative decoding (core-commit rewrites this).
-            token_id = sampled[0]
-            req.append_output_token_ids(token_id)
+            num_accepted, status = self._append_tokens(req, token_ids)
             if req.first_token_time is None:
                 req.first_token_time = now
                 self._observe_ttft(req, now)
-            update_block_hashes(req, self.block_size)
-            status = self._check_stop(req)
+            logprobs = runner_out.logprobs.get(req_id)
             outputs.append(
                 EngineCoreOutput(
                     req_id,
-                    [token_id],
-                    new_logprobs=runner_out.logprobs.get(req_id, [None])[0],
+                    token_ids[:num_accepted],
+                    new_logprobs=logprobs[:num_accepted] if logprobs is not None else None,
                     new_prompt_logprobs=prompt_lps,
                     finish_status=status,
                     stop_reason=req.stop_reason,
@@ -370,6 +378,54 @@ class Scheduler:
                 self.running.remove(req)
                 self._free(req, status)
         return outputs
+
+    def _append_tokens(
+        self, req: Request, token_ids: list[int]
+    ) -> tuple[int, RequestStatus | None]:
+        """Append `token_ids` one at a time until one stops the request; returns how many
+        were appended and the finish status (None: still running)."""
+        status = None
+        num_accepted = 0
+        for token_id in token_ids:
+            req.append_output_token_ids(token_id)
+            num_accepted += 1
+            status = self._check_stop(req)
+            if status is not None:
+                break
+        update_block_hashes(req, self.block_size)
+        return num_accepted, status
+
+    def rollback_step(self, sched_out: SchedulerOutput) -> list[str]:
+        """Undo a step whose execution raised or was interrupted (before its commit); returns
+        the ids of the requests it ran. Those go back to the front of the waiting queue to
+        be computed from scratch, holding no blocks (none of this step's blocks was
+        registered, so no cache entry names unwritten K/V). Requests this step swapped out
+        are demoted to recompute, and its host-tier offloads forgotten: their copies may
+        not have happened. The runner is told to drop the state of every request the step
+        touched (`finished_req_ids` of the next step).
+        """
+        rolled_back = [self.requests[r] for r in sched_out.num_scheduled_tokens
+                       if r in self.requests and self.requests[r].status == RequestStatus.RUNNING]
+        for req in rolled_back:
+            self.running.remove(req)
+            self._reset_to_scratch(req)
+        self.waiting.requeue(rolled_back)
+        for req_id in sched_out.finished_req_ids:
+            req = self.requests.get(req_id)
+            if req is not None and req.status == RequestStatus.SWAPPED:
+                self.waiting.remove(req)
+                self._reset_to_scratch(req)
+                self.waiting.prepend(req)
+        self.kv.discard_offloads(sched_out.blocks_to_offload)
+        self.finished_req_ids |= sched_out.finished_req_ids
+        self.finished_req_ids.update(req.req_id for req in rolled_back)
+        return [req.req_id for req in rolled_back]
+
+    def _reset_to_scratch(self, req: Request) -> None:
+        """Free all `req` holds, device and host: it waits to be computed again."""
+        self.preemptor.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
 
     def _observe_ttft(self, req: Request, now: float) -> None:
         """Count a first token against its SLA class's TTFT target (arrival -> now)."""
@@ -412,8 +468,9 @@ class Scheduler:
 
     def check_integrity(self) -> None:
         """Asserts the block accounting (device pool, prefix-cache host tier, swap host
-        pool) and that queues and the request map agree. Between steps only."""
-        self.kv.check_integrity()
+        pool; every registered block computed) and that queues and the request map agree.
+        Between steps only."""
+        self.kv.check_integrity(self.running)
         for req in self.running:
             assert req.status == RequestStatus.RUNNING, f"{req.req_id} in running as {req.status}"
         waiting = list(self.waiting)

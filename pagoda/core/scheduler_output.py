@@ -66,8 +66,9 @@ class SchedulerOutput:
 class EngineCoreOutput:
     req_id: str
     new_token_ids: list[int]
-    # (top ids [K+1], logprobs [K+1], rank of the sampled token) for the new token.
-    new_logprobs: tuple[list[int], list[float], int] | None = None
+    # Per new token, aligned with new_token_ids: (top ids [K+1], logprobs [K+1], rank of
+    # the sampled token); None when the request wants no logprobs.
+    new_logprobs: list[tuple[list[int], list[float], int]] | None = None
     # (first prompt position, ids [N][K+1], logprobs [N][K+1], ranks [N])
     new_prompt_logprobs: tuple | None = None
     finish_status: RequestStatus | None = None

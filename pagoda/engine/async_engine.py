@@ -435,7 +435,9 @@ class AsyncLLMEngine:
         self._deliver(outputs)
 
     def _fail_running(self, exc: Exception) -> None:
-        ids = _running_request_ids(self.engine) or _all_request_ids(self.engine)
+        # NOTE: a step that failed inside LLMEngine.step was rolled back: its requests wait.
+        ids = (self.engine.failed_request_ids or _running_request_ids(self.engine)
+               or _all_request_ids(self.engine))
         error = EngineFaultError(f"engine step failed: {type(exc).__name__}: {exc}")
         for rid in ids if self.deadlines is not None else ():
             self.deadlines.discard(rid)

@@ -7,9 +7,12 @@ logprobs) -> outputs.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import signal
+import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -48,6 +51,8 @@ class LLMEngine:
         hf = ckpt.hf_config
         self.hf_config = hf
         self.generation_config = ckpt.generation_config
+        # Parent ids of the requests the last step ran if it failed (see `step`).
+        self.failed_request_ids: list[str] = []
         self.max_model_len = self._max_model_len(int(hf.max_position_embeddings))
         self.vocab_size = int(hf.vocab_size)
         self.eos_token_id = self.tokenizer.eos_token_id
@@ -107,12 +112,15 @@ class LLMEngine:
         return max_model_len
 
     def _check_num_blocks(self, num_blocks: int, block_size: int) -> int:
-        if num_blocks * block_size < self.max_model_len:
+        # NOTE: block 0 is the reserved null block (core/block_pool.py): not for tokens.
+        num_usable = max(num_blocks - 1, 0)
+        if num_usable * block_size < self.max_model_len:
             raise ValueError(
                 f"max_model_len {self.max_model_len} does not fit in the KV cache "
-                f"({num_blocks} blocks of {block_size} tokens); the largest max_model_len "
-                f"that fits is {num_blocks * block_size}: lower max_model_len or give the "
-                f"cache more memory (kv_cache_memory_bytes / gpu_memory_utilization)"
+                f"({num_usable} usable blocks of {block_size} tokens); the largest "
+                f"max_model_len that fits is {num_usable * block_size}: lower max_model_len "
+                f"or give the cache more memory (kv_cache_memory_bytes / "
+                f"gpu_memory_utilization)"
             )
         return num_blocks
 
@@ -255,12 +263,36 @@ class LLMEngine:
 
     # ---- the loop ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        sched_out = self.scheduler.schedule()
-        runner_out = self.executor.execute_model(sched_out)
-        core_outputs = self.scheduler.update_from_output(sched_out, runner_out)
-        outputs, stopped = self.output_processor.process(core_outputs, self.scheduler)
-        if stopped:
-            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        """Schedule, execute and commit one step.
+
+        If execution raises or is interrupted (KeyboardInterrupt), the step is rolled back
+        (`Scheduler.rollback_step`) and the exception re-raised: its requests wait to be
+        computed again, holding no blocks, and `failed_request_ids` names them (parent
+        ids), for the caller to abort or retry. A Ctrl-C that arrives while the scheduler
+        or the output processor is updating its state is held until that update is done,
+        so an interrupt always finds the engine consistent (one held past the commit is
+        raised after it, and that step's outputs are dropped).
+        """
+        self.failed_request_ids = []
+        sched_out = None
+        try:
+            with _sigint_deferred():
+                sched_out = self.scheduler.schedule()
+            runner_out = self.executor.execute_model(sched_out)
+        except BaseException:
+            if sched_out is None:  # NOTE: schedule() itself raised: nothing ran.
+                raise
+            with _sigint_deferred():
+                failed = self.scheduler.rollback_step(sched_out)
+                parents = self.output_processor.child_to_parent
+                self.failed_request_ids = list(
+                    dict.fromkeys(parents[r][0] for r in failed if r in parents))
+            raise
+        with _sigint_deferred():
+            core_outputs = self.scheduler.update_from_output(sched_out, runner_out)
+            outputs, stopped = self.output_processor.process(core_outputs, self.scheduler)
+            if stopped:
+                self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         return outputs
 
     def get_stats(self) -> SchedulerStats:
@@ -277,6 +309,27 @@ def _shared_block_size(specs: list[KVCacheSpec]) -> int:
         raise ValueError(f"KV cache groups with different block sizes {sorted(sizes)} need a "
                          "manager per group, which pagoda does not have yet")
     return sizes.pop()
+
+
+@contextlib.contextmanager
+def _sigint_deferred() -> Iterator[None]:
+    """Hold a Ctrl-C that arrives inside the block and raise KeyboardInterrupt at its end.
+
+    Only on the main thread (the only one Python delivers signals to) and only while
+    SIGINT has Python's default handler; anything else is left alone.
+    """
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        yield
+        return
+    received: list[int] = []
+    signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if received:
+        raise KeyboardInterrupt
 
 
 def _generation_eos_ids(generation_config: dict) -> set[int]:

@@ -147,24 +147,26 @@ class OutputProcessor:
             return
         if state.metrics.first_token_time is None:
             state.metrics.first_token_time = time.monotonic()
-        sample.token_ids.extend(co.new_token_ids)
-        if co.new_logprobs is not None and sample.logprobs is not None:
-            ids, lps, rank = co.new_logprobs
-            entry = {ids[0]: Logprob(lps[0], rank, self._decode(ids[0]))}
-            for r, (tid, lp) in enumerate(zip(ids[1:], lps[1:]), start=1):
-                entry.setdefault(tid, Logprob(lp, r, self._decode(tid)))
-            sample.logprobs.append(entry)
-            sample.cumulative_logprob += lps[0]
+        new_token_ids, new_logprobs = co.new_token_ids, co.new_logprobs
         finish = co.finish_status
         if sample.detok is not None:
-            stop_str = sample.detok.update(co.new_token_ids, finish == RequestStatus.FINISHED_STOPPED)
+            num_before = sample.detok.num_output_tokens
+            stop_str = sample.detok.update(new_token_ids, finish == RequestStatus.FINISHED_STOPPED)
             if stop_str is not None:
+                # NOTE: the tokens after the one that completed the stop string (a step may
+                # return several) are not part of the output.
+                num_kept = sample.detok.num_output_tokens - num_before
+                new_token_ids = new_token_ids[:num_kept]
+                new_logprobs = new_logprobs[:num_kept] if new_logprobs is not None else None
                 # NOTE: a stop string that completes on the step that also hits max_tokens
                 # still cut the text, so it is the reason reported (as vLLM does); only a
                 # request the scheduler has not finished yet must be stopped there.
                 if finish is None:
                     stopped.append(co.req_id)
                 finish, co.stop_reason = RequestStatus.FINISHED_STOPPED, stop_str
+        sample.token_ids.extend(new_token_ids)
+        if new_logprobs is not None and sample.logprobs is not None:
+            self._add_logprobs(sample, new_logprobs)
         if finish is not None:
             sample.finish_reason = finish.finish_reason
             sample.stop_reason = co.stop_reason
@@ -172,6 +174,14 @@ class OutputProcessor:
             if req is not None:
                 state.metrics.num_preemptions = max(state.metrics.num_preemptions,
                                                     req.num_preemptions)
+
+    def _add_logprobs(self, sample: _Sample, new_logprobs: list[tuple]) -> None:
+        for ids, lps, rank in new_logprobs:
+            entry = {ids[0]: Logprob(lps[0], rank, self._decode(ids[0]))}
+            for r, (tid, lp) in enumerate(zip(ids[1:], lps[1:]), start=1):
+                entry.setdefault(tid, Logprob(lp, r, self._decode(tid)))
+            sample.logprobs.append(entry)
+            sample.cumulative_logprob += lps[0]
 
     def _add_prompt_logprobs(self, state: RequestState, chunk: tuple) -> None:
         first, ids, lps, ranks = chunk

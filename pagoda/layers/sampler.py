@@ -2,7 +2,10 @@
 
 Order of processing (each stage is skipped when no row in the batch needs it):
     logit_bias -> min_tokens bans -> penalties -> [greedy rows: argmax]
-    -> temperature -> top-k -> top-p -> min-p -> sample (exponential race).
+    -> temperature -> min-p -> top-k -> top-p -> sample (exponential race).
+min-p comes before top-k/top-p, as in vLLM v1 (it is an argmax-invariant logits processor
+there, applied right after temperature): top-p then measures its nucleus on the
+distribution min-p left, so the two orders keep different tokens.
 Logprobs are taken from the raw logits, before any of these stages (vLLM's default).
 
 A seeded row is sampled with its own `torch.Generator`, drawing exactly one vector of
@@ -271,9 +274,9 @@ class Sampler:
             # NOTE: still the caller's tensor; the stages below work in place.
             logits = logits.to(torch.float32, copy=True)
         logits.div_(md.temperature.unsqueeze(1))
-        logits = apply_top_k_top_p(logits, md.top_k, md.top_p, md.max_top_k)
         if md.min_p is not None:
             apply_min_p(logits, md.min_p)
+        logits = apply_top_k_top_p(logits, md.top_k, md.top_p, md.max_top_k)
         random_ids = random_sample(logits.softmax(dim=-1), md.generators)
         if greedy_ids is None:
             return random_ids

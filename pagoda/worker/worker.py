@@ -83,7 +83,8 @@ class Worker:
             # NOTE: more blocks than max_num_seqs full-length sequences can use only hold
             # prefix cache; don't take RAM for that by default.
             max_useful = self.config.scheduler.max_num_seqs * self.max_model_len
-            useful = -(-max_useful // c.block_size) * per_block
+            # NOTE: + 1 for the reserved null block.
+            useful = (-(-max_useful // c.block_size) + 1) * per_block
             budget = min(_CPU_KV_DEFAULT_CAP, available_memory_bytes() // 4, useful)
         return max(int(budget // per_block), 0)
 

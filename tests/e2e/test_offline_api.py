@@ -363,8 +363,9 @@ def test_bad_engine_configs_raise(llm: LLM, model_path: Path, tmp_path: Path) ->
         LLM(str(bad_arch), dtype="float32", kv_cache_memory_bytes=KV_BYTES)
     with pytest.raises(CheckpointError, match="no such file"):
         LLM(str(tmp_path / "missing"), dtype="float32")
-    # 1/16 MiB holds 8 blocks of 16 tokens: the message names the 128 that would fit.
-    with pytest.raises(ValueError, match="largest max_model_len that fits is 128"):
+    # 1/16 MiB holds 8 blocks of 16 tokens, 7 usable past the null block: the message
+    # names the 112 tokens that would fit.
+    with pytest.raises(ValueError, match="largest max_model_len that fits is 112"):
         LLM(str(model_path), dtype="float32", kv_cache_memory_bytes=1 << 16)
     with pytest.raises(ValueError, match="max_position_embeddings 512"):
         LLM(str(model_path), dtype="float32", max_model_len=1024)

@@ -19,7 +19,7 @@ def test_bench_multi_turn_smoke(tiny_model, tmp_path, capsys) -> None:
         "bench", "multi-turn", "--model", str(path), "--dtype", "float32",
         "--num-conversations", "2", "--num-turns", "3", "--system-len", "64",
         "--user-len", "32", "--reply-len", "8", "--burst-size", "2", "--burst-len", "96",
-        "--burst-max-tokens", "2", "--num-gpu-blocks", "24", "--max-model-len", "384",
+        "--burst-max-tokens", "2", "--num-gpu-blocks", "25", "--max-model-len", "384",
         "--kv-offloading-size", "0.002", "--output-json", str(out_json),
     ])
     report = run_multi_turn(args)

@@ -13,9 +13,9 @@ from pagoda import LLM, SamplingParams
 from tests.helpers import TINY_CONFIG
 
 BLOCK = 16
-# 16 blocks of 16 tokens: the burst below (8 prompts of 96 tokens) cannot leave the
-# conversation's history on the device.
-SMALL = {"num_gpu_blocks_override": 16, "max_model_len": 256}
+# 16 usable blocks of 16 tokens (17 less the null block): the burst below (8 prompts of
+# 96 tokens) cannot leave the conversation's history on the device.
+SMALL = {"num_gpu_blocks_override": 17, "max_model_len": 256}
 
 
 def block_bytes() -> int:

@@ -30,6 +30,7 @@ class FakeEngine:
         self.output_processor = SimpleNamespace(requests=self.left, child_to_parent={})
         self.scheduler = SimpleNamespace(running=[])
         self.added: dict[str, tuple[int, str | None, str]] = {}  # priority, salt, class
+        self.failed_request_ids: list[str] = []  # as LLMEngine after a rolled-back step
 
     def add_request(self, request_id, prompt, params, arrival_time=None, priority=0,
                     output_kind=None, cache_salt=None, sla_class="interactive") -> None:

@@ -48,7 +48,7 @@ def test_max_num_seqs_preempts_the_newest_of_the_lowest_rank() -> None:
     sched.add_request(b1)
     sched.add_request(b2)
     step(sched)
-    assert sched.kv.get_block_ids("b1") == [0, 1] and sched.kv.get_block_ids("b2") == [2, 3]
+    assert sched.kv.get_block_ids("b1") == [1, 2] and sched.kv.get_block_ids("b2") == [3, 4]
     hi = make_request("hi", 5, 2.0, max_tokens=2, first_token=200)
     sched.add_request(hi)
     out, _ = step(sched)
@@ -60,8 +60,8 @@ def test_max_num_seqs_preempts_the_newest_of_the_lowest_rank() -> None:
     assert [n.req_id for n in out.scheduled_new_reqs] == ["hi"]
     assert out.finished_req_ids == {"b2"}
     assert b2.status == RequestStatus.PREEMPTED and b2.num_computed_tokens == 0
-    # b2's blocks were freed in reverse (3, 2) behind the never-used 4..15.
-    assert sched.kv.get_block_ids("hi") == [4, 5]
+    # b2's blocks were freed in reverse (4, 3) behind the never-used 5..15.
+    assert sched.kv.get_block_ids("hi") == [5, 6]
     assert [r.req_id for r in sched.running] == ["b1", "hi"]
     assert list(sched.waiting) == [b2]
     assert sched.num_preemptions == 1 and sched.get_stats().num_preemptions == 1
@@ -109,20 +109,20 @@ def test_equal_rank_waits_instead_of_preempting() -> None:
 
 
 def test_waiting_request_preempts_under_kv_pressure() -> None:
-    # 4 blocks: the batch request holds 3 and decodes; the interactive one needs 2.
-    sched = make_scheduler(num_blocks=4)
+    # 4 usable blocks: the batch request holds 3 and decodes; the interactive one needs 2.
+    sched = make_scheduler(num_blocks=5)
     batch = make_request("batch", 12, 0.0, "batch", max_tokens=3)
     sched.add_request(batch)
     step(sched)
-    assert sched.kv.get_block_ids("batch") == [0, 1, 2]
+    assert sched.kv.get_block_ids("batch") == [1, 2, 3]
     inter = make_request("inter", 8, 1.0, max_tokens=3, first_token=100)
     sched.add_request(inter)
     out, _ = step(sched)
-    # The batch request's decode (which took block 3) is undone and all four blocks are
-    # freed in reverse; the interactive request takes the first two of 3, 2, 1, 0.
+    # The batch request's decode (which took block 4) is undone and all four blocks are
+    # freed in reverse; the interactive request takes the first two of 4, 3, 2, 1.
     assert out.num_scheduled_tokens == {"inter": 8} and out.finished_req_ids == {"batch"}
     assert not out.scheduled_cached_reqs
-    assert sched.kv.get_block_ids("inter") == [3, 2]
+    assert sched.kv.get_block_ids("inter") == [4, 3]
     assert batch.status == RequestStatus.PREEMPTED and batch.num_computed_tokens == 0
     assert batch.num_output_tokens == 1
     run_to_end(sched)
@@ -243,21 +243,21 @@ def test_config_rejects_bad_policy_and_preemption_fields() -> None:
             EngineArgs(**kwargs).create_engine_config()
 
 
-def test_undone_step_unregisters_blocks_it_would_have_filled() -> None:
-    """A batch request's chunk registers block 2 when scheduled; a better request then
-    preempts it in the same step, so block 2 is never computed and must not stay in the
-    prefix cache (a later hit would read K/V nobody wrote)."""
+def test_undone_step_leaves_no_block_registered() -> None:
+    """A batch request's chunk would fill block 3; a better request preempts it in the
+    same step, so block 3 is never computed. Registration happens at commit only, so it
+    was never in the prefix cache (a hit would read K/V nobody wrote)."""
     kv = KVCacheManager(16, BLOCK_SIZE, enable_caching=True)
     sched = Scheduler(kv, 1, 8, 128, policy="priority", aging_interval_s=math.inf)
     batch = make_request("batch", 14, 0.0, "batch", max_tokens=2)
     sched.add_request(batch)
-    step(sched)  # tokens 0..7: blocks 0 and 1 full, registered and computed
+    step(sched)  # tokens 0..7: blocks 1 and 2 full, computed, registered at commit
     assert batch.num_computed_tokens == 8
     cached_before = set(kv.block_pool.cached_block_hash_to_block)
     assert cached_before == set(batch.block_hashes[:2])
     hi = make_request("hi", 3, 1.0, max_tokens=2, first_token=500)
     sched.add_request(hi)
-    out, _ = step(sched)  # batch's tokens 8..13 scheduled (fills block 2), then undone
+    out, _ = step(sched)  # batch's tokens 8..13 scheduled (fills block 3), then undone
     assert out.num_scheduled_tokens == {"hi": 3}
     assert batch.status == RequestStatus.PREEMPTED and batch.num_computed_tokens == 0
     assert batch.block_hashes[2] not in kv.block_pool.cached_block_hash_to_block
@@ -266,21 +266,22 @@ def test_undone_step_unregisters_blocks_it_would_have_filled() -> None:
     twin = make_request("twin", 14, 2.0, "batch", max_tokens=2)
     update_block_hashes(twin, BLOCK_SIZE)
     blocks, num_tokens = kv.get_computed_blocks(twin)
-    assert num_tokens == 8 and [b.block_id for b in blocks] == [0, 1]
+    assert num_tokens == 8 and [b.block_id for b in blocks] == [1, 2]
     run_to_end(sched)
     assert batch.num_preemptions == 1 and len(batch.output_token_ids) == 2
 
 
-def test_victim_whose_fresh_block_was_hit_this_step_is_not_preempted() -> None:
-    """b1's chunk registers block 1 (tokens 4..7) in the running phase; b2, admitted next
-    with the same prompt, hits it. A request that outranks b1 arriving then must not undo
-    b1's step: b2 counts on it to compute block 1."""
+def test_requests_admitted_in_a_step_hit_only_committed_blocks() -> None:
+    """b1's chunk fills blocks 2 and 3 (tokens 4..11) in the running phase; b2, admitted
+    next with the same prompt, hits only block 1, which an earlier step committed. So b1
+    may be preempted by a request that outranks it in the same step: nobody counts on its
+    undone work (no victim is exempt)."""
     kv = KVCacheManager(32, BLOCK_SIZE, enable_caching=True)
     sched = Scheduler(kv, 2, 64, 128, policy="priority", aging_interval_s=math.inf)
     b1 = make_request("b1", 12, 0.0, "batch", max_tokens=2)
     sched.add_request(b1)
     sched.max_num_batched_tokens = 4
-    step(sched)  # b1 computes tokens 0..3 (block 0)
+    step(sched)  # b1 computes tokens 0..3 (block 1)
     sched.max_num_batched_tokens = 64
     # Waiting order: b2 (interactive) first, then mid (async), which outranks b1 (batch).
     b2 = make_request("b2", 12, 1.0, "interactive", max_tokens=2)
@@ -288,11 +289,13 @@ def test_victim_whose_fresh_block_was_hit_this_step_is_not_preempted() -> None:
     sched.add_request(b2)
     sched.add_request(mid)
     out, _ = step(sched)
-    # b1 runs tokens 4..11, registering blocks 1 and 2; b2 hits blocks 0 and 1 (not 2:
-    # the last prompt token is always computed) and fills max_num_seqs. b1 is the only
-    # candidate victim (b2 was admitted in this step) and its fresh block 1 is shared.
-    assert out.num_scheduled_tokens == {"b1": 8, "b2": 4}
-    assert kv.get_block_ids("b2")[:2] == kv.get_block_ids("b1")[:2]
-    assert sched.num_preemptions == 0 and list(sched.waiting) == [mid]
+    # b2 fills max_num_seqs with b1; b1 (the only victim candidate: b2 was admitted in
+    # this step) is preempted for mid, its decode undone.
+    assert out.num_scheduled_tokens == {"b2": 8, "mid": 3}
+    assert b1.status == RequestStatus.PREEMPTED and sched.num_preemptions == 1
+    assert kv.get_block_ids("b2")[0] == 1 and b2.num_cached_tokens == 4
+    # b2's own blocks are registered at its commit; b1's undone chunk never was.
+    cached = {h: b.block_id for h, b in kv.block_pool.cached_block_hash_to_block.items()}
+    assert [cached.get(h) for h in b2.block_hashes] == kv.get_block_ids("b2")
     run_to_end(sched)
     assert b1.output_token_ids and b2.output_token_ids and mid.output_token_ids

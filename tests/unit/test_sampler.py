@@ -124,6 +124,18 @@ def test_min_p_mask() -> None:
     assert kept(logits[2]) == {1, 4, 3}  # threshold 0.125
 
 
+def test_min_p_applies_before_top_p_as_in_vllm() -> None:
+    # min-p 0.3 keeps tokens 0 and 1 (threshold 0.12); top-p 0.5 on what is left
+    # (0.57, 0.43) keeps token 0 only. Applied the other way round, top-p 0.5 on the full
+    # distribution keeps 0 and 1 (the mass above token 1 is 0.4), and min-p keeps both.
+    num_rows = 2000
+    torch.manual_seed(0)
+    logits = probs_logits([0.4, 0.3, 0.1, 0.1, 0.1]).repeat(num_rows, 1)
+    params = SamplingParams(temperature=1.0, min_p=0.3, top_p=0.5)
+    out = Sampler()(logits, build([params] * num_rows, 5))
+    assert out.sampled_token_ids.eq(0).all()
+
+
 def frequencies(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return torch.bincount(tokens, minlength=vocab_size).double()
 

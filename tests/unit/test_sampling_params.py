@@ -45,6 +45,8 @@ def test_greedy_switches_truncation_off() -> None:
         ({"n": 0}, "n"),
         ({"n": 1.5}, "n"),
         ({"n": 2, "best_of": 1}, "best_of"),
+        ({"n": 2, "best_of": 4}, "best_of"),
+        ({"best_of": 2}, "best_of"),
         ({"temperature": -1}, "temperature"),
         ({"temperature": math.nan}, "temperature"),
         ({"temperature": math.inf}, "temperature"),
@@ -95,6 +97,7 @@ def test_invalid_values_name_the_parameter(kwargs: dict, name: str) -> None:
         {"logprobs": 0, "prompt_logprobs": 0},
         {"logit_bias": {0: -100, 1: 100}},
         {"n": 3, "best_of": 3},
+        {"best_of": 1},
     ],
 )
 def test_valid_edge_values(kwargs: dict) -> None:

@@ -189,13 +189,14 @@ def test_preempted_request_resumes_from_prefix_cache() -> None:
 
 def test_finished_request_frees_its_blocks_at_once() -> None:
     sched = make_scheduler(num_blocks=16)
+    assert sched.kv.num_usable_blocks == 15  # block 0 is the null block
     req = make_request("a", 10, max_tokens=2)
     sched.add_request(req)
     step(sched)
-    assert sched.kv.num_free_blocks == 16 - 3
+    assert sched.kv.num_free_blocks == 15 - 3 and sched.kv.get_block_ids("a") == [1, 2, 3]
     _, core = step(sched)
     assert [c.finish_status for c in core] == [RequestStatus.FINISHED_LENGTH]
-    assert sched.kv.num_free_blocks == 16 and sched.kv.get_block_ids("a") == []
+    assert sched.kv.num_free_blocks == 15 and sched.kv.get_block_ids("a") == []
     assert "a" not in sched.requests and not sched.running
     assert "a" in sched.schedule().finished_req_ids
 
@@ -265,17 +266,50 @@ def test_prompt_logprobs_survive_preemption_mid_prefill() -> None:
     assert resumed[0].want_prompt_logprobs
 
 
-def test_parallel_samples_share_full_prompt_blocks() -> None:
-    """n = 4 samples of one 10-token prompt (block size 4): admitted in one step, the second
-    to fourth hit the first one's two full blocks (ref count 4) and each computes only its
-    last, partly filled block. Four separate prompts would take 12 blocks; this takes 6."""
+def test_same_step_duplicates_share_only_after_commit() -> None:
+    """Four requests with one 10-token prompt (block size 4) admitted in one step each
+    compute it: nothing is registered before the step commits, so none can hit another's
+    blocks, and only the first one's full blocks are registered (the others are
+    duplicates). A fifth, admitted after the commit, shares those two blocks."""
     sched = make_scheduler(enable_caching=True)
     for i in range(4):
         sched.add_request(make_request(f"s#{i}", 10))
     out, _ = step(sched)
+    assert out.num_scheduled_tokens == {f"s#{i}": 10 for i in range(4)}
     tables = [sched.kv.get_block_ids(f"s#{i}") for i in range(4)]
-    assert all(t[:2] == tables[0][:2] for t in tables)
-    assert len({t[2] for t in tables}) == 4
-    assert [sched.kv.block_pool.blocks[b].ref_cnt for b in tables[0]] == [4, 4, 1]
-    assert out.num_scheduled_tokens == {"s#0": 10, "s#1": 2, "s#2": 2, "s#3": 2}
-    assert sched.kv.num_blocks - sched.kv.num_free_blocks == 6
+    assert tables == [[1, 2, 3], [4, 5, 6], [7, 8, 9], [10, 11, 12]]
+    cached = sched.kv.block_pool.cached_block_hash_to_block
+    assert sorted(block.block_id for block in cached.values()) == [1, 2]
+    sched.add_request(make_request("late", 10))
+    out, _ = step(sched)
+    assert out.num_scheduled_tokens == {**{f"s#{i}": 1 for i in range(4)}, "late": 2}
+    assert sched.kv.get_block_ids("late") == [1, 2, 13]
+    assert [sched.kv.block_pool.blocks[b].ref_cnt for b in (1, 2, 13)] == [2, 2, 1]
+    run_to_end(sched)
+
+
+def test_a_step_may_return_several_tokens_and_a_stop_discards_the_rest() -> None:
+    """The runner's output is a list of tokens per request (speculative decoding returns
+    more than one): each is appended with its own stop check, and the tokens (and their
+    logprobs) after the one that stops the request are discarded."""
+    sched = make_scheduler()
+    stop = make_request("stop", 5, max_tokens=10, stop_token_ids=[8], logprobs=0)
+    length = make_request("length", 5, max_tokens=2, first_token=50)
+    going = make_request("going", 5, max_tokens=10, first_token=90)
+    for r in (stop, length, going):
+        sched.add_request(r)
+    out = sched.schedule()
+    runner_out = ModelRunnerOutput(
+        sampled_token_ids={"stop": [7, 8, 9], "length": [7, 7, 7], "going": [7, 9]},
+        logprobs={"stop": [([7], [-0.1], 1), ([8], [-0.2], 1), ([9], [-0.3], 1)]},
+    )
+    core = {c.req_id: c for c in sched.update_from_output(out, runner_out)}
+    assert core["stop"].new_token_ids == [7, 8] and core["stop"].stop_reason == 8
+    assert core["stop"].new_logprobs == [([7], [-0.1], 1), ([8], [-0.2], 1)]
+    assert core["stop"].finish_status == RequestStatus.FINISHED_STOPPED
+    assert core["length"].new_token_ids == [7, 7]
+    assert core["length"].finish_status == RequestStatus.FINISHED_LENGTH
+    assert core["going"].new_token_ids == [7, 9] and core["going"].finish_status is None
+    assert stop.output_token_ids == [7, 8] and going.output_token_ids == [7, 9]
+    assert list(sched.requests) == ["going"]
+    sched.check_integrity()

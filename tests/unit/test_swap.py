@@ -149,25 +149,25 @@ def test_runner_swaps_out_before_it_swaps_in() -> None:
 
 # ---- scheduler + runner -------------------------------------------------------------------
 def test_swap_out_and_in_keeps_computed_tokens_and_kv() -> None:
-    # 6 blocks: two requests of 8 prompt tokens growing to 20 cannot both fit; the newer
-    # one is swapped out when the older needs its 4th block.
-    sched, runner = make_scheduler(num_blocks=6, num_host_blocks=8)
+    # 6 usable blocks (7 less the null block): two requests of 8 prompt tokens growing to
+    # 20 cannot both fit; the newer one is swapped out when the older needs its 4th block.
+    sched, runner = make_scheduler(num_blocks=7, num_host_blocks=8)
     old, new = make_request("old", 8, 12), make_request("new", 8, 12, first_token=100)
     sched.add_request(old)
     sched.add_request(new)
     while new.status != RequestStatus.SWAPPED:
         out = step(sched, runner)
-    # After 5 steps both hold 3 blocks (old: 0 1 4, new: 2 3 5) and 12 computed tokens.
+    # After 5 steps both hold 3 blocks (old: 1 2 5, new: 3 4 6) and 12 computed tokens.
     assert new.num_computed_tokens == 12 and new.num_tokens == 13
-    assert out.blocks_to_swap_out == [(2, 0), (3, 1), (5, 2)]
+    assert out.blocks_to_swap_out == [(3, 0), (4, 1), (6, 2)]
     assert out.finished_req_ids == {"new"} and "new" not in out.num_scheduled_tokens
     assert sched.preemptor.host_pool.req_to_host_ids == {"new": [0, 1, 2]}
     # The host pool holds new's KV: prompt then outputs, positions 0..11.
     hk, hv = runner.host[0]
     assert hk[:3].flatten().long().tolist() == new.all_token_ids[:12]
     assert hv[:3].flatten().long().tolist() == list(range(12))
-    # The freed blocks went to the free queue in reverse: old took 5 at once.
-    assert sched.kv.get_block_ids("old") == [0, 1, 4, 5]
+    # The freed blocks went to the free queue in reverse: old took 6 at once.
+    assert sched.kv.get_block_ids("old") == [1, 2, 5, 6]
     stats = sched.get_stats()
     assert (stats.num_preemptions, stats.num_swaps, stats.num_swapped) == (1, 1, 1)
     assert stats.host_cache_usage == pytest.approx(3 / 8)
@@ -192,7 +192,7 @@ def test_swap_out_and_in_keeps_computed_tokens_and_kv() -> None:
 
 
 def test_swap_in_takes_cached_leading_blocks_instead_of_copying() -> None:
-    sched, runner = make_scheduler(num_blocks=6, num_host_blocks=8, enable_caching=True)
+    sched, runner = make_scheduler(num_blocks=7, num_host_blocks=8, enable_caching=True)
     old, new = make_request("old", 8, 12), make_request("new", 8, 12, first_token=100)
     sched.add_request(old)
     sched.add_request(new)
@@ -201,9 +201,9 @@ def test_swap_in_takes_cached_leading_blocks_instead_of_copying() -> None:
                   if any(d.req_id == "new" and d.num_computed_tokens for d in o.scheduled_new_reqs)]
     (data,) = resumed.scheduled_new_reqs
     assert data.num_computed_tokens == 12
-    # new's first prompt block (device 2) was freed last and is still cached: it is shared
+    # new's first prompt block (device 3) was freed last and is still cached: it is shared
     # again, and only host blocks 1 and 2 are copied back.
-    assert data.block_ids[0] == 2
+    assert data.block_ids[0] == 3
     assert [h for h, _ in resumed.blocks_to_swap_in] == [1, 2]
     assert [d for _, d in resumed.blocks_to_swap_in] == data.block_ids[1:3]
     assert runner.num_kv_checks == 1
@@ -211,7 +211,7 @@ def test_swap_in_takes_cached_leading_blocks_instead_of_copying() -> None:
 
 
 def test_full_host_pool_falls_back_to_recompute() -> None:
-    sched, runner = make_scheduler(num_blocks=6, num_host_blocks=2)
+    sched, runner = make_scheduler(num_blocks=7, num_host_blocks=2)
     old, new = make_request("old", 8, 12), make_request("new", 8, 12, first_token=100)
     sched.add_request(old)
     sched.add_request(new)
@@ -229,7 +229,7 @@ def test_full_host_pool_falls_back_to_recompute() -> None:
 
 
 def test_abort_of_a_swapped_request_frees_its_host_blocks() -> None:
-    sched, runner = make_scheduler(num_blocks=6, num_host_blocks=8)
+    sched, runner = make_scheduler(num_blocks=7, num_host_blocks=8)
     sched.add_request(make_request("old", 8, 12))
     new = make_request("new", 8, 12, first_token=100)
     sched.add_request(new)
@@ -252,11 +252,11 @@ def test_priority_victim_is_swapped_with_this_steps_work_undone() -> None:
     sched.add_request(batch)
     step(sched, runner)
     step(sched, runner)
-    assert batch.num_computed_tokens == 7 and sched.kv.get_block_ids("batch") == [0, 1]
+    assert batch.num_computed_tokens == 7 and sched.kv.get_block_ids("batch") == [1, 2]
     sched.add_request(make_request("inter", 5, 2, first_token=100, arrival=1.0))
     out = step(sched, runner)
     assert batch.status == RequestStatus.SWAPPED and batch.num_computed_tokens == 7
-    assert out.blocks_to_swap_out == [(0, 0), (1, 1)]
+    assert out.blocks_to_swap_out == [(1, 0), (2, 1)]
     assert out.num_scheduled_tokens == {"inter": 5} and not out.scheduled_cached_reqs
     run_to_end(sched, runner)
     assert runner.num_kv_checks == 1
