@@ -14,7 +14,7 @@ from pagoda.config import resolve_dtype
 
 def _prompt_logprobs(model_dir, ids: list[int]) -> tuple[torch.Tensor, list[int]]:
     llm = LLM(str(model_dir), dtype="float16", max_model_len=256, device="cpu")
-    assert llm.llm_engine.dtype == torch.float16
+    assert llm.llm_engine.executor.worker.dtype == torch.float16
     out = llm.generate(
         [{"prompt_token_ids": ids}],
         SamplingParams(max_tokens=8, temperature=0, prompt_logprobs=0, ignore_eos=True),

@@ -34,7 +34,6 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import pagoda
-from pagoda.config import resolve_device
 from pagoda.engine.async_engine import AsyncLLMEngine
 from pagoda.engine.deadlines import DeadlineTracker, TimeoutPolicy
 from pagoda.engine.llm_engine import MAX_LOGPROBS
@@ -340,7 +339,7 @@ def build_state(args: argparse.Namespace) -> ServerState:
     path = Path(engine.model_path)
     names = args.served_model_name or [model or (path.stem if path.suffix == ".gguf" else
                                                  path.name)]
-    device = str(resolve_device(engine.config.device))
+    device = str(engine.device)
     metrics = async_engine.metrics = EngineMetrics(names[0], device=device)
     if policy.enabled:
         async_engine.deadlines = DeadlineTracker(policy)
