@@ -3,8 +3,8 @@
 Every op has a plain PyTorch reference that runs on any device. A device type may register
 kernels for an op; a call runs the first kernel registered for its first tensor's device
 type whose dtype set holds that tensor's dtype, whose `resolve()` gives a handle (built,
-enabled, the CPU can run it) and whose `supports(*args)` accepts this call (layouts, contiguity).
-Otherwise the reference runs. A kernel must compute what the reference computes (to its
+enabled, the CPU can run it) and whose `supports(*args)` accepts this call (layouts,
+contiguity). Otherwise the reference runs. A kernel must compute what the reference computes (to its
 documented rounding); the tests compare each with the reference.
 """
 

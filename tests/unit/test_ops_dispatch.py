@@ -26,8 +26,8 @@ def test_first_accepting_kernel_runs_else_the_reference() -> None:
     bf16 = frozenset({torch.bfloat16})
     flags = {"available": True}
     op = _op_with([
-        Kernel("contig", lambda h, x: (h, x), bf16, lambda: "contig" if flags["available"] else None,
-               lambda x: x.is_contiguous()),
+        Kernel("contig", lambda h, x: (h, x), bf16,
+               lambda: "contig" if flags["available"] else None, lambda x: x.is_contiguous()),
         Kernel("any", lambda h, x: (h, x), bf16, lambda: "any"),
     ])
     x = torch.zeros(4, 4, dtype=torch.bfloat16)
