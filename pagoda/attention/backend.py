@@ -72,7 +72,8 @@ def build_paged_metadata(c: CommonAttentionMetadata) -> AttentionMetadata:
     nd, num_reqs = c.num_decodes, len(c.seq_lens)
     query_lens = np.diff(c.query_start_loc)
     blocks_needed = -(-c.seq_lens // c.block_size)
-    bt = torch.from_numpy(c.block_tables)
+    # NOTE: one copy to the device per step; the prefill tables are views of it.
+    bt = torch.from_numpy(c.block_tables).to(c.device)
     prefills = [
         PrefillSeq(int(c.query_start_loc[i]), int(query_lens[i]), int(c.seq_lens[i]),
                    bt[i, : blocks_needed[i]])
@@ -87,7 +88,7 @@ def build_paged_metadata(c: CommonAttentionMetadata) -> AttentionMetadata:
     return AttentionMetadata(
         slot_mapping=c.slot_mapping,
         num_decode_tokens=nd,
-        decode_block_tables=bt[:nd].to(c.device) if nd else None,
+        decode_block_tables=bt[:nd] if nd else None,
         decode_seq_lens=torch.from_numpy(c.seq_lens[:nd]).to(c.device) if nd else None,
         decode_max_seq_len=int(c.seq_lens[:nd].max()) if nd else 0,
         prefills=prefills,
