@@ -110,6 +110,12 @@ class SamplingParams:
                 raise ValueError(f"{name} must be non-negative, got {value}")
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        # NOTE: sample i of n draws from seed + i, and a generator takes a 64-bit seed: an
+        # out-of-range one must fail here, not inside a step where it would fail the batch.
+        if self.seed is not None and not -(2**63) <= self.seed <= 2**63 - self.n:
+            raise ValueError(
+                f"seed must be in [-2**63, 2**63 - n] (sample i uses seed + i), got {self.seed}"
+            )
 
     def _verify_sampling(self) -> None:
         # NOTE: written as `not (valid)` so that NaN fails every check.

@@ -178,16 +178,16 @@ class LLMEngine:
         child_ids = [request_id] if params.n == 1 else [
             f"{request_id}#{i}" for i in range(params.n)
         ]
-        self.output_processor.add_request(
-            request_id, text, token_ids, params, child_ids, output_kind, arrival_time, sla_class
-        )
+        # NOTE: every Request is built before anything is registered, so a refused one
+        # leaves nothing behind.
+        requests = []
         for i, child in enumerate(child_ids):
             child_params = params
             if params.n > 1 and params.seed is not None:
                 # NOTE: each sample gets its own stream; seed + i keeps them reproducible.
                 child_params = params.clone()
                 child_params.seed = params.seed + i
-            self.scheduler.add_request(
+            requests.append(
                 Request(
                     req_id=child,
                     fork_of=child_ids[0] if i > 0 else None,
@@ -200,6 +200,11 @@ class LLMEngine:
                     cache_salt=cache_salt,
                 )
             )
+        self.output_processor.add_request(
+            request_id, text, token_ids, params, child_ids, output_kind, arrival_time, sla_class
+        )
+        for req in requests:
+            self.scheduler.add_request(req)
 
     def _validate(self, token_ids: list[int], params: SamplingParams) -> SamplingParams:
         if not token_ids:

@@ -424,3 +424,15 @@ def test_streaming_deltas_report_each_finish_once(llm: LLM) -> None:
         [EngineCoreOutput("r#1", [103], finish_status=RequestStatus.FINISHED_LENGTH)], sched)
     assert [(c.index, c.finish_reason) for c in outs[0].outputs] == [(1, "length")]
     assert outs[0].finished and "r" not in proc.requests
+
+
+def test_out_of_range_seed_is_refused_before_anything_is_queued(llm: LLM) -> None:
+    # NOTE: generators are made in the runner; a seed it cannot take must fail at add time,
+    # not inside a step (which would fail every request of the batch).
+    with pytest.raises(ValueError, match="seed"):
+        llm.generate(["hi"], SamplingParams(max_tokens=2, seed=2**64))
+    engine = llm.llm_engine
+    assert engine.get_num_unfinished_requests() == 0
+    assert not engine.output_processor.requests
+    out = llm.generate(["hi"], SamplingParams(max_tokens=2, seed=2**63 - 1))
+    assert len(out[0].outputs[0].token_ids) == 2

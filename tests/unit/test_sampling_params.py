@@ -128,3 +128,14 @@ def test_clone_is_deep() -> None:
     q.stop.append("y")
     q.logit_bias[2] = 2.0
     assert p.stop == ["x"] and p.logit_bias == {1: 1.0}
+
+
+@pytest.mark.parametrize(("seed", "n"), [(2**64, 1), (2**63, 1), (2**63 - 1, 2), (-(2**63) - 1, 1)])
+def test_seed_out_of_the_generators_range_is_refused(seed: int, n: int) -> None:
+    with pytest.raises(ValueError, match="^seed"):
+        SamplingParams(seed=seed, n=n)
+
+
+def test_seed_at_the_edges_of_the_range_is_accepted() -> None:
+    assert SamplingParams(seed=2**63 - 2, n=2).seed == 2**63 - 2
+    assert SamplingParams(seed=-(2**63)).seed == -(2**63)
