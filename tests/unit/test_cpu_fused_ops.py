@@ -17,16 +17,6 @@ from pagoda.ops.reference import write_kv
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-@pytest.fixture(scope="module")
-def ext():
-    if cpu_kernels.kernels_disabled():
-        pytest.skip("PAGODA_DISABLE_CPU_KERNELS is set")
-    module = cpu_kernels.load_extension()
-    if module is None:
-        pytest.skip("the C++ extension could not be built here (no compiler?)")
-    return module
-
-
 def _ulp(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).eps
 

@@ -17,16 +17,6 @@ from pagoda.ops import cpu_kernels, reference
 from tests.unit.test_cpu_paged_attention import _kernel, _make_case, _metadata, _naive
 
 
-@pytest.fixture(scope="module")
-def ext():
-    if cpu_kernels.kernels_disabled():
-        pytest.skip("PAGODA_DISABLE_CPU_KERNELS is set")
-    module = cpu_kernels.load_extension()
-    if module is None:
-        pytest.skip("the C++ extension could not be built here (no compiler?)")
-    return module
-
-
 def _backend_decode(q, k_cache, v_cache, bt, lens, window) -> torch.Tensor:
     """The paged backend's forward on a batch of decodes whose K/V are already written."""
     backend = TorchPagedAttention(q.shape[1], k_cache.shape[2], q.shape[2], window)
