@@ -57,5 +57,6 @@ __all__ = [
     "rms_norm",
     "rotary_and_cache",
     "silu_and_mul",
+    "wquant",
     "write_kv",
 ]
