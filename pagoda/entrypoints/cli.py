@@ -157,6 +157,8 @@ _BENCHES = {
     "profile": ("profile", ("one engine step broken down by phase and op class (decode, "
                             "prefill, batch 1), with the CPU's ISA, AMX status, kernel "
                             "dispatch and what oneDNN runs")),
+    "omp-policy": ("omp_policy", ("decode ms/token and batched tok/s under each OpenMP "
+                                  "waiting policy, quiet and beside a busy process")),
 }
 
 
