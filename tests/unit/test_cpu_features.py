@@ -82,3 +82,17 @@ def test_the_permission_query_is_harmless():
     perm = ctypes.c_ulong(0)
     ret, _ = cpu_features._arch_prctl(0x1022, ctypes.byref(perm))
     assert ret in (0, -1)
+
+
+def test_the_worker_requests_amx_before_it_builds_the_model(tiny_model, monkeypatch):
+    from pagoda import LLM
+    from pagoda.worker import worker as worker_mod
+
+    order = []
+    build = worker_mod.build_model
+    monkeypatch.setattr(worker_mod, "request_amx_tiles",
+                        lambda: order.append("amx") or AmxStatus(False, "test"))
+    monkeypatch.setattr(worker_mod, "build_model",
+                        lambda *a, **k: order.append("build") or build(*a, **k))
+    LLM(model=str(tiny_model("LlamaForCausalLM")), max_model_len=64)
+    assert order == ["amx", "build"]
