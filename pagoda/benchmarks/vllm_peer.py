@@ -262,6 +262,10 @@ def _child_serve(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    # NOTE: run as a script, this folder is sys.path[0]: none of its modules may be found
+    # in place of a standard-library or vLLM module inside vLLM's interpreter.
+    if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
+        sys.path.pop(0)
     if sys.argv[1] == "serve":
         _child_serve(sys.argv[2:])
     else:

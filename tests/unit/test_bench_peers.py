@@ -171,3 +171,10 @@ def test_default_vllm_python_prefers_the_environment(monkeypatch, tmp_path):
     monkeypatch.delenv("PAGODA_VLLM_PYTHON")
     found = vllm_peer.default_vllm_python()
     assert found is None or Path(found).exists()
+
+
+def test_no_benchmark_module_shadows_the_standard_library():
+    # NOTE: vllm_peer.py runs as a script from this folder (sys.path[0] there).
+    folder = Path(vllm_peer.__file__).parent
+    names = {p.stem for p in folder.glob("*.py")}
+    assert not names & set(sys.stdlib_module_names)

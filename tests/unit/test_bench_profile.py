@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from pagoda.benchmarks import profile
+from pagoda.benchmarks import step_profile as profile
 from pagoda.benchmarks.onednn_probe import parse_verbose
 from pagoda.benchmarks.profile_report import format_report
 from pagoda.benchmarks.step_timer import PHASES, PhaseClock
@@ -62,13 +62,13 @@ def test_cli_has_bench_profile():
 @pytest.fixture(scope="module")
 def report(tiny_model) -> dict:
     p = argparse.ArgumentParser()
-    profile.add_profile_args(p)
+    profile.add_step_profile_args(p)
     model = str(tiny_model(ARCH))
     args = p.parse_args(["--model", model, "--num-seqs", "4", "--context-len", "40",
                          "--prefill-tokens", "64", "--prefill-seqs", "2", "--steps", "2",
                          "--single-context-len", "20"])
     original_call = Op.__dict__["__call__"]
-    result = profile.run_profile(args)
+    result = profile.run_step_profile(args)
     assert Op.__dict__["__call__"] is original_call  # NOTE: the class patches are undone
     return result
 

@@ -1,5 +1,8 @@
 """`pagoda bench profile`: where one engine step's time goes, on this CPU.
 
+NOTE: not named profile.py: vllm_peer.py runs as a script from this folder, which puts
+the folder first on sys.path, where a profile.py would shadow the standard library's.
+
 Cases (each one engine, prefix caching off, greedy, ignore_eos; the steps are timed after
 a warm-up step that also records the dispatch):
 - decode: `--num-seqs` sequences (64) at `--context-len` tokens of context (1,000): their
@@ -34,7 +37,7 @@ DEFAULT_STEPS = 5
 SECTIONS = ("machine", "decode", "prefill", "single", "dispatch", "onednn")
 
 
-def add_profile_args(p: argparse.ArgumentParser) -> None:
+def add_step_profile_args(p: argparse.ArgumentParser) -> None:
     """The flags of `pagoda bench profile`."""
     p.add_argument("--model", default=None, help="HF folder or .gguf file (default: embedded)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
@@ -196,7 +199,7 @@ def machine_section() -> dict[str, Any]:
     }
 
 
-def run_profile(args: argparse.Namespace) -> dict[str, Any]:
+def run_step_profile(args: argparse.Namespace) -> dict[str, Any]:
     """Run every case; print the report; return it (the keys of SECTIONS)."""
     from pagoda.benchmarks.onednn_probe import probe
     from pagoda.benchmarks.profile_report import print_report
@@ -232,4 +235,4 @@ def run_profile(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
-__all__ = ["PHASES", "SECTIONS", "add_profile_args", "run_profile"]
+__all__ = ["PHASES", "SECTIONS", "add_step_profile_args", "run_step_profile"]
