@@ -132,7 +132,9 @@ def run_omp_policy(args: argparse.Namespace) -> dict[str, Any]:
             spinner = _spinner() if load == "spin" else None
             try:
                 for setting in settings:
-                    samples.setdefault((load, setting), []).append(_run_child(setting, args))
+                    result = _run_child(setting, args)
+                    print(f"-- {load} / {setting}: {json.dumps(result)[:300]}", flush=True)
+                    samples.setdefault((load, setting), []).append(result)
             finally:
                 if spinner is not None:
                     spinner.kill()
