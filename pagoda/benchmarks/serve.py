@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -29,7 +30,8 @@ from typing import Any
 import numpy as np
 
 from pagoda.benchmarks import workload as wl_mod
-from pagoda.benchmarks.serve_report import plot, print_setup, print_table
+from pagoda.benchmarks.serve_launch import add_launch_args, launch_specs, launched
+from pagoda.benchmarks.serve_report import plot, print_setup, print_table, print_target
 from pagoda.benchmarks.workload import Workload, make_workload, workload_stats
 
 DEFAULT_NUM_PROMPTS = 64
@@ -123,6 +125,10 @@ def add_serve_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-warmup", type=int, default=2, help="untimed requests per target")
     p.add_argument("--output-json", default=None)
     p.add_argument("--plot", default=None, help="write a PNG of the results here")
+    p.add_argument("--workload", choices=sorted(wl_mod.WORKLOAD_PRESETS), default=None,
+                   help="a named workload (short: 64 x 26-254 / 16-127; long: 256 x "
+                   "100-1024 / 100-1023); explicit length flags override it")
+    add_launch_args(p)
 
 
 @dataclass(slots=True)
@@ -323,34 +329,54 @@ async def _server_info(base_url: str, api_key: str | None) -> dict[str, Any]:
     return info
 
 
+def _workload_shape(args: argparse.Namespace) -> tuple[int, tuple[int, int], tuple[int, int]]:
+    """(num prompts, prompt lengths, output lengths): explicit flags, else --workload, else
+    --quick's or the full-size defaults."""
+    quick = args.quick
+    preset = wl_mod.WORKLOAD_PRESETS.get(args.workload or "")
+    num = args.num_prompts or (preset[0] if preset else
+                               wl_mod.QUICK_NUM_REQUESTS if quick else DEFAULT_NUM_PROMPTS)
+    in_len = args.input_len or (preset[1] if preset else
+                                wl_mod.QUICK_INPUT_LEN if quick else wl_mod.DEFAULT_INPUT_LEN)
+    out_len = args.output_len or (preset[2] if preset else
+                                  wl_mod.QUICK_OUTPUT_LEN if quick else wl_mod.DEFAULT_OUTPUT_LEN)
+    return num, in_len, out_len
+
+
+def _targets(args: argparse.Namespace) -> list[tuple[str, Any]]:
+    """(label, context manager yielding the base URL) per target, in run order."""
+    if args.launch:
+        return [(spec.label, launched(spec, args.launch_timeout))
+                for spec in launch_specs(args)]
+    labels = args.label or [u.split("//")[-1] for u in args.base_url]
+    if len(labels) != len(args.base_url):
+        raise ValueError("give one --label per --base-url")
+    return [(label, contextlib.nullcontext(url)) for label, url in zip(labels, args.base_url)]
+
+
 def run_serve_bench(args: argparse.Namespace) -> dict[str, Any]:
     """Runs every (target, concurrency); prints setup and table; returns the report."""
     from pagoda.benchmarks.hf_baseline import load_tokenizer, resolve_model
     from pagoda.benchmarks.roofline import describe_machine
 
-    quick = args.quick
-    num = args.num_prompts or (wl_mod.QUICK_NUM_REQUESTS if quick else DEFAULT_NUM_PROMPTS)
-    in_len = args.input_len or (wl_mod.QUICK_INPUT_LEN if quick else wl_mod.DEFAULT_INPUT_LEN)
-    out_len = args.output_len or (wl_mod.QUICK_OUTPUT_LEN if quick else wl_mod.DEFAULT_OUTPUT_LEN)
-    labels = args.label or [u.split("//")[-1] for u in args.base_url]
-    if len(labels) != len(args.base_url):
-        raise ValueError("give one --label per --base-url")
+    num, in_len, out_len = _workload_shape(args)
     args.api_key = (
         args.api_key or os.environ.get("PAGODA_API_KEY") or os.environ.get("OPENAI_API_KEY")
     )
     sla = parse_goodput(args.goodput)
-    src = resolve_model(args.tokenizer)
+    targets = _targets(args)
+    src = resolve_model(args.tokenizer or (args.launch_model if args.launch else None))
     tokenizer = load_tokenizer(src)
     workload = make_workload(num, in_len, out_len, args.seed, tokenizer=tokenizer)
     as_text = args.endpoint == "chat" or args.prompt_format == "text"
     texts = [tokenizer.decode(p) if as_text else None for p, _ in workload]
-    servers = [asyncio.run(_server_info(u, args.api_key)) for u in args.base_url]
     setup = {
         "machine": describe_machine(),
         "tokenizer": src.label,
         "endpoint": args.endpoint,
         "prompt_format": "text" if as_text else "tokens",
         "seed": args.seed,
+        "workload_preset": args.workload,
         "input_len": list(in_len),
         "output_len": list(out_len),
         "workload": asdict(workload_stats(workload)),
@@ -358,24 +384,21 @@ def run_serve_bench(args: argparse.Namespace) -> dict[str, Any]:
         "request_rate": args.request_rate,
         "ignore_eos": not args.no_ignore_eos,
         "goodput_sla_s": sla,
-        "targets": dict(zip(labels, servers)),
+        "targets": {},
     }
     print_setup(setup)
     runs = []
-    for label, url, info in zip(labels, args.base_url, servers):
-        model = args.model or (info["models"] or [None])[0]
-        for conc in args.concurrency:
-            print(f"-- {label}: concurrency {conc} ...", flush=True)
-            results, elapsed = asyncio.run(run_load(url, model, workload, texts, conc, args))
-            runs.append(
-                {
-                    "label": label,
-                    "base_url": url,
-                    "model": model,
-                    "concurrency": conc,
-                    "summary": summarize(results, elapsed, sla),
-                }
-            )
+    for label, server in targets:
+        with server as url:
+            info = asyncio.run(_server_info(url, args.api_key))
+            setup["targets"][label] = info
+            print_target(label, info)
+            model = args.model or (info["models"] or [None])[0]
+            for conc in args.concurrency:
+                print(f"-- {label}: concurrency {conc} ...", flush=True)
+                results, elapsed = asyncio.run(run_load(url, model, workload, texts, conc, args))
+                runs.append({"label": label, "base_url": url, "model": model,
+                             "concurrency": conc, "summary": summarize(results, elapsed, sla)})
     print_table(runs)
     report = {"setup": setup, "runs": runs}
     if args.output_json:

@@ -18,18 +18,23 @@ def print_setup(setup: dict[str, Any]) -> None:
         f"{w['min_prompt_len']}..{w['max_prompt_len']} ({w['num_prompt_tokens']:,} tokens), "
         f"output len {w['min_output_len']}..{w['max_output_len']} "
         f"({w['num_output_tokens']:,} tokens), greedy, ignore_eos {setup['ignore_eos']}, "
-        f"{setup['endpoint']} with {setup['prompt_format']} prompts"
+        f"{setup['endpoint']} with {setup['prompt_format']} prompts; preset "
+        f"{setup.get('workload_preset') or '-'}"
     )
     print(
         f"load    : concurrency {setup['concurrency']}, request rate {setup['request_rate']}/s;"
         f" goodput SLA {setup['goodput_sla_s']} s; tokenizer {setup['tokenizer']}"
     )
     for label, info in setup["targets"].items():
-        print(
-            f"target  : {label} = {info['base_url']} models {info['models']} version "
-            f"{info['version']} max_model_len {info['max_model_len']}",
-            flush=True,
-        )
+        print_target(label, info)
+
+
+def print_target(label: str, info: dict[str, Any]) -> None:
+    print(
+        f"target  : {label} = {info['base_url']} models {info['models']} version "
+        f"{info['version']} max_model_len {info['max_model_len']}",
+        flush=True,
+    )
 
 
 def _fmt(value: float | None, width: int = 9) -> str:

@@ -33,6 +33,8 @@ from pagoda.benchmarks.hf_baseline import (
 )
 from pagoda.benchmarks.kv_waste import KVWasteMeter
 from pagoda.benchmarks.kv_waste import sample as sample_kv
+from pagoda.benchmarks.throughput_report import print_setup, print_table
+from pagoda.benchmarks.vllm_peer import VLLM_MODES, parse_vllm_modes
 from pagoda.benchmarks.workload import Workload, make_workload, workload_stats
 
 SYSTEMS = ("pagoda", "transformers", "vllm")
@@ -57,6 +59,10 @@ def add_throughput_args(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF folder or .gguf file (default: embedded)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--quick", action="store_true", help="a smoke-sized workload (16 x 32..128)")
+    p.add_argument("--workload", choices=sorted(wl_mod.WORKLOAD_PRESETS), default=None,
+                   help="a named workload: short = 64 requests, prompts 26-254, outputs "
+                   "16-127; long = 256 requests, 100-1024 / 100-1023 (explicit length "
+                   "flags override it)")
     p.add_argument("--num-requests", type=int, help="default 256 (16 with --quick)")
     lens = "uniform, inclusive; default 100,1024 (32,128 with --quick)"
     p.add_argument("--input-len", type=_int_pair, metavar="MIN,MAX", help=f"prompt: {lens}")
@@ -93,13 +99,23 @@ def add_throughput_args(parser: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--vllm-timeout", type=float, default=1800.0, help="seconds, load included")
     p.add_argument("--no-vllm-preload", action="store_true", help="no tcmalloc/libiomp5 preload")
+    p.add_argument("--vllm-modes", type=parse_vllm_modes, default=list(VLLM_MODES),
+                   help="comma-separated: defaults (vLLM's max_num_seqs 256, "
+                   "max_num_batched_tokens 4096) and/or pagoda-limits (this run's values); "
+                   "default both")
     p.add_argument("--no-roofline", action="store_true", help="skip measuring the machine")
     p.add_argument("--output-json", help="write setup and results here")
 
 
 def _apply_defaults(args: argparse.Namespace) -> None:
-    """Fill the workload flags left unset, from --quick or the full-size defaults."""
+    """Fill the workload flags left unset, from --workload, --quick or the full-size
+    defaults."""
     quick = args.quick
+    if args.workload is not None:
+        num, input_len, output_len = wl_mod.WORKLOAD_PRESETS[args.workload]
+        args.num_requests = args.num_requests or num
+        args.input_len = args.input_len or input_len
+        args.output_len = args.output_len or output_len
     if args.num_requests is None:
         args.num_requests = wl_mod.QUICK_NUM_REQUESTS if quick else wl_mod.DEFAULT_NUM_REQUESTS
     if args.input_len is None:
@@ -186,19 +202,27 @@ def run_pagoda(workload: Workload, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_vllm_system(
-    workload: Workload, src: ModelSource, args: argparse.Namespace
+    workload: Workload, src: ModelSource, args: argparse.Namespace, mode: str
 ) -> dict[str, Any]:
-    from pagoda.benchmarks.vllm_peer import default_vllm_python, prepare_hf_dir, run_vllm
+    """vLLM in `mode` (VLLM_MODES): at its own limits or at this run's."""
+    from pagoda.benchmarks.vllm_peer import (
+        default_vllm_python,
+        prepare_hf_dir,
+        run_vllm,
+        vllm_limits,
+    )
 
     python = args.vllm_python or default_vllm_python()
     if python is None or not Path(python).exists():
         return {"system": "vllm", "skipped": "no vLLM interpreter (--vllm-python)", "valid": False}
+    max_num_seqs, max_num_batched_tokens = vllm_limits(
+        mode, args.max_num_seqs, args.max_num_batched_tokens)
     return run_vllm(
         workload,
         prepare_hf_dir(src, args.dtype),
         args.dtype,
-        args.max_num_seqs,
-        args.max_num_batched_tokens,
+        max_num_seqs,
+        max_num_batched_tokens,
         python,
         timeout_s=args.vllm_timeout,
         kv_space_gib=args.kv_cache_gib,
@@ -210,7 +234,8 @@ def run_vllm_system(
 def run_system(
     name: str, workload: Workload, src: ModelSource, args: argparse.Namespace
 ) -> dict[str, Any]:
-    """One system's result; an exception becomes an "error" entry so the others still run."""
+    """One system's result (name: a SYSTEMS entry, or "vllm (MODE)"); an exception becomes
+    an "error" entry so the others still run."""
     try:
         if name == "pagoda":
             return run_pagoda(workload, args)
@@ -223,10 +248,18 @@ def run_system(
                 max_requests=args.hf_max_requests,
                 sort_by_length=args.hf_sort_by_length,
             )
-        return run_vllm_system(workload, src, args)
+        return run_vllm_system(workload, src, args, name.partition("(")[2].rstrip(")"))
     except Exception as error:  # noqa: BLE001 - one failed system is a result, not a crash
         traceback.print_exc()
         return {"system": name, "error": repr(error), "valid": False}
+
+
+def run_names(systems: list[str], vllm_modes: list[str]) -> list[str]:
+    """The result names in run order: "vllm" becomes one "vllm (MODE)" per mode."""
+    names: list[str] = []
+    for name in systems:
+        names += [f"vllm ({m})" for m in vllm_modes] if name == "vllm" else [name]
+    return names
 
 
 def build_setup(args: argparse.Namespace, src: ModelSource, workload: Workload) -> dict[str, Any]:
@@ -250,74 +283,9 @@ def build_setup(args: argparse.Namespace, src: ModelSource, workload: Workload) 
         "hf_num_requests": min(args.hf_max_requests or len(workload), len(workload)),
         "hf_sort": args.hf_sort_by_length,
         "vllm_python": args.vllm_python or default_vllm_python(),
+        "vllm_modes": args.vllm_modes,
+        "workload_preset": args.workload,
     }
-
-
-def print_setup(setup: dict[str, Any]) -> None:
-    m, w, e = setup["machine"], setup["workload"], setup["engine"]
-    order = "sorted by prompt length" if setup["hf_sort"] else "arrival order"
-    lines = [
-        "== pagoda bench throughput: setup ==",
-        (
-            f"machine : {m['cpu']}, {m['num_cpus']} CPUs ({m['cpus_usable']} usable), "
-            f"{m['memory_gib']} GiB, {' '.join(m['isa']) or '-'}"
-        ),
-        (
-            f"software: python {m['python']}, torch {m['torch']} ({m['torch_threads']} threads), "
-            f"transformers {m['transformers']}"
-        ),
-        f"model   : {setup['model']}, dtype {setup['dtype']}",
-        (
-            f"workload: {w['num_requests']} requests, seed {setup['seed']}; prompts "
-            f"{setup['input_len'][0]}..{setup['input_len'][1]} ({w['num_prompt_tokens']:,} tokens), "
-            f"outputs {setup['output_len'][0]}..{setup['output_len'][1]} "
-            f"({w['num_output_tokens']:,} tokens); greedy, ignore_eos"
-        ),
-        (
-            f"engine  : max_num_seqs {e['max_num_seqs']}, max_num_batched_tokens "
-            f"{e['max_num_batched_tokens']}, KV cache {e['kv_cache_gib']} GiB (pagoda and vLLM)"
-        ),
-        (
-            f"peers   : transformers static batches {setup['hf_batch_sizes']} on the first "
-            f"{setup['hf_num_requests']} requests ({order}); vLLM: {setup['vllm_python'] or '-'}"
-        ),
-    ]
-    print("\n".join(lines), flush=True)
-
-
-def _ratio(num: float | None, den: float | None) -> str:
-    return f"{num / den:.2f}x" if num and den else "-"
-
-
-def print_table(results: dict[str, dict[str, Any]]) -> None:
-    hf = results.get("transformers", {}).get("output_tokens_per_s")
-    vl = results.get("vllm", {}).get("output_tokens_per_s")
-    print("== results (output tok/s; ratios are this row over the column's system) ==")
-    print(
-        f"{'system':<14}{'out tok/s':>11}{'req/s':>8}{'total tok/s':>13}"
-        f"{'vs transformers':>17}{'vs vLLM':>9}{'roofline':>10}"
-    )
-    for name, r in results.items():
-        if "output_tokens_per_s" not in r:
-            print(f"{name:<14}{r.get('skipped') or r.get('error') or 'no result'}")
-            continue
-        tps = r["output_tokens_per_s"]
-        frac = f"{r['roofline_fraction']:.1%}" if r.get("roofline_fraction") else "-"
-        note = "" if r["valid"] else "  INVALID: output token count differs"
-        if name == "transformers":
-            note += f"  (batch {r['best_batch_size']}, {r['num_requests_run']} requests)"
-        print(
-            f"{name:<14}{tps:>11,.1f}{r['requests_per_s']:>8.2f}{r['total_tokens_per_s']:>13,.1f}"
-            f"{_ratio(tps, hf):>17}{_ratio(tps, vl):>9}{frac:>10}{note}"
-        )
-    waste = results.get("pagoda", {}).get("kv_waste")
-    if waste:
-        print(
-            f"pagoda KV memory waste (allocated slots - tokens stored, over allocated; "
-            f"block size {waste['block_size']}): {waste['waste_pct']:.2f}% time-averaged, "
-            f"{waste['waste_pct_by_step']:.2f}% by step, over {waste['num_samples']} steps; "
-            f"peak {waste['peak_blocks']} blocks (target < 4%)"
-        )
 
 
 def _add_roofline_fractions(
@@ -374,7 +342,7 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
         print(rl.format_roofline(roof), flush=True)
 
     results: dict[str, dict[str, Any]] = {}
-    for name in args.systems:
+    for name in run_names(args.systems, args.vllm_modes):
         print(f"-- running {name} ...", flush=True)
         results[name] = run_system(name, workload, src, args)
         if "log_tail" in results[name]:

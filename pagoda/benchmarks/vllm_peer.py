@@ -12,6 +12,11 @@ The weights: a GGUF is dequantized by transformers and saved (in the run's dtype
 needs GPU kernels. The folder is cached under `$PAGODA_CACHE` (default
 `~/.cache/pagoda`).
 
+vLLM runs two ways in one benchmark (`VLLM_MODES`): at its own defaults (max_num_seqs
+256, max_num_batched_tokens 4096: what a user switching to pagoda sees) and at pagoda's
+limits. `python vllm_peer.py serve ARGS...` under vLLM's interpreter is `vllm serve ARGS`
+with the version patch below (serve_launch.py starts it).
+
 Settings that vLLM needs on a small CPU machine (see /work/shared/PERF_NOTES.md):
 `VLLM_CPU_OMP_THREADS_BIND` over every core (the default gives compute one core on a
 2-core machine), a KV space in GiB, and, when found, `LD_PRELOAD` of tcmalloc and the
@@ -29,7 +34,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-DEFAULT_VLLM_PYTHON = "/work/peers/vllm/bin/python"
+# Where scripts/setup_vllm_peer.sh puts the peer's venv, then an older convention.
+DEFAULT_VLLM_PYTHONS = ("/work/vllm-venv/bin/python", "/work/peers/vllm/bin/python")
+# vLLM's CPU defaults for (max_num_seqs, max_num_batched_tokens), version 0.32.
+VLLM_DEFAULT_LIMITS = (256, 4096)
+VLLM_MODES = ("defaults", "pagoda-limits")
 TCMALLOC_PATHS = (
     "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
     "/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4",
@@ -37,11 +46,43 @@ TCMALLOC_PATHS = (
 
 
 def default_vllm_python() -> str | None:
-    """$PAGODA_VLLM_PYTHON, else the conventional peer venv if it exists, else None."""
+    """$PAGODA_VLLM_PYTHON, else the first conventional peer venv that exists, else None."""
     env = os.environ.get("PAGODA_VLLM_PYTHON")
     if env:
         return env
-    return DEFAULT_VLLM_PYTHON if Path(DEFAULT_VLLM_PYTHON).exists() else None
+    return next((p for p in DEFAULT_VLLM_PYTHONS if Path(p).exists()), None)
+
+
+def parse_vllm_modes(text: str) -> list[str]:
+    """`"defaults,pagoda-limits"` -> the modes in order; ValueError naming an unknown one."""
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    unknown = [m for m in modes if m not in VLLM_MODES]
+    if unknown or not modes:
+        raise ValueError(f"--vllm-modes takes a comma-separated subset of {VLLM_MODES}, "
+                         f"got {text!r}")
+    return list(dict.fromkeys(modes))
+
+
+def vllm_limits(mode: str, max_num_seqs: int, max_num_batched_tokens: int) -> tuple[int, int]:
+    """(max_num_seqs, max_num_batched_tokens) vLLM runs with in `mode`; pagoda's are given."""
+    if mode == "defaults":
+        return VLLM_DEFAULT_LIMITS
+    return max_num_seqs, max_num_batched_tokens
+
+
+def vllm_serve_argv(
+    python: str, model_dir: Path, port: int, dtype: str, max_num_seqs: int,
+    max_num_batched_tokens: int, served_model_name: str,
+) -> list[str]:
+    """The command that runs `vllm serve` (prefix caching off, as pagoda's server in the
+    same benchmark) through this file's child half."""
+    return [
+        python, str(Path(__file__).resolve()), "serve", str(model_dir),
+        "--port", str(port), "--host", "127.0.0.1", "--dtype", dtype,
+        "--max-num-seqs", str(max_num_seqs),
+        "--max-num-batched-tokens", str(max_num_batched_tokens),
+        "--no-enable-prefix-caching", "--served-model-name", served_model_name,
+    ]
 
 
 def find_preload(python: str) -> list[str]:
@@ -211,5 +252,21 @@ def _child_main(spec_path: str) -> None:
     Path(spec["result_path"]).write_text(json.dumps(result))
 
 
+def _child_serve(argv: list[str]) -> None:
+    """Inside vLLM's interpreter: `vllm serve ARGV` (the CLI reads sys.argv)."""
+    _patch_vllm_version()
+    from vllm.entrypoints.cli.main import main
+
+    sys.argv = ["vllm", "serve", *argv]
+    main()
+
+
 if __name__ == "__main__":
-    _child_main(sys.argv[1])
+    # NOTE: run as a script, this folder is sys.path[0]: none of its modules may be found
+    # in place of a standard-library or vLLM module inside vLLM's interpreter.
+    if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
+        sys.path.pop(0)
+    if sys.argv[1] == "serve":
+        _child_serve(sys.argv[2:])
+    else:
+        _child_main(sys.argv[1])

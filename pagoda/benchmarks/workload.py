@@ -21,6 +21,12 @@ DEFAULT_OUTPUT_LEN = (100, 1024)
 QUICK_NUM_REQUESTS = 16
 QUICK_INPUT_LEN = (32, 128)
 QUICK_OUTPUT_LEN = (32, 128)
+# Named workloads (num requests, prompt lengths, output lengths), from issue 10's table:
+# short requests as in the 64-request comparison, long ones as in the 256-request one.
+WORKLOAD_PRESETS: dict[str, tuple[int, tuple[int, int], tuple[int, int]]] = {
+    "short": (64, (26, 254), (16, 127)),
+    "long": (256, (100, 1024), (100, 1023)),
+}
 
 
 @dataclass(slots=True, frozen=True)

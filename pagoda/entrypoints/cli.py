@@ -154,6 +154,11 @@ _BENCHES = {
                                 "throughput under fcfs and priority scheduling")),
     "multi-turn": ("multi_turn", ("multi-turn conversations evicted by other traffic: the "
                                   "prefix cache's host tier off/on")),
+    "profile": ("step_profile", ("one engine step broken down by phase and op class (decode, "
+                            "prefill, batch 1), with the CPU's ISA, AMX status, kernel "
+                            "dispatch and what oneDNN runs")),
+    "omp-policy": ("omp_policy", ("decode ms/token and batched tok/s under each OpenMP "
+                                  "waiting policy, quiet and beside a busy process")),
 }
 
 

@@ -63,14 +63,21 @@ class Op:
                 return k
         return None
 
-    def select(self, *args: Any) -> Callable[..., Any]:
-        """The function a call with these arguments runs: a kernel's, or the reference."""
+    def select_kernel(self, *args: Any) -> tuple[Kernel, Any] | None:
+        """The kernel a call with these arguments runs and its handle; None: the reference."""
         for k in self._kernels.get(args[0].device.type, ()):
             if args[0].dtype in k.dtypes:
                 handle = k.resolve()
                 if handle is not None and k.supports(*args):
-                    return functools.partial(k.fn, handle)
-        return self.reference
+                    return k, handle
+        return None
+
+    def select(self, *args: Any) -> Callable[..., Any]:
+        """The function a call with these arguments runs: a kernel's, or the reference."""
+        chosen = self.select_kernel(*args)
+        if chosen is None:
+            return self.reference
+        return functools.partial(chosen[0].fn, chosen[1])
 
     def _resolve(self, key: tuple[str, torch.dtype]) -> tuple[tuple[Kernel, Any], ...]:
         device_type, dtype = key

@@ -23,6 +23,7 @@ from pagoda.config import (
 )
 from pagoda.core.kv_cache_spec import KVCacheSpec, bytes_per_block, group_layers
 from pagoda.core.scheduler_output import SchedulerOutput
+from pagoda.cpu_features import request_amx_tiles
 from pagoda.models.factory import build_model
 from pagoda.models.loader import Checkpoint
 from pagoda.ops import registry as ops_registry
@@ -51,6 +52,8 @@ class Worker:
         self.eos_token_ids = eos_token_ids
         torch.manual_seed(config.model.seed)
         if self.device.type == "cpu":
+            # NOTE: before the first GEMM: a tile instruction without the permission faults.
+            request_amx_tiles()
             # NOTE: build (or load the cached build of) the C++ kernels now, so the first
             # request does not pay the compile time.
             load_extension()

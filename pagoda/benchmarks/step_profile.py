@@ -1,0 +1,238 @@
+"""`pagoda bench profile`: where one engine step's time goes, on this CPU.
+
+NOTE: not named profile.py: vllm_peer.py runs as a script from this folder, which puts
+the folder first on sys.path, where a profile.py would shadow the standard library's.
+
+Cases (each one engine, prefix caching off, greedy, ignore_eos; the steps are timed after
+a warm-up step that also records the dispatch):
+- decode: `--num-seqs` sequences (64) at `--context-len` tokens of context (1,000): their
+  prompts are prefilled untimed, then `--steps` decode steps are timed;
+- prefill: steps of `--prefill-tokens` new tokens (2,048) over `--prefill-seqs` fresh
+  prompts, each request sampling its one token in that step;
+- single: batch-1 decode (context `--single-context-len`), beside the weight-bandwidth
+  floor (the bytes of weights a step reads / the measured read bandwidth).
+
+Each step is broken down by phase (step_timer.py): scheduling, input preparation, the
+forward by op class (GEMMs, attention, fused ops, other), lm_head, sampling, output
+processing, detokenization. The report also prints the CPU model, the ISA flags that
+decide the kernels, the AMX tile request's status, the OpenMP setting, which kernel each
+op dispatched to, the GEMMs' quant method and weight packing, and what oneDNN runs for
+those GEMMs (onednn_probe.py: its ISA and the packed weight layout).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from pagoda.benchmarks.step_timer import PHASES, StepInstrumentation
+
+DEFAULT_NUM_SEQS = 64
+DEFAULT_CONTEXT_LEN = 1000
+DEFAULT_PREFILL_TOKENS = 2048
+DEFAULT_STEPS = 5
+SECTIONS = ("machine", "decode", "prefill", "single", "dispatch", "onednn")
+
+
+def add_step_profile_args(p: argparse.ArgumentParser) -> None:
+    """The flags of `pagoda bench profile`."""
+    p.add_argument("--model", default=None, help="HF folder or .gguf file (default: embedded)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--num-seqs", type=int, default=DEFAULT_NUM_SEQS)
+    p.add_argument("--context-len", type=int, default=DEFAULT_CONTEXT_LEN)
+    p.add_argument("--prefill-tokens", type=int, default=DEFAULT_PREFILL_TOKENS)
+    p.add_argument("--prefill-seqs", type=int, default=1)
+    p.add_argument("--single-context-len", type=int, default=128)
+    p.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="timed steps per case")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-onednn", action="store_true", help="skip the ONEDNN_VERBOSE probe")
+    p.add_argument("--no-bandwidth", action="store_true",
+                   help="skip measuring read bandwidth (no floor for the single case)")
+    p.add_argument("--output-json", default=None)
+
+
+def _budget(args: argparse.Namespace) -> int:
+    return max(args.prefill_tokens, 16)
+
+
+def _decode_max_tokens(args: argparse.Namespace) -> int:
+    """Enough output tokens that no sequence finishes before the timed steps end: the
+    first prompts prefilled decode while later ones still prefill."""
+    prefill_steps = -(-args.num_seqs * args.context_len // _budget(args)) + 1
+    return prefill_steps + args.steps + 2
+
+
+def _engine(args: argparse.Namespace) -> Any:
+    from pagoda import LLM
+
+    per_prefill = -(-args.prefill_tokens // args.prefill_seqs)
+    max_len = max(args.context_len + _decode_max_tokens(args), per_prefill + 1,
+                  args.single_context_len + args.steps + 8)
+    llm = LLM(model=args.model, dtype=args.dtype, seed=args.seed, enable_prefix_caching=False,
+              max_num_seqs=max(args.num_seqs, args.prefill_seqs),
+              max_num_batched_tokens=_budget(args), max_model_len=-(-max_len // 16) * 16)
+    return llm.llm_engine
+
+
+def _prompts(engine: Any, num: int, length: int, seed: int) -> list[list[int]]:
+    from pagoda.benchmarks.workload import make_workload
+
+    return [p for p, _ in make_workload(num, (length, length), (1, 1), seed,
+                                        tokenizer=engine.tokenizer)]
+
+
+def _add(engine: Any, tag: str, prompts: list[list[int]], max_tokens: int) -> list[str]:
+    from pagoda import SamplingParams
+    from pagoda.engine.output_processor import OutputKind
+
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+    ids = [f"{tag}{i}" for i in range(len(prompts))]
+    for rid, prompt in zip(ids, prompts):
+        engine.add_request(rid, {"prompt_token_ids": prompt}, params,
+                           output_kind=OutputKind.FINAL_ONLY)
+    return ids
+
+
+def _summary(inst: StepInstrumentation, num_steps: int) -> dict[str, Any]:
+    """Per-step milliseconds by phase, their total and the tokens per step."""
+    ms = {phase: 1000 * s / num_steps for phase, s in inst.clock.seconds.items()}
+    step_ms = sum(ms.values())
+    tokens = inst.num_scheduled_tokens[-num_steps:]
+    mean_tokens = sum(tokens) / max(len(tokens), 1)
+    return {"phases_ms": ms, "step_ms": step_ms, "tokens_per_step": mean_tokens,
+            "tokens_per_s": 1000 * mean_tokens / step_ms if step_ms else 0.0,
+            "num_steps": num_steps}
+
+
+def _timed_steps(engine: Any, inst: StepInstrumentation, steps: int) -> dict[str, Any]:
+    """One warm-up step (recording dispatch, not timed), then `steps` timed ones."""
+    inst.record_dispatch = True
+    engine.step()
+    inst.record_dispatch = False
+    inst.clock.reset()
+    for _ in range(steps):
+        engine.step()
+    return _summary(inst, steps)
+
+
+def profile_decode(engine: Any, inst: StepInstrumentation, num_seqs: int, context_len: int,
+                   steps: int, seed: int, tag: str, max_tokens: int) -> dict[str, Any]:
+    """`steps` decode steps of `num_seqs` sequences at about `context_len` tokens."""
+    ids = _add(engine, tag, _prompts(engine, num_seqs, context_len, seed), max_tokens)
+    sched = engine.scheduler
+    while sched.waiting or any(r.num_computed_tokens < r.num_prompt_tokens
+                               for r in sched.running):
+        engine.step()
+    with inst:
+        result = _timed_steps(engine, inst, steps)
+    engine.abort_request(ids)
+    result.update(num_seqs=num_seqs, context_len=context_len)
+    return result
+
+
+def profile_prefill(engine: Any, inst: StepInstrumentation, num_tokens: int, num_seqs: int,
+                    steps: int, seed: int) -> dict[str, Any]:
+    """Steps of `num_tokens` new tokens: fresh prompts each step, each sampling once."""
+    length = num_tokens // num_seqs
+    with inst:
+        inst.record_dispatch = True
+        for i in range(steps + 1):
+            if i == 1:
+                inst.record_dispatch = False
+                inst.clock.reset()
+            _add(engine, f"p{i}-", _prompts(engine, num_seqs, length, seed + i), 1)
+            engine.step()
+            while engine.has_unfinished_requests():  # NOTE: none left if one step took all
+                engine.step()
+    result = _summary(inst, steps)
+    result.update(num_seqs=num_seqs, prompt_len=length)
+    return result
+
+
+def _weight_floor(engine: Any, dtype: str) -> dict[str, Any]:
+    from pagoda.benchmarks import roofline as rl
+
+    shape = rl.shape_from_hf_config(engine.hf_config)
+    num_bytes = shape.weight_params_read_per_step * rl.DTYPE_BYTES[dtype]
+    bandwidth = rl.measure_read_bandwidth(max(1 << 28, min(1 << 30, 4 * num_bytes)))
+    return {"weight_bytes": num_bytes, "read_bandwidth_gb_s": bandwidth / 1e9,
+            "floor_ms": 1000 * num_bytes / bandwidth}
+
+
+def gemm_dispatch(engine: Any) -> dict[str, str]:
+    """Per projection (qkv_proj, o_proj, ..., lm_head): its quant method and weight path."""
+    from pagoda.layers.linear import LinearBase
+    from pagoda.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+
+    model, seen = engine.executor.worker.runner.model, {}
+    for name, module in model.named_modules():
+        if isinstance(module, ParallelLMHead):
+            key, weight = "lm_head", getattr(module, "weight", None)
+        elif isinstance(module, VocabParallelEmbedding):
+            if not getattr(module, "computes_logits", False):
+                continue  # NOTE: a lookup table, no GEMM
+            key, weight = "lm_head", getattr(module, "packed_logits_weight", None)
+        elif isinstance(module, LinearBase):
+            key, weight = name.rsplit(".", 1)[-1], getattr(module, "weight", None)
+        else:
+            continue
+        path = "oneDNN packed weight" if getattr(weight, "is_mkldnn", False) else "dense weight"
+        seen.setdefault(key, f"{type(module.quant_method).__name__}, {path}")
+    return seen
+
+
+def machine_section() -> dict[str, Any]:
+    import torch
+
+    from pagoda.cpu_features import cpu_info, isa_report, request_amx_tiles
+
+    amx = request_amx_tiles()
+    return {
+        "cpu": cpu_info()[0], "num_cpus": os.cpu_count(), "isa": isa_report(),
+        "amx": {"usable": amx.usable, "reason": amx.reason},
+        "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+        "openmp_env": {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT",
+                                                      "OMP_NUM_THREADS")},
+    }
+
+
+def run_step_profile(args: argparse.Namespace) -> dict[str, Any]:
+    """Run every case; print the report; return it (the keys of SECTIONS)."""
+    from pagoda.benchmarks.onednn_probe import probe
+    from pagoda.benchmarks.profile_report import print_report
+
+    engine = _engine(args)
+    inst = StepInstrumentation(engine)
+    report: dict[str, Any] = {"machine": machine_section(), "model": engine.model_path,
+                              "dtype": args.dtype}
+    report["decode"] = profile_decode(engine, inst, args.num_seqs, args.context_len,
+                                      args.steps, args.seed, "d", _decode_max_tokens(args))
+    report["prefill"] = profile_prefill(engine, inst, args.prefill_tokens, args.prefill_seqs,
+                                        args.steps, args.seed)
+    report["single"] = profile_decode(engine, inst, 1, args.single_context_len, args.steps,
+                                      args.seed, "s", args.steps + 3)
+    if not args.no_bandwidth:
+        floor = _weight_floor(engine, args.dtype)
+        floor["ratio"] = report["single"]["step_ms"] / floor["floor_ms"]
+        report["single"]["weight_floor"] = floor
+    report["dispatch"] = {"ops": {k: sorted(v) for k, v in sorted(inst.dispatch.items())},
+                          "gemms": gemm_dispatch(engine),
+                          "attention_backend": engine.config.model.attn_backend}
+    spec = engine.executor.worker.model.spec
+    shapes = [((spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim, spec.hidden_size),
+              (spec.hidden_size, spec.num_heads * spec.head_dim),
+              (2 * spec.intermediate_size, spec.hidden_size),
+              (spec.hidden_size, spec.intermediate_size)]
+    report["onednn"] = ({"skipped": "--no-onednn"} if args.no_onednn
+                        else probe(shapes, args.dtype))
+    print_report(report)
+    if args.output_json:
+        Path(args.output_json).write_text(json.dumps(report, indent=2, default=str))
+        print(f"wrote {args.output_json}")
+    return report
+
+
+__all__ = ["PHASES", "SECTIONS", "add_step_profile_args", "run_step_profile"]

@@ -1,0 +1,124 @@
+"""`pagoda bench profile`: every section in the report, timers that add up and go away,
+and the ONEDNN_VERBOSE parser on both ISAs' lines."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from pagoda.benchmarks import step_profile as profile
+from pagoda.benchmarks.onednn_probe import parse_verbose
+from pagoda.benchmarks.profile_report import format_report
+from pagoda.benchmarks.step_timer import PHASES, PhaseClock
+from pagoda.entrypoints.cli import build_parser
+from pagoda.ops.registry import Op
+
+ARCH = "LlamaForCausalLM"
+
+AMX_LOG = """\
+onednn_verbose,v1,info,oneDNN v3.12.0 (commit 80afa71049cd69a3df32adcccb623b12cd7baa22)
+onednn_verbose,v1,info,cpu,isa:Intel AVX-512 with float16, Intel DL Boost and bfloat16 support and Intel AMX with bfloat16 and 8-bit integer support
+onednn_verbose,v1,primitive,exec,cpu,reorder,jit:uni,undef,src:bf16::blocked:ab::f0 dst:bf16::blocked:AB16b32a2b::f0,attr-scratchpad:user,,960x576,1.2
+onednn_verbose,v1,primitive,exec,cpu,inner_product,brg_matmul:avx512_core_amx,forward_inference,src:bf16::blocked:ab::f0 wei:bf16::blocked:AB16b32a2b::f0 bia:undef::undef::: dst:bf16::blocked:ab::f0,attr-scratchpad:user,,mb64ic576oc960,0.3
+"""
+AVX512_LOG = """\
+onednn_verbose,v1,info,cpu,isa:Intel AVX-512 with Intel DL Boost and bfloat16 support
+onednn_verbose,v1,primitive,exec,cpu,inner_product,brg_matmul:avx512_core_bf16,forward_inference,src:bf16::blocked:ab::f0 wei:bf16::blocked:AB16b64a2b::f0 bia:undef::undef::: dst:bf16::blocked:ab::f0,attr-scratchpad:user,,mb1ic576oc1536,6.37891
+unrelated line
+"""
+
+
+def test_parse_verbose_amx_line():
+    isa, execs = parse_verbose(AMX_LOG)
+    assert "AMX" in isa
+    gemm = [e for e in execs if e.kind == "inner_product"]
+    assert len(gemm) == 1 and gemm[0].isa == "avx512_core_amx"
+    assert gemm[0].weight_layout == "AB16b32a2b" and gemm[0].problem == "mb64ic576oc960"
+    assert [e.kind for e in execs] == ["reorder", "inner_product"]
+
+
+def test_parse_verbose_avx512_line():
+    isa, execs = parse_verbose(AVX512_LOG)
+    assert isa == "Intel AVX-512 with Intel DL Boost and bfloat16 support"
+    assert [(e.isa, e.weight_layout) for e in execs] == [("avx512_core_bf16", "AB16b64a2b")]
+
+
+def test_phase_clock_times_are_exclusive():
+    clock = PhaseClock()
+    inner = clock.wrap("forward: GEMMs", lambda: sum(range(20000)))
+    outer = clock.wrap("forward: other", lambda: [inner() for _ in range(3)])
+    outer()
+    assert clock.seconds["forward: GEMMs"] > 0 and clock.seconds["forward: other"] > 0
+    clock.reset()
+    assert set(clock.seconds) == set(PHASES) and not any(clock.seconds.values())
+
+
+def test_cli_has_bench_profile():
+    args = build_parser().parse_args(["bench", "profile", "--num-seqs", "3", "--steps", "2"])
+    assert args.num_seqs == 3 and args.steps == 2 and args.context_len == 1000
+
+
+@pytest.fixture(scope="module")
+def report(tiny_model) -> dict:
+    p = argparse.ArgumentParser()
+    profile.add_step_profile_args(p)
+    model = str(tiny_model(ARCH))
+    args = p.parse_args(["--model", model, "--num-seqs", "4", "--context-len", "40",
+                         "--prefill-tokens", "64", "--prefill-seqs", "2", "--steps", "2",
+                         "--single-context-len", "20"])
+    original_call = Op.__dict__["__call__"]
+    result = profile.run_step_profile(args)
+    assert Op.__dict__["__call__"] is original_call  # NOTE: the class patches are undone
+    return result
+
+
+def test_report_has_every_section(report, capsys):
+    assert set(profile.SECTIONS) <= set(report)
+    text = format_report(report)
+    for header in ("machine", "decode", "prefill", "single stream", "dispatch", "oneDNN"):
+        assert f"== {header}" in text or f"== pagoda bench profile: {header}" in text
+    for phase in PHASES:
+        assert phase in text
+    for flag in ("avx512_bf16", "amx_bf16", "amx_tile", "avx512_fp16", "avx_vnni"):
+        assert f"{flag}=" in text
+    assert "amx     :" in text and "weight-bandwidth floor" in text
+
+
+def test_cases_time_the_right_steps(report):
+    assert report["decode"]["tokens_per_step"] == 4
+    assert report["prefill"]["tokens_per_step"] == 64
+    assert report["single"]["tokens_per_step"] == 1
+    for case in ("decode", "prefill", "single"):
+        c = report[case]
+        assert c["step_ms"] == pytest.approx(sum(c["phases_ms"].values()))
+        assert c["phases_ms"]["forward: GEMMs"] > 0 and c["phases_ms"]["sampling"] > 0
+        assert c["phases_ms"]["forward: attention"] > 0 and c["phases_ms"]["lm_head"] > 0
+    assert report["single"]["weight_floor"]["ratio"] > 0
+
+
+def test_dispatch_names_every_op_and_gemm(report):
+    d = report["dispatch"]
+    assert {"paged_attention", "fused_add_rms_norm", "silu_and_mul"} <= set(d["ops"])
+    assert {"qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head"} <= set(d["gemms"])
+    assert all(d["ops"].values())
+
+
+def test_onednn_section_reports_gemms_or_an_error(report):
+    o = report["onednn"]
+    assert o.get("gemms") or o.get("error")
+    for g in o.get("gemms", []):
+        assert g["isa"] and g["weight_layout"]
+
+
+def test_instrumentation_is_removed(tiny_model):
+    from pagoda import LLM
+    from pagoda.benchmarks.step_timer import StepInstrumentation
+
+    engine = LLM(model=str(tiny_model(ARCH)), dtype="bfloat16", max_model_len=64).llm_engine
+    runner = engine.executor.worker.runner
+    sampler = runner.sampler
+    with StepInstrumentation(engine):
+        assert "step" in vars(engine) and "forward" in vars(runner.model)
+    assert "step" not in vars(engine) and "schedule" not in vars(engine.scheduler)
+    assert "forward" not in vars(runner.model) and runner.sampler is sampler
