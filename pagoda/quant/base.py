@@ -160,6 +160,9 @@ _QUANTIZATION_CONFIGS: dict[str, type[QuantizationConfig]] = {}
 _BUILTIN_METHOD_MODULES = (
     "pagoda.quant.gptq",
     "pagoda.quant.awq",
+    "pagoda.quant.compressed_tensors",
+    "pagoda.quant.int8",
+    "pagoda.quant.fp8",
 )
 
 
