@@ -7,9 +7,11 @@ import contextlib
 import torch
 from torch import nn
 
+from pagoda.models.gguf import iter_gguf_weights_keeping_blocks
 from pagoda.models.loader import Checkpoint, CheckpointError
 from pagoda.models.registry import resolve_model
 from pagoda.quant.base import QuantizationConfig, get_quantization_config, quant_config_from_hf
+from pagoda.quant.gguf import GGUFNativeConfig, native_enabled
 
 
 @contextlib.contextmanager
@@ -52,6 +54,7 @@ def build_model(
     max_positions: int,
     attn_backend: str = "torch_paged",
     quantization: str | None = None,
+    gguf_native: str = "auto",
 ) -> nn.Module:
     """Builds the architecture named in the checkpoint's config and loads its weights.
 
@@ -60,12 +63,26 @@ def build_model(
     checkpoint tensor is converted and copied straight into its parameter by its loader.
     """
     factory = resolve_model(ckpt.hf_config, str(ckpt.path))
-    quant_config = checkpoint_quant_config(ckpt, quantization)
+    native = ckpt.format == "gguf" and (
+        quantization == "gguf"
+        or (quantization is None and native_enabled(gguf_native, device, dtype))
+    )
+    if native:
+        quant_config: QuantizationConfig | None = GGUFNativeConfig.from_checkpoint(
+            ckpt.iter_raw_tensors()
+        )
+    else:
+        quant_config = checkpoint_quant_config(ckpt, quantization)
     if quant_config is not None:
         quant_config.packed_modules_mapping = dict(getattr(factory, "packed_modules_mapping", {}))
     with _default_dtype(dtype), torch.device(device):
         model = factory(ckpt.hf_config, attn_backend=attn_backend, quant_config=quant_config)
-    model.load_weights(ckpt.iter_weights(), source=str(ckpt.path))
+    weights = ckpt.iter_weights()
+    if isinstance(quant_config, GGUFNativeConfig):
+        weights = iter_gguf_weights_keeping_blocks(
+            ckpt.iter_raw_tensors(), ckpt.path, quant_config.keeps_blocks
+        )
+    model.load_weights(weights, source=str(ckpt.path))
     model.init_rotary(max_positions, dtype, device)
     model.process_weights_after_loading()
     return model.eval()

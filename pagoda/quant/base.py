@@ -163,6 +163,7 @@ _BUILTIN_METHOD_MODULES = (
     "pagoda.quant.compressed_tensors",
     "pagoda.quant.int8",
     "pagoda.quant.fp8",
+    "pagoda.quant.gguf",
 )
 
 

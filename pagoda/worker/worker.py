@@ -55,7 +55,7 @@ class Worker:
             load_extension()
         self.model = build_model(
             ckpt, self.dtype, self.device, max_model_len, config.model.attn_backend,
-            config.model.quantization,
+            config.model.quantization, config.model.gguf_native,
         )
         self.kv_caches: LayerCaches = []
         self.host_kv_caches: LayerCaches | None = None
