@@ -177,8 +177,11 @@ class CTPackedLinearMethod(GroupQuantLinearMethod):
         group_size = self.layer_group_size(codes.shape[1])
         perm = None
         if self.has_g_idx:
+            g_idx = layer.weight_g_idx.data.to(torch.int64)
+            if layer.input_size_per_partition != layer.input_size:
+                g_idx = g_idx - layer.tp_rank * scales.shape[1]  # NOTE: as in gptq.py
             try:
-                perm = packing.gptq_group_order(layer.weight_g_idx.data, group_size)
+                perm = packing.gptq_group_order(g_idx, group_size)
             except ValueError as exc:
                 raise ValueError(f"{layer.prefix}.weight_g_idx: {exc}") from exc
             if perm is not None:

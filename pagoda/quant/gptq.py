@@ -118,6 +118,10 @@ class GPTQLinearMethod(GroupQuantLinearMethod):
         group_size = self.layer_group_size(k)
         g_idx = layer.g_idx.data.to(torch.int64)
         groups = layer.scales.shape[0]
+        if layer.input_size_per_partition != layer.input_size:
+            # NOTE: a shard of the input (row-parallel) holds groups [rank * G, (rank + 1) * G) of the
+            # checkpoint's; g_idx names them globally.
+            g_idx = g_idx - layer.tp_rank * groups
         if g_idx.numel() and (g_idx.min() < 0 or g_idx.max() >= groups):
             raise ValueError(f"{layer.prefix}.g_idx: group indices must lie in [0, {groups})")
         try:
