@@ -22,7 +22,10 @@ LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 MAX_TOKENS = 8
 
 
-def is_linear(name: str) -> bool:
+def is_linear(name: str, head: bool = False) -> bool:
+    """A decoder linear's weight (and, with `head`, the LM head's)."""
+    if head and name == "lm_head.weight":
+        return True
     parts = name.split(".")
     return len(parts) >= 2 and parts[-2] in LINEAR_NAMES and parts[-1] == "weight"
 
@@ -74,7 +77,7 @@ QuantizeFn = Callable[[str, torch.Tensor], tuple[dict[str, torch.Tensor], torch.
 
 def write_quantized(
     dense_dir: Path, out_dir: Path, quant_config: dict[str, Any], quantize: QuantizeFn,
-    skip: Callable[[str], bool] = lambda name: False,
+    skip: Callable[[str], bool] = lambda name: False, quantize_head: bool = False,
 ) -> tuple[Path, Path]:
     """From `dense_dir`, write (quantized checkpoint, dense checkpoint of its dequantized
     weights). `quantize(name, w)` -> (checkpoint tensors by suffix, dequantized weight)."""
@@ -82,7 +85,7 @@ def write_quantized(
     quantized: dict[str, torch.Tensor] = {}
     dequantized: dict[str, torch.Tensor] = {}
     for name, w in tensors.items():
-        if is_linear(name) and not skip(name):
+        if is_linear(name, quantize_head) and not skip(name):
             parts, w_hat = quantize(name, w.float())
             stem = name.removesuffix(".weight")
             quantized.update({f"{stem}.{suffix}": t.contiguous() for suffix, t in parts.items()})

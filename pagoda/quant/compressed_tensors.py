@@ -88,9 +88,6 @@ class CompressedTensorsConfig(QuantizationConfig):
         scheme = schemes[0]
         if scheme is None:
             return None
-        if prefix.rpartition(".")[2] == "lm_head":
-            raise ValueError("compressed-tensors: a quantized lm_head is not supported "
-                             "(add it to 'ignore')")
         return method_for_scheme(scheme, self.format, prefix)
 
 
@@ -178,7 +175,7 @@ class CTPackedLinearMethod(GroupQuantLinearMethod):
         perm = None
         if self.has_g_idx:
             g_idx = layer.weight_g_idx.data.to(torch.int64)
-            if layer.input_size_per_partition != layer.input_size:
+            if getattr(layer, "input_size_per_partition", None) != getattr(layer, "input_size", None):
                 g_idx = g_idx - layer.tp_rank * scales.shape[1]  # NOTE: as in gptq.py
             try:
                 perm = packing.gptq_group_order(g_idx, group_size)

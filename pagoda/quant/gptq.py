@@ -3,7 +3,8 @@
 config.json `quantization_config`: bits 2 | 4 | 8, group_size -1 (one group per output
 channel) or a divisor of every layer's input size, desc_act (act_order: `g_idx` is then a
 permutation of the groups), sym, checkpoint_format "gptq" (v1: zeros stored minus one) or
-"gptq_v2" (zeros stored as they are), lm_head (a quantized head is refused).
+"gptq_v2" (zeros stored as they are), lm_head (true: the untied LM head is quantized
+too).
 
 Per linear layer (K inputs, N outputs, G = K / group_size groups, 32 / bits codes a word):
   qweight int32 [K * bits / 32, N]  packed along the input dim
@@ -58,9 +59,10 @@ def parse_group_size(value: Any, method: str) -> int:
 @register_quantization_config("gptq")
 class GPTQConfig(QuantizationConfig):
     def __init__(self, bits: int, group_size: int, desc_act: bool, sym: bool,
-                 checkpoint_format: str) -> None:
+                 checkpoint_format: str, lm_head: bool = False) -> None:
         self.bits, self.group_size = bits, group_size
         self.desc_act, self.sym, self.checkpoint_format = desc_act, sym, checkpoint_format
+        self.lm_head = lm_head
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> GPTQConfig:
@@ -70,17 +72,15 @@ class GPTQConfig(QuantizationConfig):
         if fmt not in GPTQ_FORMATS:
             raise ValueError(f"gptq quantization_config.checkpoint_format must be one of "
                              f"{GPTQ_FORMATS}, got {fmt!r}")
-        if _field(config, "lm_head", False):
-            raise ValueError("gptq quantization_config.lm_head: a quantized lm_head is not "
-                             "supported")
         if _field(config, "dynamic", None):
             raise ValueError("gptq quantization_config.dynamic (per-module overrides) is not "
                              "supported")
         return cls(bits, group_size, bool(_field(config, "desc_act", False)),
-                   bool(_field(config, "sym", True)), fmt)
+                   bool(_field(config, "sym", True)), fmt,
+                   lm_head=bool(_field(config, "lm_head", False)))
 
     def get_quant_method(self, layer: nn.Module, prefix: str) -> GPTQLinearMethod | None:
-        if prefix.rpartition(".")[2] == "lm_head":
+        if prefix.rpartition(".")[2] == "lm_head" and not self.lm_head:
             return None
         return GPTQLinearMethod(self.bits, self.group_size, self.checkpoint_format)
 
@@ -118,7 +118,7 @@ class GPTQLinearMethod(GroupQuantLinearMethod):
         group_size = self.layer_group_size(k)
         g_idx = layer.g_idx.data.to(torch.int64)
         groups = layer.scales.shape[0]
-        if layer.input_size_per_partition != layer.input_size:
+        if getattr(layer, "input_size_per_partition", None) != getattr(layer, "input_size", None):
             # NOTE: a shard of the input (row-parallel) holds groups [rank * G, (rank + 1) * G) of the
             # checkpoint's; g_idx names them globally.
             g_idx = g_idx - layer.tp_rank * groups

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pagoda.models.factory import build_model
-from pagoda.models.loader import CheckpointError, load_checkpoint
+from pagoda.models.loader import load_checkpoint
 from pagoda.quant import packing
 from tests.quant_helpers import (
     assert_greedy_matches,
@@ -111,8 +111,10 @@ def test_unsupported_schemes_are_refused(dense_dir, tmp_path):
         _load(q_dir)
 
 
-def test_a_quantized_lm_head_is_refused(dense_dir, tmp_path):
-    q_dir, _ = write_quantized(dense_dir, tmp_path, ct_config(4, 32, True, ignore=()),
-                               ct_quantizer(4, 32, True))
-    with pytest.raises((ValueError, CheckpointError), match="quantized lm_head"):
-        _load(q_dir)
+def test_a_quantized_lm_head_is_loaded_quantized(dense_dir, tmp_path):
+    q_dir, d_dir = write_quantized(dense_dir, tmp_path, ct_config(4, 32, False, ignore=()),
+                                   ct_quantizer(4, 32, False), quantize_head=True)
+    assert_greedy_matches(q_dir, d_dir)
+    model = _load(q_dir)
+    assert type(model.lm_head.quant_method).__name__ == "CTPackedLinearMethod"
+    assert model.lm_head.weight_packed.shape == (49152, 8)

@@ -24,7 +24,7 @@ from tests.quant_helpers import (
 
 # Layers that read the same input get the same act_order (GPTQ orders by that input's
 # Hessian), hence the same g_idx.
-SHARED_INPUT = {"q_proj": 1, "k_proj": 1, "v_proj": 1, "o_proj": 2, "gate_proj": 3,
+SHARED_INPUT = {"lm_head": 5, "q_proj": 1, "k_proj": 1, "v_proj": 1, "o_proj": 2, "gate_proj": 3,
                 "up_proj": 3, "down_proj": 4}
 
 
@@ -102,6 +102,16 @@ def test_awq_greedy_matches_dequantized_hf(dense_dir, tmp_path, group_size, zero
     q_dir, d_dir = write_quantized(dense_dir, tmp_path, config,
                                    awq_quantizer(group_size, zero_point))
     assert_greedy_matches(q_dir, d_dir)
+
+
+def test_gptq_lm_head_true_quantizes_the_head(dense_dir, tmp_path):
+    config = {**gptq_config(4, 32, False, False), "lm_head": True}
+    q_dir, d_dir = write_quantized(dense_dir, tmp_path, config,
+                                   gptq_quantizer(4, 32, False, False), quantize_head=True)
+    assert_greedy_matches(q_dir, d_dir)
+    head = _load(q_dir).lm_head
+    assert type(head.quant_method).__name__ == "GPTQLinearMethod"
+    assert head.qweight.shape == (8, 49152) and head.qzeros.shape == (2, 49152 // 8)
 
 
 def test_quantized_layers_hold_group_weights_and_the_head_stays_dense(dense_dir, tmp_path):
