@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from pagoda import LLM, SamplingParams
 from pagoda.models.factory import build_model
 from pagoda.models.loader import CheckpointError, load_checkpoint
 from pagoda.ops import wquant
@@ -185,3 +186,16 @@ def test_fp8_tensors_keep_their_scales_through_to(dense_dir, tmp_path):
     k_scale = written["model.layers.0.self_attn.k_proj.weight_scale"]
     assert torch.equal(qkv.weight_scale[64:96], k_scale.expand(32))
     assert qkv.input_scale.item() == 0.5
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int8_wo", "fp8"])
+def test_bfloat16_models_run_every_method(dense_dir, quantization):
+    """In bfloat16 (the CPU default) the methods take bf16 activations; the first greedy
+    token (far from a tie in this model) is float32's."""
+    firsts = []
+    for dtype in ("bfloat16", "float32"):
+        llm = LLM(str(dense_dir), dtype=dtype, quantization=quantization)
+        params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+        firsts.append(llm.generate([[42, 4242, 17, 900]], params, use_tqdm=False)[0]
+                      .outputs[0].token_ids[0])
+    assert firsts[0] == firsts[1]
