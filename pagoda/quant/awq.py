@@ -37,9 +37,10 @@ AWQ_PACK_FACTOR = 8
 
 @register_quantization_config("awq")
 class AWQConfig(QuantizationConfig):
-    def __init__(self, group_size: int, zero_point: bool, not_converted: list[str]) -> None:
-        self.group_size, self.zero_point = group_size, zero_point
-        self.modules_to_not_convert = not_converted
+    """zero_point needs no reading: qzeros holds the zeros either way."""
+
+    def __init__(self, group_size: int, not_converted: list[str]) -> None:
+        self.group_size, self.modules_to_not_convert = group_size, not_converted
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> AWQConfig:
@@ -54,7 +55,7 @@ class AWQConfig(QuantizationConfig):
         not_converted = config.get("modules_to_not_convert") or []
         if not isinstance(not_converted, list):
             raise TypeError("awq quantization_config.modules_to_not_convert must be a list")
-        return cls(group_size, bool(config.get("zero_point", True)), not_converted)
+        return cls(group_size, not_converted)
 
     def get_quant_method(self, layer: nn.Module, prefix: str) -> AWQLinearMethod | None:
         if prefix.rpartition(".")[2] == "lm_head":

@@ -38,7 +38,8 @@ GPTQ_FORMATS = ("gptq", "gptq_v2")
 
 
 def _field(config: dict[str, Any], name: str, default: Any = None) -> Any:
-    return config.get(name, default) if config.get(name) is not None else default
+    value = config.get(name)
+    return default if value is None else value
 
 
 def parse_bits(value: Any, supported: tuple[int, ...], method: str) -> int:
@@ -58,11 +59,12 @@ def parse_group_size(value: Any, method: str) -> int:
 
 @register_quantization_config("gptq")
 class GPTQConfig(QuantizationConfig):
-    def __init__(self, bits: int, group_size: int, desc_act: bool, sym: bool,
-                 checkpoint_format: str, lm_head: bool = False) -> None:
+    """desc_act and sym need no reading: g_idx and the stored zeros carry them."""
+
+    def __init__(self, bits: int, group_size: int, checkpoint_format: str = "gptq",
+                 lm_head: bool = False) -> None:
         self.bits, self.group_size = bits, group_size
-        self.desc_act, self.sym, self.checkpoint_format = desc_act, sym, checkpoint_format
-        self.lm_head = lm_head
+        self.checkpoint_format, self.lm_head = checkpoint_format, lm_head
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> GPTQConfig:
@@ -75,9 +77,7 @@ class GPTQConfig(QuantizationConfig):
         if _field(config, "dynamic", None):
             raise ValueError("gptq quantization_config.dynamic (per-module overrides) is not "
                              "supported")
-        return cls(bits, group_size, bool(_field(config, "desc_act", False)),
-                   bool(_field(config, "sym", True)), fmt,
-                   lm_head=bool(_field(config, "lm_head", False)))
+        return cls(bits, group_size, fmt, lm_head=bool(_field(config, "lm_head", False)))
 
     def get_quant_method(self, layer: nn.Module, prefix: str) -> GPTQLinearMethod | None:
         if prefix.rpartition(".")[2] == "lm_head" and not self.lm_head:

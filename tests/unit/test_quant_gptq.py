@@ -205,3 +205,18 @@ def test_awq_other_versions_are_refused(dense_dir, tmp_path):
     q_dir, _ = write_quantized(dense_dir, tmp_path, config, awq_quantizer(32, True))
     with pytest.raises(CheckpointError, match="version 'gemv' is not supported"):
         _load(q_dir)
+
+
+def test_awq_modules_to_not_convert_stay_dense(dense_dir, tmp_path):
+    config = {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True,
+              "version": "gemm", "modules_to_not_convert": ["down_proj"]}
+    q_dir, d_dir = write_quantized(dense_dir, tmp_path, config, awq_quantizer(32, True),
+                                   skip=lambda name: "down_proj" in name)
+    assert_greedy_matches(q_dir, d_dir)
+    mlp = _load(q_dir).model.layers[0].mlp
+    assert type(mlp.down_proj.quant_method).__name__ == "UnquantizedLinearMethod"
+    assert type(mlp.gate_up_proj.quant_method).__name__ == "AWQLinearMethod"
+    config["modules_to_not_convert"] = ["k_proj"]
+    _edit_config(q_dir, **config)
+    with pytest.raises(ValueError, match="qkv_proj: modules_to_not_convert keeps only some"):
+        _load(q_dir)

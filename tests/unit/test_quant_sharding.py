@@ -60,8 +60,8 @@ def _load(layer, parts_by_shard: dict) -> None:
 
 
 CONFIGS = {
-    "gptq": (lambda: GPTQConfig(4, 32, False, False, "gptq"), lambda w: gptq_parts(w, 32)),
-    "awq": (lambda: AWQConfig(32, True, []), lambda w: awq_parts(w, 32)),
+    "gptq": (lambda: GPTQConfig(4, 32), lambda w: gptq_parts(w, 32)),
+    "awq": (lambda: AWQConfig(32, []), lambda w: awq_parts(w, 32)),
     "ct": (lambda: CompressedTensorsConfig.from_config(ct_config(4, 32, False)),
            lambda w: ct_quantizer(4, 32, False)("x.q_proj.weight", w)),
     "fp8_block": (lambda: Fp8Config(True, (16, 32)), lambda w: fp8_quantizer("block")("", w)),
