@@ -71,6 +71,8 @@ class AWQConfig(QuantizationConfig):
 
 
 class AWQLinearMethod(GroupQuantLinearMethod):
+    codes_param = "qweight"
+
     def param_specs(
         self, prefix: str, k: int, output_partition_sizes: list[int], groups: int
     ) -> list[ParamSpec]:
@@ -85,6 +87,10 @@ class AWQLinearMethod(GroupQuantLinearMethod):
                       packed_factor=pf),
             ParamSpec("scales", (groups, n), torch.float32, group_dim, 1),
         ]
+
+    def pack_codes(self, codes: torch.Tensor) -> torch.Tensor:
+        no_zeros = torch.zeros(1, codes.shape[0], dtype=torch.uint8, device=codes.device)
+        return packing.pack_awq(codes.T, no_zeros)[0]
 
     def unpack(self, layer: nn.Module) -> wquant.GroupQuantWeight:
         codes, zeros = packing.unpack_awq(layer.qweight.data, layer.qzeros.data)

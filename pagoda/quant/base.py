@@ -70,6 +70,15 @@ def set_weight_attrs(param: nn.Parameter, attrs: dict[str, Any]) -> None:
         setattr(param, key, value)
 
 
+def replace_param(layer: nn.Module, name: str, value: torch.Tensor) -> None:
+    """Register `value` as parameter `name`, keeping the old one's loader attributes."""
+    old = getattr(layer, name, None)
+    param = nn.Parameter(value, requires_grad=False)
+    if isinstance(old, nn.Parameter):
+        set_weight_attrs(param, vars(old))
+    layer.register_parameter(name, param)
+
+
 class QuantizableLayer(nn.Module):
     """A layer whose parameters its `quant_method` owns.
 

@@ -136,6 +136,8 @@ def _check_weight_shape(_layer_loader: Any) -> Any:
 class CTPackedLinearMethod(GroupQuantLinearMethod):
     """pack-quantized W4A16 / W8A16 (see the module docstring for the tensors)."""
 
+    codes_param = "weight_packed"
+
     def __init__(self, bits: int, group_size: int, symmetric: bool, has_g_idx: bool) -> None:
         super().__init__(bits, group_size)
         self.symmetric, self.has_g_idx = symmetric, has_g_idx
@@ -163,6 +165,9 @@ class CTPackedLinearMethod(GroupQuantLinearMethod):
             specs.append(ParamSpec("weight_g_idx", (k,), torch.int32, 0, None,
                                    wrap_loader=same_for_every_shard))
         return specs
+
+    def pack_codes(self, codes: torch.Tensor) -> torch.Tensor:
+        return packing.pack_int32(codes, self.bits, dim=1)
 
     def unpack(self, layer: nn.Module) -> wquant.GroupQuantWeight:
         codes = packing.unpack_int32(layer.weight_packed.data, self.bits, dim=1)

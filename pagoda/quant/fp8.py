@@ -29,9 +29,9 @@ from pagoda.quant.base import (
     QuantizationConfig,
     QuantizeMethodBase,
     register_quantization_config,
+    replace_param,
     set_weight_attrs,
 )
-from pagoda.quant.int8 import replace_param
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)

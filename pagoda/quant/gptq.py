@@ -86,6 +86,8 @@ class GPTQConfig(QuantizationConfig):
 
 
 class GPTQLinearMethod(GroupQuantLinearMethod):
+    codes_param = "qweight"
+
     def __init__(self, bits: int, group_size: int, checkpoint_format: str = "gptq") -> None:
         super().__init__(bits, group_size)
         self.checkpoint_format = checkpoint_format
@@ -109,6 +111,9 @@ class GPTQLinearMethod(GroupQuantLinearMethod):
             ParamSpec("scales", (groups, n), torch.float32, group_dim, 1),
             ParamSpec("g_idx", (k,), torch.int32, 0, None, wrap_loader=same_for_every_shard),
         ]
+
+    def pack_codes(self, codes: torch.Tensor) -> torch.Tensor:
+        return packing.pack_int32(codes.T, self.bits, dim=0)
 
     def unpack(self, layer: nn.Module) -> wquant.GroupQuantWeight:
         codes, zeros = packing.unpack_gptq(layer.qweight.data, layer.qzeros.data, self.bits)

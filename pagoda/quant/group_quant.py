@@ -5,9 +5,11 @@ tensor-parallel shard cuts, with the packing along them) and how they unpack int
 `wquant.GroupQuantWeight`; this base registers them, builds the weight once after loading
 (again after `.to()`), lets the device's kernels prepare it, and calls `wquant.wq_linear`.
 
-The registered parameters stay in the checkpoint's layout, so `state_dict()` and `.to()`
-see exactly what was loaded; the GroupQuantWeight (codes as uint8 [N, K]) is derived from
-them and held beside them as `layer.quant_weight`.
+After loading, the packed codes' parameter (`codes_param`: GPTQ's qweight, ...) holds the
+GroupQuantWeight's uint8 codes [N, K] instead, so the codes are held once (the weight is
+`layer.quant_weight`); `state_dict()` and `.to()` (through `restore_loaded_layout`) see them
+packed back into the checkpoint's int32 words, bit for bit. Scales, zeros and g_idx stay as
+loaded.
 """
 
 from __future__ import annotations
@@ -15,13 +17,13 @@ from __future__ import annotations
 from abc import abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from pagoda.ops import wquant
-from pagoda.quant.base import QuantizeMethodBase, set_weight_attrs
+from pagoda.quant.base import QuantizeMethodBase, replace_param, set_weight_attrs
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +89,9 @@ class GroupQuantLinearMethod(QuantizeMethodBase):
     """Group-wise integer weights: `bits` per code, one scale (and zero) per `group_size`
     input columns (-1: one group per output channel)."""
 
+    # The parameter of the packed codes, which holds the unpacked ones after loading.
+    codes_param: ClassVar[str]
+
     def __init__(self, bits: int, group_size: int) -> None:
         self.bits, self.group_size = bits, group_size
 
@@ -121,8 +126,15 @@ class GroupQuantLinearMethod(QuantizeMethodBase):
     def unpack(self, layer: nn.Module) -> wquant.GroupQuantWeight:
         """The loaded tensors as a GroupQuantWeight (codes [N, K], float32 scales/zeros)."""
 
+    @abstractmethod
+    def pack_codes(self, codes: torch.Tensor) -> torch.Tensor:
+        """uint8 codes [N, K] in the checkpoint's column order -> `codes_param` as loaded."""
+
     def process_weights_after_loading(self, layer: nn.Module) -> None:
+        if layer.quant_weight is not None:
+            return
         weight = self.unpack(layer)
+        replace_param(layer, self.codes_param, weight.qweight)
         wquant.prepare("wq_linear", weight, weight.qweight.device.type)
         layer.quant_weight = weight
 
@@ -132,7 +144,20 @@ class GroupQuantLinearMethod(QuantizeMethodBase):
         return wquant.wq_linear(x, layer.quant_weight, bias)
 
     def restore_loaded_layout(self, layer: nn.Module) -> None:
+        if layer.quant_weight is not None:
+            replace_param(layer, self.codes_param, self._packed(layer.quant_weight))
         layer.quant_weight = None
+
+    def state_dict_tensor(self, layer: nn.Module, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if name == self.codes_param and layer.quant_weight is not None:
+            return self._packed(layer.quant_weight)
+        return tensor
+
+    def _packed(self, weight: wquant.GroupQuantWeight) -> torch.Tensor:
+        codes = weight.qweight
+        if weight.perm is not None:
+            codes = torch.empty_like(codes).index_copy_(1, weight.perm, codes)
+        return self.pack_codes(codes)
 
 
 def make_group_weight(

@@ -25,6 +25,7 @@ from pagoda.quant.base import (
     QuantizationConfig,
     QuantizeMethodBase,
     register_quantization_config,
+    replace_param,
     set_weight_attrs,
 )
 
@@ -37,15 +38,6 @@ def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scales = (w.abs().amax(dim=1, keepdim=True) / INT8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
     codes = torch.round(w / scales).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
     return codes, scales
-
-
-def replace_param(layer: nn.Module, name: str, value: torch.Tensor) -> None:
-    """Register `value` as parameter `name`, keeping the old one's loader attributes."""
-    old = getattr(layer, name, None)
-    param = nn.Parameter(value, requires_grad=False)
-    if isinstance(old, nn.Parameter):
-        set_weight_attrs(param, vars(old))
-    layer.register_parameter(name, param)
 
 
 class Int8LinearMethod(QuantizeMethodBase):

@@ -117,4 +117,5 @@ def test_a_quantized_lm_head_is_loaded_quantized(dense_dir, tmp_path):
     assert_greedy_matches(q_dir, d_dir)
     model = _load(q_dir)
     assert type(model.lm_head.quant_method).__name__ == "CTPackedLinearMethod"
-    assert model.lm_head.weight_packed.shape == (49152, 8)
+    assert model.state_dict()["lm_head.weight_packed"].shape == (49152, 8)
+    assert model.lm_head.quant_weight.qweight.shape == (49152, 64)

@@ -109,9 +109,11 @@ def test_gptq_lm_head_true_quantizes_the_head(dense_dir, tmp_path):
     q_dir, d_dir = write_quantized(dense_dir, tmp_path, config,
                                    gptq_quantizer(4, 32, False, False), quantize_head=True)
     assert_greedy_matches(q_dir, d_dir)
-    head = _load(q_dir).lm_head
-    assert type(head.quant_method).__name__ == "GPTQLinearMethod"
-    assert head.qweight.shape == (8, 49152) and head.qzeros.shape == (2, 49152 // 8)
+    model = _load(q_dir)
+    assert type(model.lm_head.quant_method).__name__ == "GPTQLinearMethod"
+    state = model.state_dict()
+    assert state["lm_head.qweight"].shape == (8, 49152)
+    assert state["lm_head.qzeros"].shape == (2, 49152 // 8)
 
 
 def test_quantized_layers_hold_group_weights_and_the_head_stays_dense(dense_dir, tmp_path):
@@ -121,13 +123,40 @@ def test_quantized_layers_hold_group_weights_and_the_head_stays_dense(dense_dir,
     qkv = model.model.layers[0].self_attn.qkv_proj
     assert type(qkv.quant_method).__name__ == "GPTQLinearMethod"
     assert qkv.quant_weight.qweight.shape == (128, 64) and qkv.quant_weight.bits == 4
+    # The codes are held once: the parameter is the weight object's uint8 codes.
+    assert qkv.qweight is not None and qkv.qweight.data_ptr() == qkv.quant_weight.qweight.data_ptr()
     assert type(model.lm_head.quant_method).__name__ == "UnquantizedLinearMethod"
-    state = model.state_dict()
+
+
+CODES = {"gptq": ("qweight", 1), "awq": ("qweight", 1), "ct": ("weight_packed", 0)}
+
+
+@pytest.mark.parametrize("fmt", list(CODES))
+def test_state_dict_and_to_give_back_the_checkpoint_tensors(dense_dir, tmp_path, fmt):
+    from tests.unit.test_quant_compressed_tensors import ct_config, ct_quantizer
+
+    config, quantizer = {
+        "gptq": (gptq_config(4, 32, False, True), gptq_quantizer(4, 32, False, True)),
+        "awq": ({"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemm"},
+                awq_quantizer(32, True)),
+        "ct": (ct_config(4, 32, False, actorder=True), ct_quantizer(4, 32, False, True)),
+    }[fmt]
+    q_dir, _ = write_quantized(dense_dir, tmp_path, config, quantizer)
     written = load_file(q_dir / "model.safetensors")
-    # state_dict() shows the checkpoint's packed tensors as loaded.
-    for part, stem in (("qweight", "mlp.down_proj"), ("qzeros", "mlp.down_proj")):
-        key = f"model.layers.1.{stem}.{part}"
-        assert torch.equal(state[key], written[key])
+    model = _load(q_dir)
+    codes, out_dim = CODES[fmt]
+    layer = "model.layers.1.self_attn"
+    qkv_words = torch.cat([written[f"{layer}.{p}_proj.{codes}"] for p in "qkv"], dim=out_dim)
+    x = torch.randn(3, 64)
+    before = model.model.layers[1].self_attn.qkv_proj(x)
+    for _ in range(2):  # after loading, then after .to()
+        state = model.state_dict()
+        assert torch.equal(state[f"{layer}.qkv_proj.{codes}"], qkv_words)
+        assert torch.equal(state[f"{layer}.o_proj.{codes}"], written[f"{layer}.o_proj.{codes}"])
+        model.to("cpu")
+    qkv = model.model.layers[1].self_attn.qkv_proj
+    assert getattr(qkv, codes).dtype == torch.uint8
+    torch.testing.assert_close(qkv(x), before, rtol=0, atol=0)
 
 
 # --- errors --------------------------------------------------------------------------------
