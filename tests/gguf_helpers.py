@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import transformers
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 from gguf.quants import quantize
 from safetensors.torch import load_file
 
@@ -71,6 +71,29 @@ def _copy_tokenizer_keys(writer: GGUFWriter) -> None:
             writer.add_key_value(key, field.contents(), vtype, sub_type=sub)
 
 
+# ggml type -> byte offsets of its float16 super-block scales (d, then dmin) in a block.
+_K_QUANT_SCALES = {
+    GGMLQuantizationType.Q4_K: (0, 2),
+    GGMLQuantizationType.Q5_K: (0, 2),
+    GGMLQuantizationType.Q6_K: (208,),
+}
+
+
+def random_k_quant_blocks(
+    rows: int, cols: int, qtype: GGMLQuantizationType, seed: int
+) -> np.ndarray:
+    """Random valid blocks of a K-quant type (gguf-py cannot quantize to them) as uint8
+    [rows, bytes per row]: random codes and sub-block scales, small finite super-block
+    scales."""
+    block, size = GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    data = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    for i, offset in enumerate(_K_QUANT_SCALES[qtype]):
+        scale = rng.uniform(1e-4, 4e-4 if i == 0 else 2e-4, (rows, cols // block))
+        data[:, :, offset:offset + 2] = scale.astype(np.float16)[..., None].view(np.uint8)
+    return data.reshape(rows, -1)
+
+
 def write_llama_gguf(
     hf_dir: Path,
     out: Path,
@@ -78,9 +101,11 @@ def write_llama_gguf(
     rope_freqs: np.ndarray | None = None,
     edit: Callable[[dict[str, np.ndarray]], None] | None = None,
     qtype: GGMLQuantizationType = GGMLQuantizationType.F32,
+    qtypes: dict[str, GGMLQuantizationType] | None = None,
 ) -> Path:
     """Write `hf_dir`'s float32 Llama model as GGUF `out`; `edit` may change the GGUF-named
-    tensor dict before writing; 2-D weights are stored as `qtype` (F32 or Q8_0)."""
+    tensor dict before writing; 2-D weights are stored as `qtype` (F32 or Q8_0), or as
+    `qtypes[gguf name]` where given (K-quants: random blocks, see random_k_quant_blocks)."""
     config = transformers.AutoConfig.from_pretrained(hf_dir)
     tensors: dict[str, np.ndarray] = {}
     for name, tensor in load_file(hf_dir / "model.safetensors").items():
@@ -107,8 +132,13 @@ def write_llama_gguf(
     writer.add_value_length(config.head_dim)
     writer.add_vocab_size(config.vocab_size)
     _copy_tokenizer_keys(writer)
-    for name, array in tensors.items():
-        if qtype != GGMLQuantizationType.F32 and array.ndim == 2 and name != "rope_freqs.weight":
+    for seed, (name, array) in enumerate(tensors.items()):
+        if name in (qtypes or {}):
+            t = qtypes[name]
+            blocks = (random_k_quant_blocks(*array.shape, t, seed) if t in _K_QUANT_SCALES
+                      else quantize(array, t))
+            writer.add_tensor(name, blocks, raw_dtype=t)
+        elif qtype != GGMLQuantizationType.F32 and array.ndim == 2 and name != "rope_freqs.weight":
             writer.add_tensor(name, quantize(array, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(name, np.ascontiguousarray(array))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagoda.layers.linear import divide, load_shard
+from pagoda.layers.linear import divide, load_shard, load_whole, packed_units
 from pagoda.quant.base import QuantizableLayer, QuantizationConfig, QuantizeMethodBase
 from pagoda.quant.unquantized import UnquantizedEmbeddingMethod, UnquantizedLinearMethod
 
@@ -45,8 +45,15 @@ class VocabParallelEmbedding(QuantizableLayer):
         return UnquantizedEmbeddingMethod()
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
-        n = self.num_embeddings_per_partition
-        load_shard(param, loaded_weight, 0, self.vocab_start_index, n, self.num_embeddings)
+        """Copy this rank's vocabulary rows along the parameter's `output_dim` (a quantized
+        LM head's tensors may hold the vocabulary along dim 1, or packed)."""
+        dim = getattr(param, "output_dim", 0)
+        if dim is None:
+            load_whole(param, loaded_weight)
+            return
+        n, start, full = packed_units(param, dim, self.num_embeddings_per_partition,
+                                      self.vocab_start_index, self.num_embeddings)
+        load_shard(param, loaded_weight, dim, start, n, full)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         self._require_single_rank("an embedding lookup")

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -299,6 +299,24 @@ def iter_gguf_weights(
     """
     for raw in iter_gguf_raw_tensors(reader, config):
         yield raw.name, dequantize_raw(raw, path)
+
+
+def raw_rows(raw: GGUFRawTensor) -> torch.Tensor:
+    """A quantized 2-D tensor's blocks as uint8 [rows, bytes per row], rows in HF order
+    (each row's blocks are independent, so q/k rows un-permute as whole rows)."""
+    rows = torch.from_numpy(raw.data.copy()).reshape(raw.shape[0], -1)
+    if raw.rotary_permuted_heads is not None:
+        rows = unpermute_rotary_rows(rows, raw.rotary_permuted_heads)
+    return rows.contiguous()
+
+
+def iter_gguf_weights_keeping_blocks(
+    raw_tensors: Iterator[GGUFRawTensor], path: Path, keep: Callable[[str], bool]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Like `iter_gguf_weights`, except that a tensor whose HF name `keep` accepts comes as
+    its blocks (`raw_rows`), for a quant method that computes from them."""
+    for raw in raw_tensors:
+        yield raw.name, raw_rows(raw) if keep(raw.name) else dequantize_raw(raw, path)
 
 
 def unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:

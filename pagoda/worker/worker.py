@@ -61,7 +61,8 @@ class Worker:
         # since an earlier engine in this process: PAGODA_DISABLE_CPU_KERNELS in tests).
         ops_registry.refresh()
         self.model = build_model(
-            ckpt, self.dtype, self.device, max_model_len, config.model.attn_backend
+            ckpt, self.dtype, self.device, max_model_len, config.model.attn_backend,
+            config.model.quantization, config.model.gguf_native,
         )
         self.kv_caches: LayerCaches = []
         self.host_kv_caches: LayerCaches | None = None

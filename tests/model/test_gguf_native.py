@@ -1,0 +1,109 @@
+"""GGUF linears run from their blocks (--gguf-native): float32 greedy output equals the
+dequantized path token for token and logprob for logprob (the reference computes the same
+arithmetic), for the embedded SmolLM2 Q4_1 and for a tiny file holding every native type;
+no dequantized copy of a native weight is kept; "auto" follows the kernels."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+
+from pagoda import LLM, SamplingParams
+from pagoda.models.factory import build_model
+from pagoda.models.loader import load_checkpoint
+from pagoda.ops import wquant
+from pagoda.ops.registry import Kernel
+from pagoda.quant.gguf import native_enabled
+from tests.gguf_helpers import write_llama_gguf
+
+CPU = torch.device("cpu")
+
+
+def greedy(model: str | None, prompts: list[str], max_tokens: int, **kwargs):
+    llm = LLM(model, dtype="float32", **kwargs)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                            logprobs=0)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.llm_engine.kv_cache_manager.usage == 0.0
+    return [(o.outputs[0].token_ids,
+             [next(iter(d.values())).logprob for d in o.outputs[0].logprobs]) for o in outs]
+
+
+def test_embedded_smollm2_q4_1_native_equals_the_dequantized_path():
+    prompts = ["The capital of France is", "def fib(n):"]
+    assert greedy(None, prompts, 4, gguf_native="on") == greedy(None, prompts, 4,
+                                                                 gguf_native="off")
+
+
+def test_native_layers_hold_only_their_blocks():
+    model = build_model(load_checkpoint(None), torch.float32, CPU, 64, gguf_native="on")
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert qkv.weight.dtype == torch.uint8 and qkv.weight.shape == (576 + 2 * 192, 576 // 32 * 20)
+    assert isinstance(qkv.quant_weight, wquant.GGUFWeight)
+    assert qkv.quant_weight.qtype == T.Q4_1 and qkv.quant_weight.shape == (960, 576)
+    assert {p.dtype for n, p in model.named_parameters() if "proj" in n} == {torch.uint8}
+    # The Q8_0 embedding (tied head) stays a dense table.
+    assert model.model.embed_tokens.weight.dtype == torch.float32
+
+
+# Layer 0: one type per packed layer. Layer 1: gate Q4_K beside up Q6_K (a packed layer
+# whose parts differ stays dequantized). The untied head is Q6_K.
+MIXED_TYPES = {
+    "blk.0.attn_q.weight": T.Q4_K, "blk.0.attn_k.weight": T.Q4_K, "blk.0.attn_v.weight": T.Q4_K,
+    "blk.0.attn_output.weight": T.Q5_K, "blk.0.ffn_gate.weight": T.Q6_K,
+    "blk.0.ffn_up.weight": T.Q6_K, "blk.0.ffn_down.weight": T.Q8_0,
+    "blk.1.attn_q.weight": T.Q4_0, "blk.1.attn_k.weight": T.Q4_0, "blk.1.attn_v.weight": T.Q4_0,
+    "blk.1.attn_output.weight": T.Q4_1, "blk.1.ffn_gate.weight": T.Q4_K,
+    "blk.1.ffn_up.weight": T.Q6_K, "blk.1.ffn_down.weight": T.Q5_K,
+    "output.weight": T.Q6_K,
+}
+
+
+@pytest.fixture(scope="module")
+def mixed_gguf(tiny_model, tmp_path_factory) -> Path:
+    # NOTE: K-quant blocks hold 256 values: every input size here is a multiple of 256.
+    hf_dir = tiny_model("LlamaForCausalLM", hidden_size=256, intermediate_size=512,
+                        head_dim=64)
+    out = tmp_path_factory.mktemp("gguf_native") / "mixed.gguf"
+    return write_llama_gguf(hf_dir, out, qtypes=MIXED_TYPES)
+
+
+def test_every_native_type_equals_the_dequantized_path(mixed_gguf):
+    prompts = ["Hello there", "Once upon a time, in a land"]
+    assert greedy(str(mixed_gguf), prompts, 6, gguf_native="on") == \
+        greedy(str(mixed_gguf), prompts, 6, gguf_native="off")
+
+
+def test_which_layers_run_natively(mixed_gguf):
+    model = build_model(load_checkpoint(mixed_gguf), torch.float32, CPU, 64,
+                        gguf_native="on")
+    layers = model.model.layers
+    native = {
+        "qkv0": layers[0].self_attn.qkv_proj, "o0": layers[0].self_attn.o_proj,
+        "gate_up0": layers[0].mlp.gate_up_proj, "down0": layers[0].mlp.down_proj,
+        "qkv1": layers[1].self_attn.qkv_proj, "o1": layers[1].self_attn.o_proj,
+        "down1": layers[1].mlp.down_proj, "lm_head": model.lm_head,
+    }
+    qtypes = {name: layer.quant_weight.qtype for name, layer in native.items()}
+    assert qtypes == {"qkv0": T.Q4_K, "o0": T.Q5_K, "gate_up0": T.Q6_K, "down0": T.Q8_0,
+                      "qkv1": T.Q4_0, "o1": T.Q4_1, "down1": T.Q5_K, "lm_head": T.Q6_K}
+    mixed = layers[1].mlp.gate_up_proj
+    assert type(mixed.quant_method).__name__ == "UnquantizedLinearMethod"
+    assert mixed.weight.dtype == torch.float32
+
+
+def test_auto_is_native_exactly_where_a_kernel_is(monkeypatch):
+    monkeypatch.setitem(wquant.gguf_linear._kernels, "cpu", [])
+    assert not native_enabled("auto", CPU, torch.bfloat16)
+    assert native_enabled("on", CPU, torch.bfloat16) and not native_enabled("off", CPU,
+                                                                              torch.float32)
+    fake = Kernel("fake", lambda handle, x, w, bias=None: None,
+                  frozenset({torch.bfloat16}), resolve=lambda: True)
+    monkeypatch.setitem(wquant.gguf_linear._kernels, "cpu", [fake])
+    assert native_enabled("auto", CPU, torch.bfloat16)
+    assert not native_enabled("auto", CPU, torch.float32)
+    with pytest.raises(ValueError, match="gguf_native must be one of"):
+        native_enabled("sometimes", CPU, torch.float32)
