@@ -169,6 +169,26 @@ def _add_bench(bench_sub: argparse._SubParsersAction, name: str, module: str, he
     p.set_defaults(func=run)
 
 
+def _add_quant_commands(sub: argparse._SubParsersAction) -> None:
+    """`pagoda eval perplexity` and `pagoda quantize` (issue 11)."""
+    from pagoda.eval.perplexity import add_perplexity_args
+
+    ev = sub.add_parser("eval", help="model quality measurements")
+    ev_sub = ev.add_subparsers(dest="eval_command", required=True)
+    ppl = ev_sub.add_parser("perplexity", help="perplexity on a text, sliding windows "
+                            "scored through the engine's prompt logprobs")
+    add_perplexity_args(ppl)
+    add_engine_args(ppl)
+
+    def run_ppl(args: argparse.Namespace) -> int:
+        from pagoda.eval.perplexity import run_perplexity
+
+        run_perplexity(args)
+        return 0
+
+    ppl.set_defaults(func=run_ppl)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagoda", description="pagoda LLM engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -202,6 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     bs.set_defaults(func=cmd_bench_serve)
     for name, (module, help_) in _BENCHES.items():
         _add_bench(bench_sub, name, module, help_)
+    _add_quant_commands(sub)
     return parser
 
 
