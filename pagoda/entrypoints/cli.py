@@ -170,7 +170,7 @@ def _add_bench(bench_sub: argparse._SubParsersAction, name: str, module: str, he
 
 
 def _add_quant_commands(sub: argparse._SubParsersAction) -> None:
-    """`pagoda eval perplexity` and `pagoda quantize` (issue 11)."""
+    """`pagoda eval perplexity` and `pagoda quantize`."""
     from pagoda.eval.perplexity import add_perplexity_args
 
     ev = sub.add_parser("eval", help="model quality measurements")
@@ -187,6 +187,13 @@ def _add_quant_commands(sub: argparse._SubParsersAction) -> None:
         return 0
 
     ppl.set_defaults(func=run_ppl)
+
+    from pagoda.quant.calibrate.command import add_quantize_args, run_quantize
+
+    quantize = sub.add_parser("quantize", help="post-training quantization (GPTQ, AWQ, RTN) "
+                              "into a GPTQ / AWQ Hugging Face checkpoint")
+    add_quantize_args(quantize)
+    quantize.set_defaults(func=run_quantize)
 
 
 def build_parser() -> argparse.ArgumentParser:
