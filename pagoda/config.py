@@ -11,6 +11,7 @@ import torch
 from pagoda.core.preemption import PREEMPTION_MODES
 from pagoda.core.request import DEFAULT_SLA_TTFT_TARGETS_S, SLA_CLASS_RANKS
 from pagoda.core.request_queue import DEFAULT_AGING_INTERVAL_S, SCHEDULING_POLICIES
+from pagoda.quant.base import quantization_methods
 
 _DTYPES = {
     "float32": torch.float32,
@@ -21,6 +22,7 @@ _DTYPES = {
 }
 
 # --kv-cache-dtype values (vLLM's flag); None = the model dtype.
+GGUF_NATIVE_MODES = ("auto", "on", "off")
 KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
     "auto": None,
     "bfloat16": torch.bfloat16,
@@ -76,6 +78,12 @@ class ModelConfig:
     max_model_len: int | None  # None = the model's max_position_embeddings
     seed: int
     attn_backend: str
+    # Quantization (pagoda.quant): None = what config.json's quantization_config says (or
+    # dense); a name must match the checkpoint's, or quantizes a dense one at load.
+    quantization: str | None = None
+    # GGUF files: keep the linears' supported blocks (GGUFWeight) instead of dequantizing
+    # them: "on", "off", or "auto" = on where the device has a gguf_linear kernel.
+    gguf_native: str = "auto"
 
 
 @dataclass
@@ -151,7 +159,16 @@ class EngineConfig:
         m = self.model.max_model_len
         if m is not None and m < 1:
             raise ValueError(f"max_model_len must be >= 1, got {m}")
+        self._validate_quantization()
         self._validate_preemption_and_policy()
+
+    def _validate_quantization(self) -> None:
+        q = self.model.quantization
+        if q is not None and q not in quantization_methods():
+            raise ValueError(f"quantization must be one of {quantization_methods()}, got {q!r}")
+        if self.model.gguf_native not in GGUF_NATIVE_MODES:
+            raise ValueError(f"gguf_native must be one of {list(GGUF_NATIVE_MODES)}, "
+                             f"got {self.model.gguf_native!r}")
 
     def _validate_preemption_and_policy(self) -> None:
         c, s = self.cache, self.scheduler
@@ -221,6 +238,9 @@ class EngineArgs:
     aging_interval_s: float = DEFAULT_AGING_INTERVAL_S
     # Classes not given keep DEFAULT_SLA_TTFT_TARGETS_S.
     sla_ttft_targets_s: dict[str, float] | None = None
+    # Quantization (issue 11): see ModelConfig.quantization / gguf_native.
+    quantization: str | None = None
+    gguf_native: str = "auto"
 
     @classmethod
     def add_cli_args(cls, p: argparse.ArgumentParser) -> None:
@@ -264,6 +284,14 @@ class EngineArgs:
                        default=None, metavar="CLASS=SECONDS", type=sla_seconds_arg,
                        help="time-to-first-token target of an SLA class (interactive, "
                        "async, batch); repeatable")
+        p.add_argument("--quantization", default=d.quantization,
+                       help="quantization method: by default the checkpoint's "
+                       "(config.json quantization_config); int8 (W8A8), int8_wo (int8 "
+                       "weight-only) and fp8 also quantize a dense checkpoint at load")
+        p.add_argument("--gguf-native", default=d.gguf_native, choices=list(GGUF_NATIVE_MODES),
+                       help="GGUF files: run Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K linears from their "
+                       "blocks (on), dequantize them at load (off), or on where the device "
+                       "has a native kernel (auto)")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
@@ -278,7 +306,8 @@ class EngineArgs:
         config = EngineConfig(
             model=ModelConfig(model=self.model, dtype=self.dtype,
                               max_model_len=self.max_model_len, seed=self.seed,
-                              attn_backend=self.attn_backend),
+                              attn_backend=self.attn_backend, quantization=self.quantization,
+                              gguf_native=self.gguf_native),
             cache=CacheConfig(
                 block_size=self.block_size,
                 gpu_memory_utilization=self.gpu_memory_utilization,

@@ -8,6 +8,11 @@ the full checkpoint tensor and copies in this rank's shard; the packed layers
 (`QKVParallelLinear`, `MergedColumnParallelLinear`) also take a `shard_id` naming which
 of their packed outputs the tensor is. A loader raises ValueError on a wrong shape.
 
+A quantized parameter may store several values per element along a dimension (GPTQ's
+qzeros: eight 4-bit zeros per int32 along the output; fp8 block scales: one per block of
+rows). It says so with `packed_dim` and `packed_factor`; the packed layers' loaders then
+place shards in those units (each shard's size must be a multiple of the factor).
+
 - ColumnParallelLinear: the output dimension is split; each rank returns its slice.
 - RowParallelLinear: the input dimension is split; the ranks' partial sums are added.
 - ReplicatedLinear: not split.
@@ -56,6 +61,17 @@ def load_shard(
     if list(loaded.shape) != expected:
         raise ValueError(f"has shape {tuple(loaded.shape)}, expected {tuple(expected)}")
     param.data.narrow(dim, offset, size).copy_(loaded.narrow(dim, start, size))
+
+
+def packed_units(param: torch.Tensor, dim: int, *sizes: int) -> tuple[int, ...]:
+    """`sizes` along `dim` in the parameter's storage units: divided by its `packed_factor`
+    when `dim` is its `packed_dim`; ValueError when a size is not a multiple of it."""
+    factor = getattr(param, "packed_factor", 1)
+    if getattr(param, "packed_dim", None) != dim or factor == 1:
+        return sizes
+    if any(size % factor for size in sizes):
+        raise ValueError(f"shard sizes {sizes} are not multiples of the packing {factor}")
+    return tuple(size // factor for size in sizes)
 
 
 class LinearBase(QuantizableLayer):
@@ -182,14 +198,16 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             load_whole(param, loaded_weight)
             return
         if shard_id is None:
-            for index, part in enumerate(loaded_weight.split(self.output_sizes, dim)):
+            sizes = list(packed_units(param, dim, *self.output_sizes))
+            for index, part in enumerate(loaded_weight.split(sizes, dim)):
                 self.weight_loader(param, part, index)
             return
         if shard_id not in self.shard_ids:
             raise ValueError(f"shard id {shard_id!r} is not one of {self.shard_ids}")
-        size = self.output_partition_sizes[shard_id]
-        offset = sum(self.output_partition_sizes[:shard_id])
-        full = self.output_sizes[shard_id]
+        size, offset, full = packed_units(
+            param, dim, self.output_partition_sizes[shard_id],
+            sum(self.output_partition_sizes[:shard_id]), self.output_sizes[shard_id],
+        )
         load_shard(param, loaded_weight, dim, self.tp_rank * size, size, full, offset)
 
 
@@ -237,7 +255,8 @@ class QKVParallelLinear(ColumnParallelLinear):
         full_q = self.total_num_heads * self.head_size
         full_kv = self.total_num_kv_heads * self.head_size
         if shard_id is None:
-            parts = loaded_weight.split([full_q, full_kv, full_kv], dim)
+            parts = loaded_weight.split(list(packed_units(param, dim, full_q, full_kv, full_kv)),
+                                        dim)
             for sid, part in zip(self.shard_ids, parts):
                 self.weight_loader(param, part, sid)
             return
@@ -249,6 +268,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         else:
             offset = q_size if shard_id == "k" else q_size + kv_size
             size, full, rank = kv_size, full_kv, self.tp_rank // self.num_kv_head_replicas
+        size, full, offset = packed_units(param, dim, size, full, offset)
         load_shard(param, loaded_weight, dim, rank * size, size, full, offset)
 
 

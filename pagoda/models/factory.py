@@ -9,7 +9,7 @@ from torch import nn
 
 from pagoda.models.loader import Checkpoint, CheckpointError
 from pagoda.models.registry import resolve_model
-from pagoda.quant.base import QuantizationConfig, quant_config_from_hf
+from pagoda.quant.base import QuantizationConfig, get_quantization_config, quant_config_from_hf
 
 
 @contextlib.contextmanager
@@ -22,12 +22,27 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(old)
 
 
-def checkpoint_quant_config(ckpt: Checkpoint) -> QuantizationConfig | None:
-    """The checkpoint's quantization scheme (None: dense); CheckpointError if unsupported."""
+def checkpoint_quant_config(
+    ckpt: Checkpoint, quantization: str | None = None
+) -> QuantizationConfig | None:
+    """The quantization scheme to load `ckpt` with (None: dense): its config.json's
+    `quantization_config`, which `quantization` (`--quantization`), when given, must name;
+    or, for a dense checkpoint, `quantization`'s quantize-at-load config. CheckpointError
+    naming the problem if unsupported or contradictory."""
     try:
-        return quant_config_from_hf(ckpt.hf_config)
-    except ValueError as exc:
+        config = quant_config_from_hf(ckpt.hf_config)
+        if quantization is None:
+            return config
+        if config is None:
+            return get_quantization_config(quantization).from_dense()
+    except (ValueError, TypeError) as exc:
         raise CheckpointError(f"{ckpt.path}: {exc}") from exc
+    if config.name != quantization:
+        raise CheckpointError(
+            f"{ckpt.path}: quantization {quantization!r} was asked for, but the checkpoint "
+            f"is quantized with {config.name!r} (leave --quantization unset to use it)"
+        )
+    return config
 
 
 def build_model(
@@ -36,6 +51,7 @@ def build_model(
     device: torch.device,
     max_positions: int,
     attn_backend: str = "torch_paged",
+    quantization: str | None = None,
 ) -> nn.Module:
     """Builds the architecture named in the checkpoint's config and loads its weights.
 
@@ -44,7 +60,9 @@ def build_model(
     checkpoint tensor is converted and copied straight into its parameter by its loader.
     """
     factory = resolve_model(ckpt.hf_config, str(ckpt.path))
-    quant_config = checkpoint_quant_config(ckpt)
+    quant_config = checkpoint_quant_config(ckpt, quantization)
+    if quant_config is not None:
+        quant_config.packed_modules_mapping = dict(getattr(factory, "packed_modules_mapping", {}))
     with _default_dtype(dtype), torch.device(device):
         model = factory(ckpt.hf_config, attn_backend=attn_backend, quant_config=quant_config)
     model.load_weights(ckpt.iter_weights(), source=str(ckpt.path))

@@ -17,6 +17,7 @@ A checkpoint's quantization (HF `quantization_config.quant_method`) names a regi
 
 from __future__ import annotations
 
+import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any, ClassVar
@@ -114,22 +115,57 @@ def _loaded_layout_state_dict(
 
 
 class QuantizationConfig(ABC):
-    """A checkpoint's quantization scheme: which method each layer gets."""
+    """A checkpoint's quantization scheme: which method each layer gets.
+
+    `packed_modules_mapping` (set by the model factory before the layers are built) names
+    the checkpoint modules a packed layer holds (qkv_proj -> q_proj, k_proj, v_proj), so
+    that per-module rules (targets, ignore lists) apply to the packed layers too.
+    """
 
     name: ClassVar[str]
+    packed_modules_mapping: dict[str, list[str]]
 
     @classmethod
     @abstractmethod
     def from_config(cls, config: dict[str, Any]) -> QuantizationConfig:
         """Build from an HF `quantization_config` dict; ValueError naming a bad field."""
 
+    @classmethod
+    def from_dense(cls) -> QuantizationConfig:
+        """The config that quantizes a dense checkpoint while loading (`--quantization NAME`
+        on a checkpoint without `quantization_config`); ValueError for methods that need a
+        checkpoint in their own format."""
+        raise ValueError(
+            f"quantization method {cls.name!r} needs a checkpoint quantized with it "
+            "(config.json quantization_config); it cannot quantize a dense checkpoint at load"
+        )
+
     @abstractmethod
     def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
         """The method for `layer` (dotted `prefix`, e.g. model.layers.3.mlp.down_proj), or
         None to leave it unquantized."""
 
+    def module_names(self, prefix: str) -> list[str]:
+        """The checkpoint module names behind `prefix`: the parts of a packed layer
+        (model.layers.0.self_attn.q_proj, ...), else `prefix` itself."""
+        parent, _, child = prefix.rpartition(".")
+        parts = getattr(self, "packed_modules_mapping", {}).get(child)
+        if not parts:
+            return [prefix]
+        return [f"{parent}.{part}" if parent else part for part in parts]
+
 
 _QUANTIZATION_CONFIGS: dict[str, type[QuantizationConfig]] = {}
+# NOTE: imported on the first registry lookup (they import this module, so not at its top).
+_BUILTIN_METHOD_MODULES = (
+    "pagoda.quant.gptq",
+    "pagoda.quant.awq",
+)
+
+
+def _load_builtin_methods() -> None:
+    for module in _BUILTIN_METHOD_MODULES:
+        importlib.import_module(module)
 
 
 def register_quantization_config(
@@ -148,11 +184,13 @@ def register_quantization_config(
 
 
 def quantization_methods() -> list[str]:
+    _load_builtin_methods()
     return sorted(_QUANTIZATION_CONFIGS)
 
 
 def get_quantization_config(name: str) -> type[QuantizationConfig]:
     """The registered config class for `name`; ValueError listing the known ones."""
+    _load_builtin_methods()
     if name not in _QUANTIZATION_CONFIGS:
         known = ", ".join(quantization_methods()) or "none yet"
         raise ValueError(f"quantization method {name!r} is not supported (supported: {known})")

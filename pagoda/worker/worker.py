@@ -54,7 +54,8 @@ class Worker:
             # request does not pay the compile time.
             load_extension()
         self.model = build_model(
-            ckpt, self.dtype, self.device, max_model_len, config.model.attn_backend
+            ckpt, self.dtype, self.device, max_model_len, config.model.attn_backend,
+            config.model.quantization,
         )
         self.kv_caches: LayerCaches = []
         self.host_kv_caches: LayerCaches | None = None

@@ -99,9 +99,9 @@ def test_unsupported_quantization_is_named(tiny_model: Callable[..., Path], tmp_
     path = tmp_path / "m"
     shutil.copytree(tiny_model(ARCH), path)
     config = json.loads((path / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    config["quantization_config"] = {"quant_method": "bitnet", "bits": 4}
     (path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(CheckpointError, match="quantization method 'gptq' is not supported"):
+    with pytest.raises(CheckpointError, match="quantization method 'bitnet' is not supported"):
         _build(path)
 
 

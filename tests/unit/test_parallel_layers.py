@@ -212,8 +212,8 @@ class _Int8Config(QuantizationConfig):
 def test_registry_resolves_names_and_rejects_unknown_ones() -> None:
     assert "pagoda-test-int8" in quantization_methods()
     assert get_quantization_config("pagoda-test-int8") is _Int8Config
-    with pytest.raises(ValueError, match="'gptq' is not supported"):
-        get_quantization_config("gptq")
+    with pytest.raises(ValueError, match="'no-such-method' is not supported"):
+        get_quantization_config("no-such-method")
     config = make_tiny_config("LlamaForCausalLM")
     assert quant_config_from_hf(config) is None
     config.quantization_config = {"quant_method": "pagoda-test-int8"}
