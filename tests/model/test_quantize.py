@@ -148,3 +148,32 @@ def test_awq_refuses_a_symmetric_grid(tiny_model, tmp_path, calib_file):
     with pytest.raises(ValueError, match="zero point"):
         quantize_to_dir(str(tiny_model("LlamaForCausalLM")), tmp_path / "o", "awq",
                         sym=True, group_size=GROUP, calib_data=calib_file)
+
+
+@pytest.mark.parametrize("method,act_order,sym", [
+    ("gptq", True, True), ("gptq", False, False), ("rtn", False, True), ("awq", False, None),
+])
+def test_round_trip_pagoda_loads_the_in_memory_quantized_model(tiny_model, tmp_path,
+                                                                calib_file, method,
+                                                                act_order, sym):
+    from pagoda import LLM, SamplingParams
+
+    out = tmp_path / method
+    model, _ = quantize_to_dir(str(tiny_model("LlamaForCausalLM")), out, method, 4, GROUP,
+                               act_order, sym, calib_file, num_samples=8, seq_len=64)
+    prompts = random_ids(3, 24)
+    expected = torch.log_softmax(hf_logits(model, prompts).float(), dim=-1)
+    llm = LLM(str(out), dtype="float32")
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=5)
+    outs = llm.generate([{"prompt_token_ids": p.tolist()} for p in prompts], params,
+                        use_tqdm=False)
+    for row, out_ in zip(range(prompts.shape[0]), outs):
+        for pos in range(1, prompts.shape[1]):
+            entry = out_.prompt_logprobs[pos]
+            want = expected[row, pos - 1]
+            top = torch.topk(want, 5).indices.tolist()
+            assert top == [t for t, lp in sorted(entry.items(), key=lambda e: e[1].rank)
+                           if lp.rank >= 1][:5]
+            for token, lp in entry.items():
+                assert lp.logprob == pytest.approx(want[token].item(), abs=1e-4)
+        assert out_.outputs[0].token_ids == [int(expected[row, -1].argmax())]
