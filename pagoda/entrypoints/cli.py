@@ -154,6 +154,8 @@ _BENCHES = {
                                 "throughput under fcfs and priority scheduling")),
     "multi-turn": ("multi_turn", ("multi-turn conversations evicted by other traffic: the "
                                   "prefix cache's host tier off/on")),
+    "quant": ("quant", ("quantization methods on SmolLM2: perplexity, weight bytes, decode "
+                        "latency, throughput (and llama.cpp)")),
 }
 
 

@@ -32,9 +32,10 @@ def add_quantize_args(p: argparse.ArgumentParser) -> None:
 def quantize_to_dir(model: str | None, out_dir: str | Path, method: str, bits: int = 4,
                     group_size: int = 128, act_order: bool = False, sym: bool | None = None,
                     calib_data: str = "calib", num_samples: int = 128, seq_len: int = 512,
-                    batch_size: int = 8) -> tuple[Any, dict]:
+                    batch_size: int = 8, loaded: tuple | None = None) -> tuple[Any, dict]:
     """Quantize and write OUT_DIR; returns (the in-memory quantized transformers model,
-    the quantizations by linear name)."""
+    the quantizations by linear name). `loaded`: load_float_model(model)'s result, to
+    quantize (in place) instead of loading the model again."""
     import torch
 
     from pagoda.eval.corpus import load_text
@@ -49,7 +50,7 @@ def quantize_to_dir(model: str | None, out_dir: str | Path, method: str, bits: i
     if sym is None:
         sym = method != "awq"
     cfg = CalibrationConfig(method, QuantSpec(bits, group_size, sym), act_order, batch_size)
-    hf_model, tokenizer, source_dir = load_float_model(model)
+    hf_model, tokenizer, source_dir = loaded or load_float_model(model)
     source_dtype = getattr(hf_model.config, "dtype", None)
     dtype = source_dtype if isinstance(source_dtype, torch.dtype) and \
         source_dtype.is_floating_point else torch.float16

@@ -108,6 +108,8 @@ def write_checkpoint(model: Any, tokenizer: Any, quantized: dict[str, QuantizedT
     config = model.config.to_dict()
     config["dtype"] = str(dtype).removeprefix("torch.")
     config.pop("torch_dtype", None)
+    # NOTE: a config built from GGUF metadata names no architecture; loaders need one.
+    config["architectures"] = config.get("architectures") or [type(model).__name__]
     config["quantization_config"] = quantization_config(cfg)
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     if source_dir is None:

@@ -13,6 +13,9 @@ and g_idx records each input column's group.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 
 from pagoda.quant.calibrate.rtn import QuantizedTensor, QuantSpec, fit_params, quantize_codes
@@ -42,10 +45,31 @@ def _inverse_cholesky(hessian: torch.Tensor, percdamp: float) -> torch.Tensor:
     return torch.linalg.cholesky(torch.cholesky_inverse(lower), upper=True)
 
 
+@contextmanager
+def single_threaded() -> Iterator[None]:
+    """torch on one thread inside the block. NOTE: the column loop is thousands of small
+    ops; spread over OpenMP threads each one waits for the slowest thread, which on a busy
+    machine made it 40x slower than on one thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, spec: QuantSpec, *,
                   act_order: bool = False, percdamp: float = 0.01,
                   block_size: int = 128) -> QuantizedTensor:
-    """Quantize `weight` [N, K] against `hessian` [K, K] (from HessianAccumulator)."""
+    """Quantize `weight` [N, K] against `hessian` [K, K] (from HessianAccumulator). Rows
+    are independent given H, so the weights of linears that read one input may be stacked
+    into one call."""
+    with single_threaded():
+        return _gptq(weight, hessian, spec, act_order, percdamp, block_size)
+
+
+def _gptq(weight: torch.Tensor, hessian: torch.Tensor, spec: QuantSpec, act_order: bool,
+          percdamp: float, block_size: int) -> QuantizedTensor:
     n, k = weight.shape
     spec.check(k)
     gl = spec.group_len(k)

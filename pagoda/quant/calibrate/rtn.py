@@ -51,6 +51,11 @@ class QuantizedTensor:
     g_idx: torch.Tensor
     spec: QuantSpec
 
+    def rows(self, start: int, stop: int) -> QuantizedTensor:
+        """Output rows [start, stop) (one linear of a stacked quantization)."""
+        return QuantizedTensor(self.codes[start:stop], self.scales[start:stop],
+                               self.zeros[start:stop], self.g_idx, self.spec)
+
     def dequantize(self) -> torch.Tensor:
         """The float32 weight [N, K] this quantization stands for."""
         s = self.scales[:, self.g_idx]

@@ -100,21 +100,31 @@ def _set_quantized(layer: torch.nn.Module, name: str, qt: QuantizedTensor) -> No
         weight.copy_(qt.dequantize().to(weight.dtype))
 
 
+# Linears that read one input share its Hessian: GPTQ quantizes them stacked, in one pass.
+SHARED_INPUTS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                 ("self_attn.o_proj",), ("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",))
+
+
 def _gptq_layer(layer: torch.nn.Module, runner: LayerRunner, hidden: torch.Tensor,
                 cfg: CalibrationConfig) -> dict[str, QuantizedTensor]:
-    accs = {n: HessianAccumulator(layer.get_submodule(n).in_features) for n in LINEARS}
-    hooks = _capture(layer, LINEARS, lambda n, x: accs[n].add(x))
+    firsts = tuple(names[0] for names in SHARED_INPUTS)
+    accs = {n: HessianAccumulator(layer.get_submodule(n).in_features) for n in firsts}
+    hooks = _capture(layer, firsts, lambda n, x: accs[n].add(x))
     try:
         runner.run(layer, hidden)
     finally:
         for h in hooks:
             h.remove()
     result = {}
-    for name in LINEARS:
-        weight = layer.get_submodule(name).weight.detach()
-        result[name] = gptq_quantize(weight, accs[name].hessian, cfg.spec,
-                                     act_order=cfg.act_order)
-        _set_quantized(layer, name, result[name])
+    for names in SHARED_INPUTS:
+        weights = [layer.get_submodule(n).weight.detach() for n in names]
+        stacked = gptq_quantize(torch.cat(weights), accs[names[0]].hessian, cfg.spec,
+                                act_order=cfg.act_order)
+        row = 0
+        for name, w in zip(names, weights):
+            result[name] = stacked.rows(row, row + w.shape[0])
+            row += w.shape[0]
+            _set_quantized(layer, name, result[name])
     return result
 
 
