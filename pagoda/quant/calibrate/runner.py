@@ -39,6 +39,8 @@ class CalibrationConfig:
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
+        if self.spec.bits not in (2, 4, 8):
+            raise ValueError(f"bits must be 2, 4 or 8 (the int32 packings), got {self.spec.bits}")
         if self.act_order and self.method != "gptq":
             raise ValueError("act_order is a GPTQ option")
         if self.method == "awq" and (self.spec.bits != 4 or self.spec.sym):
