@@ -27,3 +27,15 @@ if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null
              "chromium chromium-driver); the dashboard test will be skipped" >&2
     fi
 fi
+# Offline real text for `pagoda quantize` (calibration: fortunes) and `pagoda eval
+# perplexity` (evaluation: the Python tutorial in python3-doc); see pagoda/eval/corpus.py.
+if [ ! -d /usr/share/games/fortunes ] || ! ls /usr/share/doc/python3*/html/_sources/tutorial \
+        >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq fortunes python3-doc >/dev/null
+    else
+        echo "setup: the text corpora are missing (as root: apt-get install fortunes" \
+             "python3-doc); pass --data / --calib-data files instead" >&2
+    fi
+fi

@@ -159,6 +159,8 @@ _BENCHES = {
                             "dispatch and what oneDNN runs")),
     "omp-policy": ("omp_policy", ("decode ms/token and batched tok/s under each OpenMP "
                                   "waiting policy, quiet and beside a busy process")),
+    "quant": ("quant", ("quantization methods on SmolLM2: perplexity, weight bytes, decode "
+                        "latency, throughput (and llama.cpp)")),
 }
 
 
@@ -172,6 +174,33 @@ def _add_bench(bench_sub: argparse._SubParsersAction, name: str, module: str, he
         return 0
 
     p.set_defaults(func=run)
+
+
+def _add_quant_commands(sub: argparse._SubParsersAction) -> None:
+    """`pagoda eval perplexity` and `pagoda quantize`."""
+    from pagoda.eval.perplexity import add_perplexity_args
+
+    ev = sub.add_parser("eval", help="model quality measurements")
+    ev_sub = ev.add_subparsers(dest="eval_command", required=True)
+    ppl = ev_sub.add_parser("perplexity", help="perplexity on a text, sliding windows "
+                            "scored through the engine's prompt logprobs")
+    add_perplexity_args(ppl)
+    add_engine_args(ppl)
+
+    def run_ppl(args: argparse.Namespace) -> int:
+        from pagoda.eval.perplexity import run_perplexity
+
+        run_perplexity(args)
+        return 0
+
+    ppl.set_defaults(func=run_ppl)
+
+    from pagoda.quant.calibrate.command import add_quantize_args, run_quantize
+
+    quantize = sub.add_parser("quantize", help="post-training quantization (GPTQ, AWQ, RTN) "
+                              "into a GPTQ / AWQ Hugging Face checkpoint")
+    add_quantize_args(quantize)
+    quantize.set_defaults(func=run_quantize)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -207,6 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     bs.set_defaults(func=cmd_bench_serve)
     for name, (module, help_) in _BENCHES.items():
         _add_bench(bench_sub, name, module, help_)
+    _add_quant_commands(sub)
     return parser
 
 

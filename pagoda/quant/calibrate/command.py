@@ -1,0 +1,72 @@
+"""`pagoda quantize MODEL OUT_DIR --method gptq|awq|rtn ...`: flags and the whole run."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import Any
+
+
+def add_quantize_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=None, metavar="MODEL",
+                   help="HF safetensors directory (bf16/fp32) or .gguf file; omitted: the "
+                   "embedded SmolLM2 GGUF")
+    p.add_argument("out_dir", metavar="OUT_DIR", help="the quantized HF directory to write")
+    p.add_argument("--method", required=True, choices=["gptq", "awq", "rtn"])
+    p.add_argument("--bits", type=int, default=4)
+    p.add_argument("--group-size", type=int, default=128,
+                   help="input columns per scale (-1: one group per output channel)")
+    p.add_argument("--act-order", action="store_true",
+                   help="gptq: quantize columns in decreasing Hessian diagonal (desc_act)")
+    p.add_argument("--sym", action=argparse.BooleanOptionalAction, default=None,
+                   help="symmetric grid (default: gptq and rtn symmetric, awq with zero point)")
+    p.add_argument("--calib-data", default="calib",
+                   help="a .txt or .jsonl ({\"text\": ...} lines) file, or the built-in "
+                   "'calib' corpus (fortunes); unused by rtn")
+    p.add_argument("--num-samples", type=int, default=128)
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--batch-size", type=int, default=8, help="calibration samples per forward")
+
+
+def quantize_to_dir(model: str | None, out_dir: str | Path, method: str, bits: int = 4,
+                    group_size: int = 128, act_order: bool = False, sym: bool | None = None,
+                    calib_data: str = "calib", num_samples: int = 128, seq_len: int = 512,
+                    batch_size: int = 8, loaded: tuple | None = None) -> tuple[Any, dict]:
+    """Quantize and write OUT_DIR; returns (the in-memory quantized transformers model,
+    the quantizations by linear name). `loaded`: load_float_model(model)'s result, to
+    quantize (in place) instead of loading the model again."""
+    import torch
+
+    from pagoda.eval.corpus import load_text
+    from pagoda.quant.calibrate.export import load_float_model, write_checkpoint
+    from pagoda.quant.calibrate.rtn import QuantSpec
+    from pagoda.quant.calibrate.runner import (
+        CalibrationConfig,
+        calibration_batch,
+        quantize_model,
+    )
+
+    if sym is None:
+        sym = method != "awq"
+    cfg = CalibrationConfig(method, QuantSpec(bits, group_size, sym), act_order, batch_size)
+    hf_model, tokenizer, source_dir = loaded or load_float_model(model)
+    source_dtype = getattr(hf_model.config, "dtype", None)
+    dtype = source_dtype if isinstance(source_dtype, torch.dtype) and \
+        source_dtype.is_floating_point else torch.float16
+    calib = None
+    if method != "rtn":
+        calib = calibration_batch(tokenizer, load_text(calib_data), num_samples, seq_len)
+    quantized = quantize_model(hf_model, calib, cfg)
+    write_checkpoint(hf_model, tokenizer, quantized, cfg, out_dir, source_dir, dtype)
+    return hf_model, quantized
+
+
+def run_quantize(args: argparse.Namespace) -> int:
+    start = time.perf_counter()
+    _, quantized = quantize_to_dir(
+        args.model, args.out_dir, args.method, args.bits, args.group_size, args.act_order,
+        args.sym, args.calib_data, args.num_samples, args.seq_len, args.batch_size)
+    print(f"{args.method}: {len(quantized)} linears quantized to {args.bits} bits "
+          f"(group {args.group_size}) in {time.perf_counter() - start:.1f} s -> {args.out_dir}")
+    return 0

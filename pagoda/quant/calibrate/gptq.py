@@ -1,0 +1,113 @@
+"""GPTQ (Frantar et al., 2022) for one linear layer.
+
+Given the layer's calibration inputs X [tokens, K], the Hessian of the layer's squared
+output error is H = 2 X^T X / tokens. Columns are quantized one at a time; the error each
+one leaves is spread over the columns not yet quantized through the inverse Hessian, so
+they compensate for it (optimal brain surgeon, one column at a time). The inverse is taken
+once as the upper Cholesky factor of H^-1, whose rows give each step's update, and updates
+are applied lazily: within a block of columns at once, to the rest of the matrix once per
+block. With act_order the columns go in order of decreasing diag(H) (the most sensitive
+first, while the most columns are left to compensate), groups are then formed in that order,
+and g_idx records each input column's group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from pagoda.quant.calibrate.rtn import QuantizedTensor, QuantSpec, fit_params, quantize_codes
+
+
+class HessianAccumulator:
+    """Running H = 2 X^T X / n over every batch of inputs given to `add`."""
+
+    def __init__(self, num_columns: int) -> None:
+        self.hessian = torch.zeros(num_columns, num_columns, dtype=torch.float64)
+        self.num_tokens = 0
+
+    def add(self, x: torch.Tensor) -> None:
+        x = x.reshape(-1, x.shape[-1]).to(torch.float64)
+        total = self.num_tokens + x.shape[0]
+        self.hessian *= self.num_tokens / total
+        self.hessian += (2.0 / total) * (x.T @ x)
+        self.num_tokens = total
+
+
+def _inverse_cholesky(hessian: torch.Tensor, percdamp: float) -> torch.Tensor:
+    """The upper Cholesky factor of (H + damp I)^-1, damp = percdamp * mean(diag(H))."""
+    h = hessian.clone()
+    damp = percdamp * torch.mean(torch.diag(h))
+    h.diagonal().add_(damp)
+    lower = torch.linalg.cholesky(h)
+    return torch.linalg.cholesky(torch.cholesky_inverse(lower), upper=True)
+
+
+@contextmanager
+def single_threaded() -> Iterator[None]:
+    """torch on one thread inside the block. NOTE: the column loop is thousands of small
+    ops; spread over OpenMP threads each one waits for the slowest thread, which on a busy
+    machine made it 40x slower than on one thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, spec: QuantSpec, *,
+                  act_order: bool = False, percdamp: float = 0.01,
+                  block_size: int = 128) -> QuantizedTensor:
+    """Quantize `weight` [N, K] against `hessian` [K, K] (from HessianAccumulator). Rows
+    are independent given H, so the weights of linears that read one input may be stacked
+    into one call."""
+    with single_threaded():
+        return _gptq(weight, hessian, spec, act_order, percdamp, block_size)
+
+
+def _gptq(weight: torch.Tensor, hessian: torch.Tensor, spec: QuantSpec, act_order: bool,
+          percdamp: float, block_size: int) -> QuantizedTensor:
+    n, k = weight.shape
+    spec.check(k)
+    gl = spec.group_len(k)
+    w = weight.to(torch.float64).clone()
+    h = hessian.to(torch.float64).clone()
+    # Inputs that were always zero carry no information: fix them so H stays invertible.
+    dead = torch.diag(h) == 0
+    h[dead, dead] = 1.0
+    w[:, dead] = 0.0
+    perm = torch.argsort(torch.diag(h), descending=True, stable=True) if act_order \
+        else torch.arange(k)
+    w, h = w[:, perm], h[perm][:, perm]
+    hinv = _inverse_cholesky(h, percdamp)
+
+    codes = torch.zeros(n, k, dtype=torch.uint8)
+    scales = torch.zeros(n, k // gl, dtype=torch.float32)
+    zeros = torch.zeros(n, k // gl, dtype=torch.int64)
+    scale = zero = None
+    for b0 in range(0, k, block_size):
+        b1 = min(b0 + block_size, k)
+        wb = w[:, b0:b1].clone()
+        errors = torch.zeros_like(wb)
+        hb = hinv[b0:b1, b0:b1]
+        for i in range(b1 - b0):
+            col = b0 + i
+            if col % gl == 0:
+                # The group's columns as they stand now, updates of this block included.
+                group = torch.cat([wb[:, i:], w[:, b1:]], dim=1)[:, :gl]
+                scale, zero = fit_params(group.to(torch.float32), spec)
+                scales[:, col // gl], zeros[:, col // gl] = scale, zero
+            q = quantize_codes(wb[:, i : i + 1].to(torch.float32), scale, zero, spec.maxq)
+            codes[:, col] = q[:, 0].to(torch.uint8)
+            deq = ((q[:, 0] - zero) * scale).to(torch.float64)
+            err = (wb[:, i] - deq) / hb[i, i]
+            wb[:, i:] -= err.unsqueeze(1) * hb[i, i:].unsqueeze(0)
+            errors[:, i] = err
+        w[:, b1:] -= errors @ hinv[b0:b1, b1:]
+
+    inverse = torch.argsort(perm)
+    g_idx = (torch.arange(k) // gl)[inverse]
+    return QuantizedTensor(codes[:, inverse], scales, zeros, g_idx, spec)

@@ -1,0 +1,113 @@
+"""Round-to-nearest group quantization: the grid GPTQ, AWQ and plain RTN all quantize onto.
+
+A weight [N, K] is cut into groups of `group_size` input columns; each (row, group) has a
+scale and an integer zero, w ~ (q - zero) * scale with q in [0, 2**bits). Symmetric (as GPTQ
+writers do it): zero = 2**(bits-1), scale = 2 max|w| / (2**bits - 1). Asymmetric: the grid
+spans [min(w, 0), max(w, 0)].
+
+Scales are rounded to float16 when they are fitted, because checkpoints store them so: the
+codes are chosen against the scale a loader will see, and the in-memory quantized model is
+exactly the one the checkpoint describes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class QuantSpec:
+    bits: int = 4
+    group_size: int = 128  # -1: one group per row
+    sym: bool = True
+
+    @property
+    def maxq(self) -> int:
+        return (1 << self.bits) - 1
+
+    def group_len(self, k: int) -> int:
+        return k if self.group_size == -1 else self.group_size
+
+    def check(self, k: int) -> None:
+        if self.bits not in (2, 4, 8):
+            raise ValueError(f"bits must be 2, 4 or 8, got {self.bits}")
+        if self.group_size != -1 and (self.group_size < 1 or k % self.group_size):
+            raise ValueError(
+                f"group_size {self.group_size} does not divide the input size {k} "
+                "(use a divisor, or -1 for one group per row)")
+
+
+@dataclass(slots=True)
+class QuantizedTensor:
+    """codes [N, K] uint8 in the weight's own column order; scales [N, G] float32 (float16
+    values); zeros [N, G] int64; g_idx [K] int64: the group of each input column (k //
+    group_size unless act_order reordered the columns)."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+    g_idx: torch.Tensor
+    spec: QuantSpec
+
+    def rows(self, start: int, stop: int) -> QuantizedTensor:
+        """Output rows [start, stop) (one linear of a stacked quantization)."""
+        return QuantizedTensor(self.codes[start:stop], self.scales[start:stop],
+                               self.zeros[start:stop], self.g_idx, self.spec)
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight [N, K] this quantization stands for."""
+        s = self.scales[:, self.g_idx]
+        return (self.codes.to(torch.float32) - self.zeros[:, self.g_idx]) * s
+
+
+def fit_params(w: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and integer zero for each row of `w` [N, group] (one group): float32 [N]
+    holding float16 values, and int64 [N]."""
+    w = w.to(torch.float32)
+    lo = w.amin(dim=1).clamp(max=0)
+    hi = w.amax(dim=1).clamp(min=0)
+    if spec.sym:
+        hi = torch.maximum(lo.abs(), hi)
+        lo = -hi
+    span = hi - lo
+    span = torch.where(span == 0, torch.ones_like(span), span)
+    scale = (span / spec.maxq).to(torch.float16).to(torch.float32)
+    # A float16 underflow would divide by zero below; the smallest normal keeps codes finite.
+    scale = scale.clamp(min=float(torch.finfo(torch.float16).tiny))
+    if spec.sym:
+        zero = torch.full_like(scale, (spec.maxq + 1) // 2, dtype=torch.int64)
+    else:
+        zero = torch.round(-lo / scale).clamp(0, spec.maxq).to(torch.int64)
+    return scale, zero
+
+
+def quantize_codes(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                   maxq: int) -> torch.Tensor:
+    """Codes of `w` [N, C] on the grid of per-row `scale` / `zero` [N] (or [N, C])."""
+    if scale.dim() == 1:
+        scale, zero = scale.unsqueeze(1), zero.unsqueeze(1)
+    return torch.clamp(torch.round(w / scale) + zero, 0, maxq)
+
+
+def fake_quantize(w: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """w [N, K] quantized group-wise to nearest and dequantized again (float32)."""
+    return quantize_rtn(w, spec).dequantize()
+
+
+def quantize_rtn(w: torch.Tensor, spec: QuantSpec) -> QuantizedTensor:
+    """Round-to-nearest, group by group."""
+    n, k = w.shape
+    spec.check(k)
+    gl = spec.group_len(k)
+    groups = w.to(torch.float32).reshape(n, k // gl, gl).transpose(0, 1)  # [G, N, gl]
+    scales, zeros, codes = [], [], []
+    for g in groups:
+        scale, zero = fit_params(g, spec)
+        codes.append(quantize_codes(g, scale, zero, spec.maxq))
+        scales.append(scale)
+        zeros.append(zero)
+    codes_t = torch.stack(codes, dim=1).reshape(n, k).to(torch.uint8)
+    g_idx = torch.arange(k) // gl
+    return QuantizedTensor(codes_t, torch.stack(scales, 1), torch.stack(zeros, 1), g_idx, spec)

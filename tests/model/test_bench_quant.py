@@ -1,0 +1,44 @@
+"""`pagoda bench quant`'s own arithmetic: resident weight bytes and the issue's targets."""
+
+from __future__ import annotations
+
+from pagoda import LLM
+from pagoda.benchmarks.quant import _holds_weight_class, targets, weight_bytes
+from pagoda.quant.calibrate.command import quantize_to_dir
+from tests.model.test_perplexity import TEXT
+
+
+def test_weight_bytes_counts_dense_and_quantized_weights(tiny_model, tmp_path):
+    src = tiny_model("LlamaForCausalLM")
+    dense = LLM(str(src), dtype="float32").llm_engine.executor.worker.model
+    num_params = sum(p.numel() for p in dense.parameters())
+    assert weight_bytes(dense) >= 4 * num_params
+    assert not _holds_weight_class(dense, "GroupQuantWeight")
+
+    calib = tmp_path / "c.txt"
+    calib.write_text(TEXT * 3)
+    quantize_to_dir(str(src), tmp_path / "q", "rtn", 4, 32, calib_data=str(calib))
+    quant = LLM(str(tmp_path / "q"), dtype="float32").llm_engine.executor.worker.model
+    assert _holds_weight_class(quant, "GroupQuantWeight")
+    linear = sum(m.quant_weight.qweight.numel() for m in quant.modules()
+                 if getattr(m, "quant_weight", None) is not None)
+    # Dense linears (4 bytes a weight) replaced by at least their codes, at most 4 bytes less.
+    assert 0 < weight_bytes(quant) < weight_bytes(dense) - 2 * linear
+
+
+def test_targets_compare_against_the_better_rtn():
+    results = {
+        "bf16": {"perplexity": 10.0, "throughput_tok_s": 100.0},
+        "rtn int4 g64 sym": {"perplexity": 18.0},
+        "rtn int4 g64 asym": {"perplexity": 14.0, "throughput_tok_s": 120.0},
+        "gptq int4 g64": {"perplexity": 12.0, "decode_ms_per_token": 5.0},
+        "awq int4 g64": {"perplexity": 12.5, "throughput_tok_s": 90.0},
+        "llama.cpp": {"decode_ms_per_token": 6.0},
+    }
+    lines = targets(results)
+    assert lines[0].startswith("PASS  gptq") and "<= 12.000" in lines[0]
+    assert lines[1].startswith("FAIL  awq")
+    assert lines[2].startswith("n/a   gguf q4_1 native decode")
+    assert lines[3].startswith("PASS  gptq int4 g64 decode")
+    assert lines[4].startswith("PASS  rtn int4 g64 asym throughput")
+    assert lines[6].startswith("FAIL  awq int4 g64 throughput")

@@ -1,0 +1,179 @@
+"""`pagoda quantize` on tiny random Llamas: AWQ's folding leaves the float model's function
+unchanged, and OUT_DIR holds the method's standard tensors, which decode to exactly the
+in-memory quantized model's weights."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file
+
+from pagoda.quant.calibrate import awq
+from pagoda.quant.calibrate.command import quantize_to_dir
+from pagoda.quant.calibrate.rtn import QuantSpec
+from pagoda.quant.calibrate.runner import (
+    LINEARS,
+    LayerRunner,
+    _awq_scales,
+    _capture,
+    _Features,
+)
+from pagoda.quant.packing import unpack_awq, unpack_gptq
+from tests.model.test_perplexity import TEXT
+
+GROUP = 32  # divides the tiny models' hidden (64) and intermediate (128) sizes
+
+
+@pytest.fixture
+def calib_file(tmp_path):
+    path = tmp_path / "calib.txt"
+    path.write_text(TEXT * 3)
+    return str(path)
+
+
+def hf_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def random_ids(n: int = 2, length: int = 40) -> torch.Tensor:
+    return torch.randint(3, 49152, (n, length), generator=torch.Generator().manual_seed(0))
+
+
+def test_awq_fold_with_any_scales_keeps_the_float_model(tiny_model):
+    # Heads == KV heads, so the v -> o fold applies too.
+    path = tiny_model("LlamaForCausalLM", num_key_value_heads=4)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    ids = random_ids()
+    before = hf_logits(model, ids)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            h, inter = attn.q_proj.in_features, mlp.down_proj.in_features
+
+            def scales(n):
+                return torch.exp(torch.randn(n, generator=g))
+
+            awq.fold_into_norm(layer.input_layernorm.weight,
+                               [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight],
+                               scales(h))
+            awq.fold_into_linear(attn.v_proj.weight, attn.v_proj.bias, attn.o_proj.weight,
+                                 scales(attn.o_proj.in_features))
+            awq.fold_into_norm(layer.post_attention_layernorm.weight,
+                               [mlp.gate_proj.weight, mlp.up_proj.weight], scales(h))
+            awq.fold_into_linear(mlp.up_proj.weight, mlp.up_proj.bias, mlp.down_proj.weight,
+                                 scales(inter))
+    after = hf_logits(model, ids)
+    assert not torch.equal(before, after)  # the weights did change
+    torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kv_heads", [2, 4])
+def test_awq_searched_scales_keep_the_float_layer(tiny_model, kv_heads):
+    path = tiny_model("LlamaForCausalLM", num_key_value_heads=kv_heads)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    ids = random_ids(4, 48)
+    hidden = model.model.embed_tokens(ids).detach()
+    hidden[..., :3] *= 20.0  # a few salient channels, as in real activations
+    runner = LayerRunner(model, hidden, batch_size=2)
+    layer = model.model.layers[0]
+    before = runner.run(layer, hidden)
+    feats = _Features(hidden.shape[0] * hidden.shape[1])
+    hooks = _capture(layer, ("self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj",
+                             "mlp.down_proj"), feats.add)
+    runner.run(layer, hidden)
+    for h in hooks:
+        h.remove()
+    norm_before = layer.input_layernorm.weight.detach().clone()
+    inputs = _awq_scales(layer, feats, QuantSpec(4, GROUP, False))
+    assert set(inputs) == set(LINEARS)
+    assert not torch.equal(layer.input_layernorm.weight, norm_before)
+    torch.testing.assert_close(runner.run(layer, hidden), before, rtol=1e-4, atol=1e-4)
+
+
+def _decoded_gptq(tensors, prefix):
+    codes, zeros = unpack_gptq(tensors[f"{prefix}.qweight"], tensors[f"{prefix}.qzeros"], 4)
+    g_idx = tensors[f"{prefix}.g_idx"].long()
+    scales = tensors[f"{prefix}.scales"].float()
+    return ((codes.float() - zeros.float()[g_idx]) * scales[g_idx]).T
+
+
+def _decoded_awq(tensors, prefix):
+    codes, zeros = unpack_awq(tensors[f"{prefix}.qweight"], tensors[f"{prefix}.qzeros"])
+    g = torch.arange(codes.shape[0]) // GROUP
+    scales = tensors[f"{prefix}.scales"].float()
+    return ((codes.float() - zeros.float()[g]) * scales[g]).T
+
+
+@pytest.mark.parametrize("method,act_order,sym", [
+    ("gptq", False, True), ("gptq", True, False), ("rtn", False, False), ("awq", False, None),
+])
+def test_out_dir_decodes_to_the_in_memory_model(tiny_model, tmp_path, calib_file, method,
+                                                act_order, sym):
+    src = tiny_model("LlamaForCausalLM")
+    out = tmp_path / method
+    model, quantized = quantize_to_dir(str(src), out, method, 4, GROUP, act_order, sym,
+                                       calib_file, num_samples=8, seq_len=64)
+    assert len(quantized) == 2 * len(LINEARS)
+    config = json.loads((out / "config.json").read_text())
+    qc = config["quantization_config"]
+    if method == "awq":
+        assert qc == {"quant_method": "awq", "bits": 4, "group_size": GROUP,
+                      "zero_point": True, "version": "gemm"}
+    else:
+        assert qc["quant_method"] == "gptq" and qc["checkpoint_format"] == "gptq"
+        assert (qc["bits"], qc["group_size"], qc["desc_act"], qc["sym"]) == \
+            (4, GROUP, act_order, method == "gptq" and sym)
+    assert (out / "tokenizer.json").is_file() and (out / "tokenizer_config.json").is_file()
+    tensors = load_file(str(out / "model.safetensors"))
+    decode = _decoded_awq if method == "awq" else _decoded_gptq
+    state = model.state_dict()
+    for prefix, qt in quantized.items():
+        assert f"{prefix}.weight" not in tensors
+        assert tensors[f"{prefix}.scales"].dtype == torch.float16
+        assert torch.equal(decode(tensors, prefix), state[f"{prefix}.weight"])
+        if act_order:
+            assert not torch.equal(qt.g_idx, torch.arange(qt.g_idx.numel()) // GROUP)
+    for name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight",
+                 "model.layers.0.input_layernorm.weight"):
+        assert torch.equal(tensors[name], state[name])
+    transformers.AutoConfig.from_pretrained(out)  # a config transformers reads as its own
+
+
+def test_awq_refuses_a_symmetric_grid(tiny_model, tmp_path, calib_file):
+    with pytest.raises(ValueError, match="zero point"):
+        quantize_to_dir(str(tiny_model("LlamaForCausalLM")), tmp_path / "o", "awq",
+                        sym=True, group_size=GROUP, calib_data=calib_file)
+
+
+@pytest.mark.parametrize("method,act_order,sym", [
+    ("gptq", True, True), ("gptq", False, False), ("rtn", False, True), ("awq", False, None),
+])
+def test_round_trip_pagoda_loads_the_in_memory_quantized_model(tiny_model, tmp_path,
+                                                                calib_file, method,
+                                                                act_order, sym):
+    from pagoda import LLM, SamplingParams
+
+    out = tmp_path / method
+    model, _ = quantize_to_dir(str(tiny_model("LlamaForCausalLM")), out, method, 4, GROUP,
+                               act_order, sym, calib_file, num_samples=8, seq_len=64)
+    prompts = random_ids(3, 24)
+    expected = torch.log_softmax(hf_logits(model, prompts).float(), dim=-1)
+    llm = LLM(str(out), dtype="float32")
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=5)
+    outs = llm.generate([{"prompt_token_ids": p.tolist()} for p in prompts], params,
+                        use_tqdm=False)
+    for row, out_ in zip(range(prompts.shape[0]), outs):
+        for pos in range(1, prompts.shape[1]):
+            entry = out_.prompt_logprobs[pos]
+            want = expected[row, pos - 1]
+            top = torch.topk(want, 5).indices.tolist()
+            assert top == [t for t, lp in sorted(entry.items(), key=lambda e: e[1].rank)
+                           if lp.rank >= 1][:5]
+            for token, lp in entry.items():
+                assert lp.logprob == pytest.approx(want[token].item(), abs=1e-4)
+        assert out_.outputs[0].token_ids == [int(expected[row, -1].argmax())]
