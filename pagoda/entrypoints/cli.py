@@ -161,6 +161,8 @@ _BENCHES = {
                                   "waiting policy, quiet and beside a busy process")),
     "quant": ("quant", ("quantization methods on SmolLM2: perplexity, weight bytes, decode "
                         "latency, throughput (and llama.cpp)")),
+    "kernels": ("quant_kernels", ("quantized-linear CPU kernels per call vs bf16 and torch's "
+                                  "int4 ops; --decode: SmolLM2 native GGUF decode ms/token")),
 }
 
 
