@@ -160,7 +160,7 @@ class Scheduler:
             if new_blocks is None:
                 break
             out.scheduled_cached_reqs.append(
-                CachedRequestData(req.req_id, [b.block_id for b in new_blocks],
+                CachedRequestData(req.req_id, self.kv.group_ids(new_blocks),
                                   req.num_computed_tokens)
             )
             out.num_scheduled_tokens[req.req_id] = n
@@ -249,7 +249,7 @@ class Scheduler:
                 req_id=req.req_id,
                 token_ids=list(req.all_token_ids),
                 num_prompt_tokens=req.num_prompt_tokens,
-                block_ids=self.kv.get_block_ids(req.req_id),
+                block_ids=self.kv.get_group_block_ids(req.req_id),
                 num_computed_tokens=num_computed,
                 sampling_params=req.sampling_params,
                 want_prompt_logprobs=want_prompt_logprobs,
@@ -270,6 +270,8 @@ class Scheduler:
         sample if that one runs with its prompt computed (fork from it), _WAIT_FOR_PARENT
         while that one is still computing its prompt, else None (admit as usual)."""
         if req.fork_of is None or req.num_output_tokens or req.num_preemptions:
+            return None
+        if not self.kv.supports_fork:
             return None
         if want_prompt_logprobs or req.status != RequestStatus.WAITING:
             return None

@@ -19,7 +19,7 @@ import torch
 
 from pagoda.config import EngineConfig
 from pagoda.core.kv_cache_manager import KVCacheManager
-from pagoda.core.kv_cache_spec import KVCacheSpec, bytes_per_block
+from pagoda.core.kv_cache_spec import KVCacheSpec, bytes_per_block, retentions_for
 from pagoda.core.request import DEFAULT_SLA_CLASS, SLA_CLASS_RANKS, Request, RequestStatus
 from pagoda.core.scheduler import Scheduler, SchedulerStats
 from pagoda.engine.output_processor import OutputKind, OutputProcessor
@@ -71,6 +71,8 @@ class LLMEngine:
             block_size,
             enable_caching=config.cache.enable_prefix_caching,
             num_host_tier_blocks=self._num_host_tier_blocks(),
+            retentions=retentions_for(self.kv_cache_specs, config.cache.attention_sinks,
+                                      config.cache.streaming_window),
         )
         self.scheduler = Scheduler(
             self.kv_cache_manager,

@@ -81,10 +81,15 @@ class LlamaSpec:
 
 
 def _sliding_windows(c: PretrainedConfig, arch: str) -> tuple[int | None, ...]:
+    """Each layer's window (None: full attention): Mistral windows every layer; others
+    follow `layer_types` (transformers derives Qwen2's from use_sliding_window and
+    max_window_layers: layers from max_window_layers on are windowed)."""
     window = getattr(c, "sliding_window", None)
     n = c.num_hidden_layers
     if arch == "MistralForCausalLM":
         return (window,) * n
+    if arch == "Qwen2ForCausalLM" and not getattr(c, "use_sliding_window", False):
+        return (None,) * n
     layer_types = getattr(c, "layer_types", None)
     if window and layer_types:
         return tuple(window if t == "sliding_attention" else None for t in layer_types)
@@ -279,17 +284,20 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: list[KVCache],
-        md: AttentionMetadata,
+        md: AttentionMetadata | list[AttentionMetadata],
     ) -> torch.Tensor:
-        """Flat batch [T] -> final hidden states [T, hidden] (normed)."""
+        """Flat batch [T] -> final hidden states [T, hidden] (normed). `md`: one metadata
+        for every layer, or one per layer (models with several KV cache groups)."""
         x = self.model.embed_tokens(input_ids)
         # NOTE: the fused rotary + cache write needs the cache in the activations' dtype
         # (--kv-cache-dtype can differ); otherwise rotary and the write run apart.
         fused = fused_ops_for(x) if kv_caches[0][0].dtype == x.dtype else None
         rope = RopeInputs(positions, self.rotary.cos, self.rotary.sin, fused)
         residual = None
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x, residual = layer(x, residual, rope, kv_cache, md)
+        layer_mds = md if isinstance(md, list) else [md] * len(kv_caches)
+        for layer, kv_cache, layer_md in zip(self.model.layers, kv_caches, layer_mds,
+                                             strict=True):
+            x, residual = layer(x, residual, rope, kv_cache, layer_md)
         x, _ = self.model.norm.forward_residual(x, residual)
         return x
 

@@ -13,13 +13,15 @@ condensed, because a step gathers its rows by slot index anyway.
 | num_tokens | [max_num_reqs] | valid entries of token_ids |
 | num_prompt_tokens | [max_num_reqs] | prompt part of token_ids |
 | num_computed_tokens | [max_num_reqs] | K/V in the cache before this step (from the diff) |
-| block_table | [max_num_reqs, max_blocks_per_req] int64 | block ids, num_blocks valid |
-| num_blocks | [max_num_reqs] | valid entries of block_table |
+| block_tables | [num_groups, max_num_reqs, max_blocks_per_req] int64 | per KV cache group: |
+| | | block ids, num_blocks valid (`block_table` = group 0's) |
+| num_blocks | [max_num_reqs] | valid entries of each group's row (the same in every group) |
 """
 
 from __future__ import annotations
 
 import heapq
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -47,14 +49,19 @@ class SlotState:
 
 
 class InputBatch:
-    def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int) -> None:
+    def __init__(
+        self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int,
+        num_groups: int = 1,
+    ) -> None:
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
-        self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int64)
+        self.block_tables = np.zeros((num_groups, max_num_reqs, max_blocks_per_req),
+                                     dtype=np.int64)
+        self.block_table = self.block_tables[0]
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
         self.slots: list[SlotState | None] = [None] * max_num_reqs
         self.req_id_to_slot: dict[str, int] = {}
@@ -69,7 +76,7 @@ class InputBatch:
         req_id: str,
         token_ids: list[int],
         num_prompt_tokens: int,
-        block_ids: list[int],
+        block_ids: Sequence[list[int]],
         sampling_params: SamplingParams,
         want_prompt_logprobs: bool,
     ) -> int:
@@ -101,12 +108,19 @@ class InputBatch:
         heapq.heappush(self._free_slots, slot)
         return slot
 
-    def append_block_ids(self, slot: int, block_ids: list[int]) -> None:
+    def append_block_ids(self, slot: int, block_ids: Sequence[list[int]]) -> None:
+        """Append one id list per KV cache group (all as long) to the slot's rows."""
+        if len(block_ids) != len(self.block_tables):
+            raise ValueError(f"{len(block_ids)} block id lists for {len(self.block_tables)} "
+                             "KV cache groups")
         start = int(self.num_blocks[slot])
-        end = start + len(block_ids)
+        end = start + len(block_ids[0])
         if end > self.block_table.shape[1]:
             raise ValueError(f"slot {slot}: {end} blocks > {self.block_table.shape[1]} per request")
-        self.block_table[slot, start:end] = block_ids
+        for table, ids in zip(self.block_tables, block_ids, strict=True):
+            if len(ids) != end - start:
+                raise ValueError(f"slot {slot}: KV cache groups got unequal block counts")
+            table[slot, start:end] = ids
         self.num_blocks[slot] = end
 
     def append_tokens(self, slots: np.ndarray, token_ids: np.ndarray) -> None:
