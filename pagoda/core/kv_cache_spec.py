@@ -107,21 +107,24 @@ class KVRetention:
         return sinks + max(0, n - first)
 
 
-def retentions_for(
-    specs: Sequence[KVCacheSpec], num_sink_tokens: int = 0, streaming_window: int | None = None
-) -> list[KVRetention]:
-    """Each group's retention: a sliding-window group keeps its window; a full-attention
-    group keeps everything, or with attention sinks (StreamingLLM) the first
-    `num_sink_tokens` and the last `streaming_window` tokens."""
-    out = []
-    for spec in specs:
-        if spec.kind == AttentionKind.SLIDING_WINDOW:
-            out.append(KVRetention(spec.sliding_window))
-        elif streaming_window is not None:
-            out.append(KVRetention(streaming_window, num_sink_tokens))
-        else:
-            out.append(KVRetention())
-    return out
+def max_blocks_held(
+    retention: KVRetention, max_len: int, max_chunk: int, block_size: int
+) -> int:
+    """The most blocks a request of up to `max_len` tokens, computed `max_chunk` tokens a
+    step at most, holds in a group with this retention at any step."""
+    num_entries = -(-max_len // block_size)
+    if retention.keeps_all:
+        return num_entries
+    # NOTE: a step from c on holds [first_window_block(c), ceil((c + n) / block_size)):
+    # at most ceil((W - 1 + n) / block_size) + 1 entries, plus the sink blocks.
+    span = -(-(retention.window - 1 + max_chunk) // block_size) + 1
+    return min(num_entries, retention.num_sink_blocks(block_size) + span)
+
+
+def retentions_for(specs: Sequence[KVCacheSpec]) -> list[KVRetention]:
+    """Each group's retention: a sliding-window group keeps its window, a full-attention
+    group everything."""
+    return [KVRetention(spec.sliding_window) for spec in specs]
 
 
 def bytes_per_block(specs: Sequence[KVCacheSpec]) -> int:

@@ -19,7 +19,12 @@ import torch
 
 from pagoda.config import EngineConfig
 from pagoda.core.kv_cache_manager import KVCacheManager
-from pagoda.core.kv_cache_spec import KVCacheSpec, bytes_per_block, retentions_for
+from pagoda.core.kv_cache_spec import (
+    KVCacheSpec,
+    bytes_per_block,
+    max_blocks_held,
+    retentions_for,
+)
 from pagoda.core.request import DEFAULT_SLA_CLASS, SLA_CLASS_RANKS, Request, RequestStatus
 from pagoda.core.scheduler import Scheduler, SchedulerStats
 from pagoda.engine.output_processor import OutputKind, OutputProcessor
@@ -63,6 +68,7 @@ class LLMEngine:
         self.kv_cache_specs = self.executor.kv_cache_specs()
         self.kv_block_bytes = bytes_per_block(self.kv_cache_specs)
         block_size = _shared_block_size(self.kv_cache_specs)
+        self.kv_retentions = retentions_for(self.kv_cache_specs)
         self.num_blocks = self._check_num_blocks(self.executor.determine_num_blocks(),
                                                  block_size)
         s = config.scheduler
@@ -71,8 +77,7 @@ class LLMEngine:
             block_size,
             enable_caching=config.cache.enable_prefix_caching,
             num_host_tier_blocks=self._num_host_tier_blocks(),
-            retentions=retentions_for(self.kv_cache_specs, config.cache.attention_sinks,
-                                      config.cache.streaming_window),
+            retentions=self.kv_retentions,
         )
         self.scheduler = Scheduler(
             self.kv_cache_manager,
@@ -116,7 +121,13 @@ class LLMEngine:
     def _check_num_blocks(self, num_blocks: int, block_size: int) -> int:
         # NOTE: block 0 is the reserved null block (core/block_pool.py): not for tokens.
         num_usable = max(num_blocks - 1, 0)
-        if num_usable * block_size < self.max_model_len:
+        s = self.config.scheduler
+        chunk = s.max_num_batched_tokens if s.enable_chunked_prefill else self.max_model_len
+        # NOTE: a request of max_model_len tokens must fit in every group at once; a
+        # windowed group holds only its window (and the step's chunk).
+        needed = sum(max_blocks_held(r, self.max_model_len, chunk, block_size)
+                     for r in self.kv_retentions)
+        if needed > num_usable:
             raise ValueError(
                 f"max_model_len {self.max_model_len} does not fit in the KV cache "
                 f"({num_usable} usable blocks of {block_size} tokens); the largest "

@@ -109,8 +109,8 @@ class Worker:
         if num_host_tier_blocks is not None:
             self.host_tier_kv_caches = _allocate(specs, num_host_tier_blocks, None, pin,
                                                  zero=False)
-        s, c = self.config.scheduler, self.config.cache
-        retentions = retentions_for(specs, c.attention_sinks, c.streaming_window)
+        s = self.config.scheduler
+        retentions = retentions_for(specs)
         self.runner = ModelRunner(
             self.model, self.kv_caches, get_backend(self.config.model.attn_backend),
             self.config.cache.block_size, self.model.spec.vocab_size, self.eos_token_ids,
