@@ -186,7 +186,8 @@ class ModelRunner:
         if not retention.keeps_all:
             # NOTE: the scheduler freed the blocks this step's queries do not read (the
             # runner's rows keep their old ids): null them, so nothing reads a reused block.
-            first = np.maximum(step.starts - retention.window + 1, 0) // bs
+            first = np.fromiter((retention.first_window_block(c, bs) for c in step.starts.tolist()),
+                                np.int64, len(step.starts))
             cols = np.arange(max_blocks)
             freed = (cols >= retention.num_sink_blocks(bs)) & (cols < first[:, None])
             block_tables[freed] = 0
