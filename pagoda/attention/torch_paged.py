@@ -19,6 +19,7 @@ from pagoda.attention.backend import (
     build_paged_metadata,
     register_backend,
 )
+from pagoda.attention.sinks import sink_attention
 
 
 @register_backend("torch_paged")
@@ -33,6 +34,13 @@ class TorchPagedAttention:
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
         self.sliding_window = sliding_window
+        # (S, W, rotary inverse frequencies) with attention sinks (attention/sinks.py).
+        self.sinks: tuple[int, int, torch.Tensor] | None = None
+
+    def set_attention_sinks(self, num_sink_tokens: int, window: int, inv_freq: torch.Tensor
+                            ) -> None:
+        """Read the first `num_sink_tokens` and the last `window` keys, StreamingLLM's way."""
+        self.sinks = (num_sink_tokens, window, inv_freq)
 
     def forward(
         self,
@@ -46,6 +54,8 @@ class TorchPagedAttention:
         k_cache, v_cache = kv_cache
         if not kv_written:
             ops.write_kv(k, v, k_cache, v_cache, md.slot_mapping)
+        if self.sinks is not None:
+            return self._forward_sinks(q, k_cache, v_cache, md)
         if md.prefills and q.dtype in TOKEN_ROW_DTYPES and md.token_seq_lens is not None:
             # NOTE: a kernel that reads the paged cache in place (no gather) with each prefill
             # token as its own query row runs 2-3x faster than SDPA's CPU flash kernel here
@@ -73,6 +83,26 @@ class TorchPagedAttention:
                 keys = ops.gather_blocks(k_cache, seq.block_table[None], seq.seq_len)[0]
                 values = ops.gather_blocks(v_cache, seq.block_table[None], seq.seq_len)[0]
             out[s] = self._prefill(q[s], keys.to(q.dtype), values.to(q.dtype))
+        return out.view(q.shape[0], -1)
+
+    def _forward_sinks(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        md: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Every request through `sink_attention` (the PyTorch path; no kernel yet)."""
+        out = torch.empty_like(q)
+        num_sinks, window, inv_freq = self.sinks
+        args = (k_cache, v_cache)
+        nd = md.num_decode_tokens
+        lens = md.decode_seq_lens.tolist() if nd else []
+        for i, seq_len in enumerate(lens):
+            out[i : i + 1] = sink_attention(q[i : i + 1], seq_len - 1, *args,
+                                            md.decode_block_tables[i], num_sinks, window,
+                                            inv_freq, self.scale)
+        for seq in md.prefills:
+            s = slice(seq.query_start, seq.query_start + seq.query_len)
+            out[s] = sink_attention(q[s], seq.seq_len - seq.query_len, *args, seq.block_table,
+                                    num_sinks, window, inv_freq, self.scale)
         return out.view(q.shape[0], -1)
 
     def _prefill(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

@@ -121,10 +121,21 @@ def max_blocks_held(
     return min(num_entries, retention.num_sink_blocks(block_size) + span)
 
 
-def retentions_for(specs: Sequence[KVCacheSpec]) -> list[KVRetention]:
-    """Each group's retention: a sliding-window group keeps its window, a full-attention
-    group everything."""
-    return [KVRetention(spec.sliding_window) for spec in specs]
+def retentions_for(
+    specs: Sequence[KVCacheSpec], num_sink_tokens: int = 0, streaming_window: int | None = None
+) -> list[KVRetention]:
+    """Each group's retention: a sliding-window group keeps its window; a full-attention
+    group keeps everything, or with attention sinks (StreamingLLM) the first
+    `num_sink_tokens` and the last `streaming_window` tokens."""
+    out = []
+    for spec in specs:
+        if spec.kind == AttentionKind.SLIDING_WINDOW:
+            out.append(KVRetention(spec.sliding_window))
+        elif streaming_window is not None:
+            out.append(KVRetention(streaming_window, num_sink_tokens))
+        else:
+            out.append(KVRetention())
+    return out
 
 
 def bytes_per_block(specs: Sequence[KVCacheSpec]) -> int:

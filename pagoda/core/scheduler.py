@@ -61,8 +61,11 @@ class Scheduler:
         num_host_blocks: int = 0,
         aging_interval_s: float = DEFAULT_AGING_INTERVAL_S,
         sla_ttft_targets_s: Mapping[str, float] | None = None,
+        stop_at_max_model_len: bool = True,
     ) -> None:
         self.kv = kv_cache_manager
+        # NOTE: False with attention sinks: a stream may outgrow max_model_len.
+        self.stop_at_max_model_len = stop_at_max_model_len
         self.block_size = kv_cache_manager.block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -445,7 +448,9 @@ class Scheduler:
                 req.stop_reason = last
                 return RequestStatus.FINISHED_STOPPED
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len
-        if req.num_output_tokens >= max_tokens or req.num_tokens >= self.max_model_len:
+        if req.num_output_tokens >= max_tokens or (
+            self.stop_at_max_model_len and req.num_tokens >= self.max_model_len
+        ):
             return RequestStatus.FINISHED_LENGTH
         return None
 

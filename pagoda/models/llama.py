@@ -24,7 +24,7 @@ from pagoda.layers.linear import (
     RowParallelLinear,
 )
 from pagoda.layers.norm import RMSNorm
-from pagoda.layers.rotary import RotaryEmbedding, apply_rotary
+from pagoda.layers.rotary import RotaryEmbedding, apply_rotary, rope_inv_freq
 from pagoda.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from pagoda.models.registry import register_model
 from pagoda.models.weight_utils import load_weights_by_name
@@ -278,6 +278,27 @@ class LlamaForCausalLM(nn.Module):
         )
         rotary.to_dtype(dtype)
         self.rotary = rotary.to(device)
+
+    def ensure_rotary_positions(self, num_positions: int) -> None:
+        """Grow the cos/sin tables (doubling) to cover positions [0, num_positions): a
+        stream with attention sinks outgrows max_model_len."""
+        size = self.rotary.cos.shape[0]
+        if num_positions > size:
+            while size < num_positions:
+                size *= 2
+            self.init_rotary(size, self.rotary.cos.dtype, self.rotary.cos.device)
+
+    def set_attention_sinks(self, num_sink_tokens: int, window: int) -> None:
+        """StreamingLLM: every full-attention layer reads the first `num_sink_tokens` and the
+        last `window` tokens, with rotary positions taken within that cache."""
+        factors = getattr(self.hf_config, "rope_freq_factors", None)
+        inv_freq, _ = rope_inv_freq(
+            self.hf_config, self.spec.head_dim,
+            None if factors is None else torch.tensor(factors, dtype=torch.float32),
+        )
+        for i, layer in enumerate(self.model.layers):
+            if self.spec.sliding_windows[i] is None:
+                layer.self_attn.attn.set_attention_sinks(num_sink_tokens, window, inv_freq)
 
     def forward(
         self,

@@ -51,8 +51,11 @@ class SlotState:
 class InputBatch:
     def __init__(
         self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int,
-        num_groups: int = 1,
+        num_groups: int = 1, growable: bool = False,
     ) -> None:
+        """`growable`: rows grow (doubling) past max_model_len instead of refusing, for
+        streams that outlive it (attention sinks)."""
+        self.growable = growable
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
@@ -86,7 +89,9 @@ class InputBatch:
         if not self._free_slots:
             raise RuntimeError(f"the input batch is full ({self.max_num_reqs} requests)")
         n = len(token_ids)
-        if n > self.max_model_len:
+        if n > self.token_ids.shape[1] and self.growable:
+            self._grow_tokens(n)
+        if n > self.token_ids.shape[1]:
             raise ValueError(f"request {req_id!r} has {n} tokens > max_model_len "
                              f"{self.max_model_len}")
         slot = heapq.heappop(self._free_slots)
@@ -115,6 +120,9 @@ class InputBatch:
                              "KV cache groups")
         start = int(self.num_blocks[slot])
         end = start + len(block_ids[0])
+        if end > self.block_tables.shape[2] and self.growable:
+            self.block_tables = _grown(self.block_tables, end)
+            self.block_table = self.block_tables[0]
         if end > self.block_table.shape[1]:
             raise ValueError(f"slot {slot}: {end} blocks > {self.block_table.shape[1]} per request")
         for table, ids in zip(self.block_tables, block_ids, strict=True):
@@ -125,6 +133,8 @@ class InputBatch:
 
     def append_tokens(self, slots: np.ndarray, token_ids: np.ndarray) -> None:
         """One new token per slot in `slots` (distinct), vectorised."""
+        if self.growable and len(slots) and self.num_tokens[slots].max() >= self.token_ids.shape[1]:
+            self._grow_tokens(int(self.num_tokens[slots].max()) + 1)
         self.token_ids[slots, self.num_tokens[slots]] = token_ids
         self.num_tokens[slots] += 1
 
@@ -135,3 +145,16 @@ class InputBatch:
     def output_view(self, slot: int) -> np.ndarray:
         """The slot's output tokens so far: a view into token_ids (no copy)."""
         return self.token_ids[slot, self.num_prompt_tokens[slot] : self.num_tokens[slot]]
+
+    def _grow_tokens(self, n: int) -> None:
+        self.token_ids = _grown(self.token_ids, n)
+
+
+def _grown(a: np.ndarray, n: int) -> np.ndarray:
+    """`a` with its last axis widened to at least n (doubling), zeros after the old end."""
+    width = a.shape[-1]
+    while width < n:
+        width *= 2
+    out = np.zeros((*a.shape[:-1], width), dtype=a.dtype)
+    out[..., : a.shape[-1]] = a
+    return out

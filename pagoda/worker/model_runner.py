@@ -65,9 +65,11 @@ class ModelRunner:
         max_model_len: int,
         max_num_batched_tokens: int,
         kv_groups: Sequence[tuple[KVRetention, Sequence[int]]] = (),
+        streaming: bool = False,
     ) -> None:
         """`kv_groups`: per KV cache group its retention and layer ids, in the scheduler's
-        group order (empty: one full-attention group of every layer)."""
+        group order (empty: one full-attention group of every layer). `streaming`: attention
+        sinks are on, so requests may outgrow max_model_len."""
         self.model = model
         self.kv_caches = kv_caches
         self.attn_backend = attn_backend
@@ -83,8 +85,12 @@ class ModelRunner:
         for g, (_, layers) in enumerate(kv_groups):
             for layer in layers:
                 self.group_of_layer[layer] = g
+        # NOTE: with attention sinks a stream outgrows max_model_len: rows, and the rotary
+        # tables (absolute positions), grow.
+        self.streaming = streaming
         self.input_batch = InputBatch(max_num_reqs, max_model_len, -(-max_model_len // block_size),
-                                      num_groups=len(self.retentions))
+                                      num_groups=len(self.retentions),
+                                      growable=streaming)
         self.generators: dict[str, torch.Generator] = {}
         # Per-token buffers, sized once; a step uses their first T entries.
         self._input_ids = torch.zeros(max_num_batched_tokens, dtype=torch.int64)
@@ -124,6 +130,8 @@ class ModelRunner:
         if out.is_empty:
             return result
         step = self._step_batch(out)
+        if self.streaming:
+            self.model.ensure_rotary_positions(int((step.starts + step.query_lens).max()))
         input_ids, positions, md = self._prepare_inputs(step)
         hidden = self.model(input_ids, positions, self.kv_caches, md)
         self._prompt_logprobs(step, hidden, result)
@@ -156,7 +164,7 @@ class ModelRunner:
         positions = self._positions.numpy()[:num_tokens]
         np.subtract(self._arange[:num_tokens], step.query_start_loc[req_of_token], out=positions)
         positions += step.starts[req_of_token]
-        np.take(batch.token_ids.ravel(), slot_of_token * batch.max_model_len + positions,
+        np.take(batch.token_ids.ravel(), slot_of_token * batch.token_ids.shape[1] + positions,
                 out=self._input_ids.numpy()[:num_tokens])
         seq_lens = step.starts + step.query_lens
         max_blocks = self._check_blocks(step, seq_lens)

@@ -61,6 +61,9 @@ class Worker:
         self.model = build_model(
             ckpt, self.dtype, self.device, max_model_len, config.model.attn_backend
         )
+        c = config.cache
+        if c.streaming_window is not None:
+            self.model.set_attention_sinks(c.attention_sinks, c.streaming_window)
         self.kv_caches: LayerCaches = []
         self.host_kv_caches: LayerCaches | None = None
         self.host_tier_kv_caches: LayerCaches | None = None
@@ -109,14 +112,15 @@ class Worker:
         if num_host_tier_blocks is not None:
             self.host_tier_kv_caches = _allocate(specs, num_host_tier_blocks, None, pin,
                                                  zero=False)
-        s = self.config.scheduler
-        retentions = retentions_for(specs)
+        s, c = self.config.scheduler, self.config.cache
+        retentions = retentions_for(specs, c.attention_sinks, c.streaming_window)
         self.runner = ModelRunner(
             self.model, self.kv_caches, get_backend(self.config.model.attn_backend),
             self.config.cache.block_size, self.model.spec.vocab_size, self.eos_token_ids,
             self.device, self.dtype, max_num_reqs=s.max_num_seqs,
             max_model_len=self.max_model_len, max_num_batched_tokens=s.max_num_batched_tokens,
             kv_groups=[(r, spec.layer_ids) for r, spec in zip(retentions, specs, strict=True)],
+            streaming=c.streaming_window is not None,
         )
 
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
