@@ -19,7 +19,7 @@ from pagoda.attention.backend import (
     build_paged_metadata,
     register_backend,
 )
-from pagoda.attention.sinks import sink_attention
+from pagoda.attention.sinks import gather_range, sink_attention
 
 
 @register_backend("torch_paged")
@@ -76,13 +76,18 @@ class TorchPagedAttention:
             )
         for seq in md.prefills:
             s = slice(seq.query_start, seq.query_start + seq.query_len)
+            key_start = 0
             if seq.seq_len == seq.query_len:
                 # Nothing cached before this chunk: attend to its own K/V, no gather.
                 keys, values = k[s], v[s]
             else:
-                keys = ops.gather_blocks(k_cache, seq.block_table[None], seq.seq_len)[0]
-                values = ops.gather_blocks(v_cache, seq.block_table[None], seq.seq_len)[0]
-            out[s] = self._prefill(q[s], keys.to(q.dtype), values.to(q.dtype))
+                if self.sliding_window is not None:
+                    # NOTE: only the window's blocks (the ones before it are freed).
+                    first = seq.seq_len - seq.query_len - self.sliding_window + 1
+                    key_start = max(0, first) // k_cache.shape[1] * k_cache.shape[1]
+                keys = gather_range(k_cache, seq.block_table, key_start, seq.seq_len)
+                values = gather_range(v_cache, seq.block_table, key_start, seq.seq_len)
+            out[s] = self._prefill(q[s], keys.to(q.dtype), values.to(q.dtype), key_start)
         return out.view(q.shape[0], -1)
 
     def _forward_sinks(
@@ -105,19 +110,21 @@ class TorchPagedAttention:
                                     num_sinks, window, inv_freq, self.scale)
         return out.view(q.shape[0], -1)
 
-    def _prefill(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        """q [Q, H, D] are the last Q of the L = len(keys) context positions."""
-        query_len, seq_len = q.shape[0], keys.shape[0]
+    def _prefill(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_start: int = 0
+    ) -> torch.Tensor:
+        """keys hold positions [key_start, L); q [Q, H, D] are the last Q positions < L."""
+        query_len, seq_len = q.shape[0], key_start + keys.shape[0]
         gqa = self.num_kv_heads != self.num_heads
         # NOTE: 4-D inputs: with 3-D ones SDPA on CPU falls back to its math path (5x slower).
         qt, kt, vt = (x.transpose(0, 1)[None] for x in (q, keys, values))
-        if query_len == seq_len and self.sliding_window is None:
+        if query_len == seq_len and self.sliding_window is None:  # key_start is 0
             out = F.scaled_dot_product_attention(
                 qt, kt, vt, is_causal=True, scale=self.scale, enable_gqa=gqa
             )
         else:
             q_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)[:, None]
-            k_pos = torch.arange(seq_len, device=q.device)[None, :]
+            k_pos = torch.arange(key_start, seq_len, device=q.device)[None, :]
             mask = k_pos <= q_pos
             if self.sliding_window is not None:
                 mask &= k_pos > q_pos - self.sliding_window

@@ -154,6 +154,10 @@ _BENCHES = {
                                 "throughput under fcfs and priority scheduling")),
     "multi-turn": ("multi_turn", ("multi-turn conversations evicted by other traffic: the "
                                   "prefix cache's host tier off/on")),
+    "streaming-ppl": ("streaming_ppl", ("perplexity over a long real-text stream: dense, "
+                                        "window truncation, attention sinks")),
+    "long-context": ("long_context", ("8k-64k prompts on a tiny 131072-position yarn model: "
+                                      "prefill, decode and KV bytes, dense / window / sinks")),
 }
 
 
