@@ -52,6 +52,7 @@ from pagoda.core.block_pool import BlockPool, KVCacheBlock, assert_that
 from pagoda.core.hashing import BlockHash
 from pagoda.core.host_tier import HostPrefixTier
 from pagoda.core.kv_cache_spec import KVRetention
+from pagoda.core.kv_groups import GroupHashes, group_key, longest_servable
 
 
 class _CacheRequest(Protocol):
@@ -193,7 +194,7 @@ class KVCacheManager:
         while True:
             before = num_hits
             for g, retention in enumerate(self.retentions):
-                num_hits = _longest_servable(found[g], retention, num_hits, self.block_size)
+                num_hits = longest_servable(found[g], retention, num_hits, self.block_size)
             if num_hits == before:
                 break
         bs, null = self.block_size, self.null_block
@@ -408,7 +409,7 @@ class KVCacheManager:
         num_cached = self.num_cached_blocks[req_id]
         for g, table in enumerate(self.req_to_blocks[req_id]):
             if num_full_blocks > num_cached[g]:
-                hashes = request.block_hashes if g == 0 else _GroupHashes(
+                hashes = request.block_hashes if g == 0 else GroupHashes(
                     request.block_hashes, g)
                 self.block_pool.cache_full_blocks(table, hashes, num_cached[g], num_full_blocks)
                 num_cached[g] = num_full_blocks
@@ -615,48 +616,3 @@ class KVCacheManager:
                 assert_that(i < len(request.block_hashes) and
                             block.block_hash == group_key(request.block_hashes[i], g),
                             f"{req_id}: {block} is registered under another prefix's hash")
-
-
-def group_key(block_hash: BlockHash, group: int) -> BlockHash:
-    """The key group `group` registers a block of these tokens under (group 0: the hash)."""
-    return block_hash if group == 0 else block_hash + bytes((group,))
-
-
-class _GroupHashes(Sequence[BlockHash]):
-    """A request's block hashes as group g's keys, salted on access (no copy per commit)."""
-
-    __slots__ = ("_group", "_hashes")
-
-    def __init__(self, hashes: Sequence[BlockHash], group: int) -> None:
-        self._hashes, self._group = hashes, group
-
-    def __len__(self) -> int:
-        return len(self._hashes)
-
-    def __getitem__(self, i):  # type: ignore[override]
-        return group_key(self._hashes[i], self._group)
-
-
-def _longest_servable(
-    found: Sequence[KVCacheBlock | None], retention: KVRetention, limit: int, block_size: int
-) -> int:
-    """The largest e <= limit such that every block a query at position e * block_size
-    needs among the first e blocks is in `found` (not None): a prefix hit of e blocks."""
-    if retention.keeps_all:
-        for j in range(limit):
-            if found[j] is None:
-                return j
-        return limit
-    num_sinks = retention.num_sink_blocks(block_size)
-    first_miss = next((j for j in range(min(num_sinks, limit)) if found[j] is None), None)
-    last_miss = -1  # the last miss before e, updated as e grows
-    best = 0
-    for e in range(1, limit + 1):
-        if found[e - 1] is None:
-            last_miss = e - 1
-        if first_miss is not None and first_miss < min(num_sinks, e):
-            break
-        start = max(retention.first_window_block(e * block_size, block_size), num_sinks)
-        if last_miss < start:
-            best = e
-    return best
