@@ -136,5 +136,5 @@ def run_long_context(args: argparse.Namespace) -> dict[str, Any]:
                       f"{row['decode_ms_per_token']:>14.2f} {row['peak_kv_blocks']:>10} "
                       f"{row['kv_bytes'] / 2**20:>8.1f}", flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2))
+        Path(args.json).write_text(json.dumps(report, indent=2, default=str))
     return report

@@ -86,5 +86,5 @@ def run_streaming_ppl(args: argparse.Namespace) -> dict[str, Any]:
         print(f"{name:>7}: ppl {_ppl(lps):8.3f}  past the cache {_ppl(lps[cache:]):8.3f}  "
               f"segments " + " ".join(f"{x:.2f}" for x in segments) + f"  ({elapsed:.1f} s)")
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2))
+        Path(args.json).write_text(json.dumps(report, indent=2, default=str))
     return report
