@@ -104,6 +104,10 @@ class CacheConfig:
     kv_offloading_size: float
     # The KV cache's element type, independent of the model's: "auto" = the model dtype.
     kv_cache_dtype: str
+    # Attention sinks (StreamingLLM), opt-in: full-attention layers keep the first
+    # attention_sinks tokens and the last streaming_window (None: off) tokens.
+    attention_sinks: int = 0
+    streaming_window: int | None = None
 
 
 @dataclass
@@ -160,6 +164,13 @@ class EngineConfig:
         if m is not None and m < 1:
             raise ValueError(f"max_model_len must be >= 1, got {m}")
         self._validate_quantization()
+        if c.attention_sinks < 0:
+            raise ValueError(f"attention_sinks must be >= 0, got {c.attention_sinks}")
+        if c.streaming_window is not None and c.streaming_window < 1:
+            raise ValueError(f"streaming_window must be >= 1, got {c.streaming_window}")
+        if c.attention_sinks and c.streaming_window is None:
+            raise ValueError("attention_sinks needs streaming_window (the tokens kept after "
+                             "the sinks)")
         self._validate_preemption_and_policy()
 
     def _validate_quantization(self) -> None:
@@ -241,6 +252,10 @@ class EngineArgs:
     # Quantization (issue 11): see ModelConfig.quantization / gguf_native.
     quantization: str | None = None
     gguf_native: str = "auto"
+    # Attention sinks (StreamingLLM): keep the first attention_sinks and the last
+    # streaming_window tokens in full-attention layers (None: keep all).
+    attention_sinks: int = 0
+    streaming_window: int | None = None
 
     @classmethod
     def add_cli_args(cls, p: argparse.ArgumentParser) -> None:
@@ -292,6 +307,12 @@ class EngineArgs:
                        help="GGUF files: run Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K linears from their "
                        "blocks (on), dequantize them at load (off), or on where the device "
                        "has a native kernel (auto)")
+        p.add_argument("--attention-sinks", type=int, default=d.attention_sinks,
+                       help="StreamingLLM: tokens kept from the start of each sequence "
+                       "(with --streaming-window)")
+        p.add_argument("--streaming-window", type=int, default=d.streaming_window,
+                       help="StreamingLLM: the last tokens kept; generation may then run "
+                       "past max_model_len with bounded KV memory")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
@@ -317,6 +338,8 @@ class EngineArgs:
                 swap_space=self.swap_space,
                 kv_offloading_size=self.kv_offloading_size,
                 kv_cache_dtype=self.kv_cache_dtype,
+                attention_sinks=self.attention_sinks,
+                streaming_window=self.streaming_window,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,

@@ -19,6 +19,7 @@ from pagoda.attention.backend import (
     build_paged_metadata,
     register_backend,
 )
+from pagoda.attention.sinks import gather_range, sink_attention
 
 
 @register_backend("torch_paged")
@@ -33,6 +34,13 @@ class TorchPagedAttention:
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
         self.sliding_window = sliding_window
+        # (S, W, rotary inverse frequencies) with attention sinks (attention/sinks.py).
+        self.sinks: tuple[int, int, torch.Tensor] | None = None
+
+    def set_attention_sinks(self, num_sink_tokens: int, window: int, inv_freq: torch.Tensor
+                            ) -> None:
+        """Read the first `num_sink_tokens` and the last `window` keys, StreamingLLM's way."""
+        self.sinks = (num_sink_tokens, window, inv_freq)
 
     def forward(
         self,
@@ -46,6 +54,8 @@ class TorchPagedAttention:
         k_cache, v_cache = kv_cache
         if not kv_written:
             ops.write_kv(k, v, k_cache, v_cache, md.slot_mapping)
+        if self.sinks is not None:
+            return self._forward_sinks(q, k_cache, v_cache, md)
         if md.prefills and q.dtype in TOKEN_ROW_DTYPES and md.token_seq_lens is not None:
             # NOTE: a kernel that reads the paged cache in place (no gather) with each prefill
             # token as its own query row runs 2-3x faster than SDPA's CPU flash kernel here
@@ -66,28 +76,55 @@ class TorchPagedAttention:
             )
         for seq in md.prefills:
             s = slice(seq.query_start, seq.query_start + seq.query_len)
+            key_start = 0
             if seq.seq_len == seq.query_len:
                 # Nothing cached before this chunk: attend to its own K/V, no gather.
                 keys, values = k[s], v[s]
             else:
-                keys = ops.gather_blocks(k_cache, seq.block_table[None], seq.seq_len)[0]
-                values = ops.gather_blocks(v_cache, seq.block_table[None], seq.seq_len)[0]
-            out[s] = self._prefill(q[s], keys.to(q.dtype), values.to(q.dtype))
+                if self.sliding_window is not None:
+                    # NOTE: only the window's blocks (the ones before it are freed).
+                    first = seq.seq_len - seq.query_len - self.sliding_window + 1
+                    key_start = max(0, first) // k_cache.shape[1] * k_cache.shape[1]
+                keys = gather_range(k_cache, seq.block_table, key_start, seq.seq_len)
+                values = gather_range(v_cache, seq.block_table, key_start, seq.seq_len)
+            out[s] = self._prefill(q[s], keys.to(q.dtype), values.to(q.dtype), key_start)
         return out.view(q.shape[0], -1)
 
-    def _prefill(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        """q [Q, H, D] are the last Q of the L = len(keys) context positions."""
-        query_len, seq_len = q.shape[0], keys.shape[0]
+    def _forward_sinks(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        md: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Every request through `sink_attention` (the PyTorch path; no kernel yet)."""
+        out = torch.empty_like(q)
+        num_sinks, window, inv_freq = self.sinks
+        args = (k_cache, v_cache)
+        nd = md.num_decode_tokens
+        lens = md.decode_seq_lens.tolist() if nd else []
+        for i, seq_len in enumerate(lens):
+            out[i : i + 1] = sink_attention(q[i : i + 1], seq_len - 1, *args,
+                                            md.decode_block_tables[i], num_sinks, window,
+                                            inv_freq, self.scale)
+        for seq in md.prefills:
+            s = slice(seq.query_start, seq.query_start + seq.query_len)
+            out[s] = sink_attention(q[s], seq.seq_len - seq.query_len, *args, seq.block_table,
+                                    num_sinks, window, inv_freq, self.scale)
+        return out.view(q.shape[0], -1)
+
+    def _prefill(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_start: int = 0
+    ) -> torch.Tensor:
+        """keys hold positions [key_start, L); q [Q, H, D] are the last Q positions < L."""
+        query_len, seq_len = q.shape[0], key_start + keys.shape[0]
         gqa = self.num_kv_heads != self.num_heads
         # NOTE: 4-D inputs: with 3-D ones SDPA on CPU falls back to its math path (5x slower).
         qt, kt, vt = (x.transpose(0, 1)[None] for x in (q, keys, values))
-        if query_len == seq_len and self.sliding_window is None:
+        if query_len == seq_len and self.sliding_window is None:  # key_start is 0
             out = F.scaled_dot_product_attention(
                 qt, kt, vt, is_causal=True, scale=self.scale, enable_gqa=gqa
             )
         else:
             q_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)[:, None]
-            k_pos = torch.arange(seq_len, device=q.device)[None, :]
+            k_pos = torch.arange(key_start, seq_len, device=q.device)[None, :]
             mask = k_pos <= q_pos
             if self.sliding_window is not None:
                 mask &= k_pos > q_pos - self.sliding_window

@@ -218,8 +218,8 @@ class BlockPool:
     ) -> None:
         """Register `blocks[i]` under `block_hashes[i]` for i in [num_cached_blocks,
         num_full_blocks): blocks whose K/V a committed step has just completed (blocks in
-        use). Needs len(block_hashes) >= num_full_blocks. A block already registered, or a
-        hash already held by another block, is left as it is.
+        use). Needs len(block_hashes) >= num_full_blocks. A block already registered, a
+        hash already held by another block, and the null block are left as they are.
         """
         if not self.enable_caching:
             return
@@ -227,7 +227,8 @@ class BlockPool:
         host_tier = self.host_tier
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
-            if block.block_hash is not None:
+            if block.block_hash is not None or block is self.null_block:
+                # NOTE: the null block stands for an entry a sliding window has freed.
                 continue
             block_hash = block_hashes[i]
             if block_hash in hash_to_block:

@@ -1,17 +1,29 @@
 """Per-request block tables over one BlockPool: admission, prefix hits, commits and frees.
 
-The scheduler's view of KV memory. A request's block table is append-only while it
-runs: block i holds the K/V of tokens [i * block_size, (i + 1) * block_size). Prefix
-hits prepend shared, already full blocks; new tokens are only ever written into blocks
-the request owns alone (the hit never covers the last prompt token, and only full blocks
-are shared), so sharing needs no copy-on-write here.
+The scheduler's view of KV memory. A request has one block table per KV cache group
+(core/kv_cache_spec.py: one group per attention type), all drawn from the one pool and all
+of the same length: entry i of a group's table holds that group's K/V of tokens
+[i * block_size, (i + 1) * block_size). A group whose `KVRetention` keeps only a window
+(sliding window, attention sinks) frees the blocks no later query reads and puts the null
+block in their place (`allocate_slots` does it before growing the table), so a long request
+holds about window / block_size + 1 blocks there. Prefix hits prepend shared, already full
+blocks; new tokens are only ever written into blocks the request owns alone (the hit never
+covers the last prompt token, and only full blocks are shared), so sharing needs no
+copy-on-write here.
 
 | per request       | meaning                                                          |
 |-------------------|------------------------------------------------------------------|
-| req_to_blocks     | the block table (KVCacheBlock objects)                           |
-| req_to_block_ids  | the same table as ids, kept in step so reading it costs nothing  |
-| num_cached_blocks | leading blocks already offered to the prefix cache (registered,  |
-|                   | or skipped as duplicates); the next registration starts there    |
+| req_to_blocks     | the block tables, one per group (KVCacheBlock objects)           |
+| req_to_block_ids  | the same tables as ids, kept in step so reading them costs nothing|
+| num_cached_blocks | per group: leading blocks already offered to the prefix cache    |
+|                   | (registered, skipped as duplicates, or null); the next           |
+|                   | registration starts there                                        |
+
+Group g > 0 registers its blocks under the request's block hash salted with g, so that
+the groups' blocks for the same tokens (different K/V: different layers) never collide in
+the pool's one hash map. A prefix hit is the longest prefix for which every group has the
+blocks it needs (all of them for full attention; the sink and window blocks for a windowed
+group).
 
 Registration happens at commit only: `cache_blocks(request)`, called by the scheduler once
 a step has returned, registers the full blocks that the request's computed tokens cover.
@@ -24,6 +36,8 @@ device block and queues the host -> device copy (performed before the step's for
 request skips those tokens as computed, and the block is registered at commit like any
 other. The step's copies, device -> host offloads of evicted blocks included, are handed to
 the scheduler by `end_step()`; `discard_offloads` forgets the offloads of a failed step.
+Host-tier hits continue a lookup only for a manager of one full-attention group (`plain`);
+with windowed groups lookups stop at the device cache (evicted blocks are still offloaded).
 """
 
 from __future__ import annotations
@@ -37,6 +51,8 @@ from typing import Protocol
 from pagoda.core.block_pool import BlockPool, KVCacheBlock, assert_that
 from pagoda.core.hashing import BlockHash
 from pagoda.core.host_tier import HostPrefixTier
+from pagoda.core.kv_cache_spec import KVRetention
+from pagoda.core.kv_groups import GroupHashes, group_key, longest_servable
 
 
 class _CacheRequest(Protocol):
@@ -70,6 +86,8 @@ class KVCacheManager:
     count, hits += its prefix-hit tokens, device and host). `prefix_cache_host_hits` is the
     part of the hits loaded from the host tier. Counting at commit rather than in
     `get_computed_blocks` means a request whose admission is retried is not counted twice.
+
+    `retentions` gives one group per entry (default: one full-attention group).
     """
 
     def __init__(
@@ -78,6 +96,7 @@ class KVCacheManager:
         block_size: int,
         enable_caching: bool = True,
         num_host_tier_blocks: int = 0,
+        retentions: Sequence[KVRetention] = (KVRetention(),),
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
@@ -85,14 +104,22 @@ class KVCacheManager:
             raise ValueError(f"num_host_tier_blocks must be >= 0, got {num_host_tier_blocks}")
         if num_host_tier_blocks and not enable_caching:
             raise ValueError("a host tier (num_host_tier_blocks > 0) needs prefix caching")
+        if not retentions or len(retentions) > 255:
+            raise ValueError(f"between 1 and 255 KV cache groups, got {len(retentions)}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.retentions = tuple(retentions)
+        self.num_groups = len(self.retentions)
+        # NOTE: one full-attention group: the tables are append-only, host-tier hits
+        # continue lookups and n > 1 samples fork (all of them assume nothing is freed early).
+        self.plain = self.num_groups == 1 and self.retentions[0].keeps_all
         self.host_tier = HostPrefixTier(num_host_tier_blocks) if num_host_tier_blocks else None
         self.block_pool = BlockPool(num_blocks, enable_caching, self.host_tier)
-        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
-        self.req_to_block_ids: dict[str, list[int]] = {}
-        self.num_cached_blocks: dict[str, int] = {}
+        self.null_block = self.block_pool.null_block
+        self.req_to_blocks: dict[str, list[list[KVCacheBlock]]] = {}
+        self.req_to_block_ids: dict[str, list[list[int]]] = {}
+        self.num_cached_blocks: dict[str, list[int]] = {}
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         # High-water mark of blocks held by requests (see `reset_peak_num_used_blocks`).
@@ -114,17 +141,29 @@ class KVCacheManager:
         """Fraction of the usable blocks held by requests, in [0, 1]."""
         return self.block_pool.get_usage()
 
+    @property
+    def supports_fork(self) -> bool:
+        """Whether `fork` may be used: a windowed parent may have freed blocks its fork
+        needs, so only a plain manager forks (other samples hit the prefix cache)."""
+        return self.plain
+
     def get_computed_blocks(self, request: _CacheRequest) -> tuple[list[KVCacheBlock], int]:
-        """The longest run of device-cached blocks matching `request.block_hashes` from the
-        start, and the number of tokens that the prefix cache covers: those blocks plus the
-        run of host-tier hits that continues the chain (tokens past the blocks' coverage are
-        host hits, which `allocate_slots` loads). Never covers the last token (it must be
+        """The longest cached prefix of `request.block_hashes`: its blocks and the number of
+        tokens that the prefix cache covers. Never covers the last token (it must be
         computed to get logits). ([], 0) when caching is off. Changes no state: pass the
         result to `allocate_slots` before any other allocation.
+
+        Plain manager: the run of device-cached blocks from the start, then the run of
+        host-tier hits that continues the chain (tokens past the blocks' coverage are host
+        hits, which `allocate_slots` loads). Otherwise the blocks are every group's hit
+        table concatenated (group-major, each as long as the hit, with the null block where
+        a windowed group needs nothing), device hits only.
         """
         if not self.enable_caching:
             return [], 0
         max_num_blocks = (request.num_tokens - 1) // self.block_size
+        if not self.plain:
+            return self._group_hits(request, min(max_num_blocks, len(request.block_hashes)))
         lookup = self.block_pool.cached_block_hash_to_block.get
         blocks = []
         for block_hash in islice(request.block_hashes, max_num_blocks):
@@ -141,6 +180,30 @@ class KVCacheManager:
                 num_hits += 1
         return blocks, num_hits * self.block_size
 
+    def _group_hits(
+        self, request: _CacheRequest, max_num_blocks: int
+    ) -> tuple[list[KVCacheBlock], int]:
+        """The longest prefix (in blocks) every group can serve, and the groups' tables."""
+        lookup = self.block_pool.cached_block_hash_to_block.get
+        hashes = request.block_hashes
+        found = [
+            [lookup(group_key(h, g)) for h in islice(hashes, max_num_blocks)]
+            for g in range(self.num_groups)
+        ]
+        num_hits = max_num_blocks
+        while True:
+            before = num_hits
+            for g, retention in enumerate(self.retentions):
+                num_hits = longest_servable(found[g], retention, num_hits, self.block_size)
+            if num_hits == before:
+                break
+        bs, null = self.block_size, self.null_block
+        blocks = []
+        for g, retention in enumerate(self.retentions):
+            blocks.extend(found[g][j] if retention.needs_block(j, num_hits * bs, bs) else null
+                          for j in range(num_hits))
+        return blocks, num_hits * bs
+
     def allocate_slots(
         self,
         request: _CacheRequest,
@@ -148,10 +211,13 @@ class KVCacheManager:
         new_computed_blocks: list[KVCacheBlock] | None = None,
         num_new_computed_tokens: int = 0,
     ) -> list[KVCacheBlock] | None:
-        """Grow the request's table to cover num_computed_tokens + num_new_computed_tokens +
-        num_new_tokens tokens; return the newly allocated blocks (prefix hits excluded), or
-        None, with no state change, if the pool is short.
+        """Grow the request's tables to cover num_computed_tokens + num_new_computed_tokens +
+        num_new_tokens tokens; return the newly allocated blocks, every group's in turn
+        (group-major, the same count per group; prefix hits excluded), or None, with no
+        state change but the window's, if the pool is short.
 
+        A windowed group first frees the blocks that no query from num_computed_tokens on
+        reads (even when the allocation then fails: they are never read again).
         `new_computed_blocks` (from `get_computed_blocks`, only for a request that holds no
         blocks) are shared and prepended. Computed tokens past them are host-tier hits:
         each gets a new device block and a queued host -> device copy. Registers nothing
@@ -159,28 +225,33 @@ class KVCacheManager:
         """
         block_size = self.block_size
         num_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
-        blocks = self.req_to_blocks.get(request.req_id)
-        if blocks is not None and not new_computed_blocks:
+        tables = self.req_to_blocks.get(request.req_id)
+        if tables is not None and not new_computed_blocks:
             # NOTE: the per-step path of a running request: O(1) unless the table grows.
-            num_new_blocks = -(-num_tokens // block_size) - len(blocks)
+            if not self.plain:
+                self.free_outside_window(request)
+            num_new_blocks = -(-num_tokens // block_size) - len(tables[0])
             if num_new_blocks <= 0:
-                new_blocks = []
-            elif num_new_blocks > self.block_pool.get_num_free_blocks():
+                return []
+            if num_new_blocks * self.num_groups > self.block_pool.get_num_free_blocks():
                 return None
-            else:
-                new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
-                blocks.extend(new_blocks)
-                self.req_to_block_ids[request.req_id].extend(b.block_id for b in new_blocks)
-                self._note_usage()
-        else:
-            if blocks:
-                raise ValueError(f"request {request.req_id} already holds blocks")
-            new_blocks = self._allocate_first(
+            new_blocks = self.block_pool.get_new_blocks(num_new_blocks * self.num_groups)
+            id_tables = self.req_to_block_ids[request.req_id]
+            for g, (table, id_table) in enumerate(zip(tables, id_tables, strict=True)):
+                part = new_blocks[g * num_new_blocks : (g + 1) * num_new_blocks]
+                table.extend(part)
+                id_table.extend(b.block_id for b in part)
+            self._note_usage()
+            return new_blocks
+        if tables and any(tables):
+            raise ValueError(f"request {request.req_id} already holds blocks")
+        if self.plain:
+            return self._allocate_first(
                 request, num_tokens, new_computed_blocks or [], num_new_computed_tokens
             )
-            if new_blocks is None:
-                return None
-        return new_blocks
+        return self._allocate_first_groups(
+            request, num_tokens, new_computed_blocks or [], num_new_computed_tokens
+        )
 
     def _allocate_first(
         self,
@@ -189,11 +260,11 @@ class KVCacheManager:
         computed_blocks: list[KVCacheBlock],
         num_hit_tokens: int,
     ) -> list[KVCacheBlock] | None:
-        """Create the table of a request that holds no blocks: share `computed_blocks`,
-        load the host hits that follow them, then allocate the rest. None (and no change)
-        if the pool is short.
+        """Create the table of a request that holds no blocks (plain manager): share
+        `computed_blocks`, load the host hits that follow them, then allocate the rest.
+        None (and no change) if the pool is short.
         """
-        self._check_still_cached(request, computed_blocks)
+        self._check_still_cached(request, [computed_blocks])
         host_hashes = self._host_hit_hashes(request, len(computed_blocks), num_hit_tokens)
         num_new_blocks = max(0, -(-num_tokens // self.block_size) - len(computed_blocks))
         # NOTE: hits on freed blocks sit in the free queue; touching them takes them out,
@@ -211,28 +282,88 @@ class KVCacheManager:
             self.host_tier.load(host_slots, [b.block_id for b in new_blocks[: len(host_slots)]])
             if request.num_preemptions == 0:
                 self.prefix_cache_host_hits += len(host_slots) * self.block_size
-        blocks = computed_blocks + new_blocks
-        req_id = request.req_id
-        self._set_table(req_id, blocks, len(computed_blocks))
+        self._set_tables(request.req_id, [computed_blocks + new_blocks], len(computed_blocks))
+        self._count_query(request, num_hit_tokens)
+        return new_blocks
+
+    def _allocate_first_groups(
+        self,
+        request: _CacheRequest,
+        num_tokens: int,
+        computed_blocks: list[KVCacheBlock],
+        num_hit_tokens: int,
+    ) -> list[KVCacheBlock] | None:
+        """`_allocate_first` for a manager with windowed groups: every group shares its hit
+        table, then gets new blocks for the entries it needs past the hit (the null block
+        for the others: e.g. a swap-in's blocks outside its window)."""
+        bs, null, g_count = self.block_size, self.null_block, self.num_groups
+        num_hits = len(computed_blocks) // g_count
+        hits = [computed_blocks[g * num_hits : (g + 1) * num_hits] for g in range(g_count)]
+        self._check_still_cached(request, hits)
+        num_computed = request.num_computed_tokens + num_hit_tokens
+        num_entries = -(-num_tokens // bs)
+        needed = [
+            [r.needs_block(j, num_computed, bs) for j in range(num_hits, num_entries)]
+            for r in self.retentions
+        ]
+        num_new_blocks = sum(sum(n) for n in needed)
+        reused = {b.block_id for b in computed_blocks if b.ref_cnt == 0 and b is not null}
+        if num_new_blocks > self.block_pool.get_num_free_blocks() - len(reused):
+            return None
+        self.block_pool.touch(b for b in computed_blocks if b is not null)
+        new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
+        fresh = iter(new_blocks)
+        tables = [hits[g] + [next(fresh) if n else null for n in needed[g]]
+                  for g in range(g_count)]
+        self._set_tables(request.req_id, tables, num_hits)
+        self._count_query(request, num_hit_tokens)
+        return new_blocks
+
+    def _count_query(self, request: _CacheRequest, num_hit_tokens: int) -> None:
         if self.enable_caching and request.num_preemptions == 0:
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += num_hit_tokens
-        return new_blocks
+
+    def free_outside_window(self, request: _CacheRequest) -> None:
+        """Free, in every windowed group, the blocks no query from the request's
+        num_computed_tokens on reads, and put the null block in their table entries."""
+        tables = self.req_to_blocks.get(request.req_id)
+        if tables is None:
+            return
+        bs, null = self.block_size, self.null_block
+        id_tables = self.req_to_block_ids[request.req_id]
+        for retention, table, id_table in zip(self.retentions, tables, id_tables, strict=True):
+            if retention.keeps_all:
+                continue
+            first = min(retention.first_window_block(request.num_computed_tokens, bs),
+                        len(table))
+            lowest = retention.num_sink_blocks(bs)
+            # NOTE: the freed entries are one run ending at the window's start (earlier
+            # steps freed the rest), so walking back from there is O(1) per step.
+            freed = []
+            j = first - 1
+            while j >= lowest and table[j] is not null:
+                freed.append(table[j])
+                table[j], id_table[j] = null, null.block_id
+                j -= 1
+            if freed:
+                self.block_pool.free_blocks(reversed(freed))
 
     def _check_still_cached(
-        self, request: _CacheRequest, computed_blocks: Sequence[KVCacheBlock]
+        self, request: _CacheRequest, hit_tables: Sequence[Sequence[KVCacheBlock]]
     ) -> None:
         """Raise if a hit was evicted (or reassigned) since `get_computed_blocks`: using it
         would silently read another sequence's KV.
         """
-        if len(computed_blocks) > len(request.block_hashes):
-            raise RuntimeError(f"request {request.req_id}: more hits than block hashes")
-        for block, block_hash in zip(computed_blocks, request.block_hashes, strict=False):
-            if block.block_hash != block_hash:
-                raise RuntimeError(
-                    f"request {request.req_id}: prefix hit {block} was evicted before "
-                    "allocate_slots; call get_computed_blocks right before it"
-                )
+        for g, blocks in enumerate(hit_tables):
+            if len(blocks) > len(request.block_hashes):
+                raise RuntimeError(f"request {request.req_id}: more hits than block hashes")
+            for block, block_hash in zip(blocks, request.block_hashes, strict=False):
+                if block is not self.null_block and block.block_hash != group_key(block_hash, g):
+                    raise RuntimeError(
+                        f"request {request.req_id}: prefix hit {block} was evicted before "
+                        "allocate_slots; call get_computed_blocks right before it"
+                    )
 
     def _host_hit_hashes(
         self, request: _CacheRequest, num_device_hits: int, num_hit_tokens: int
@@ -264,8 +395,9 @@ class KVCacheManager:
 
     def cache_blocks(self, request: _CacheRequest) -> None:
         """Register the full blocks that the request's computed tokens cover and that have a
-        hash in `request.block_hashes`. Called at commit: once the step that computed those
-        tokens (or copied them in from host memory) has returned.
+        hash in `request.block_hashes`, in every group (null entries skipped). Called at
+        commit: once the step that computed those tokens (or copied them in from host
+        memory) has returned.
         """
         if not self.enable_caching:
             return
@@ -274,12 +406,13 @@ class KVCacheManager:
         num_full_blocks = min(request.num_computed_tokens // self.block_size,
                               len(request.block_hashes))
         req_id = request.req_id
-        num_cached = self.num_cached_blocks.get(req_id, 0)
-        if num_full_blocks > num_cached:
-            self.block_pool.cache_full_blocks(
-                self.req_to_blocks[req_id], request.block_hashes, num_cached, num_full_blocks
-            )
-            self.num_cached_blocks[req_id] = num_full_blocks
+        num_cached = self.num_cached_blocks[req_id]
+        for g, table in enumerate(self.req_to_blocks[req_id]):
+            if num_full_blocks > num_cached[g]:
+                hashes = request.block_hashes if g == 0 else GroupHashes(
+                    request.block_hashes, g)
+                self.block_pool.cache_full_blocks(table, hashes, num_cached[g], num_full_blocks)
+                num_cached[g] = num_full_blocks
 
     def fork(
         self, parent: _CacheRequest, child: _CacheRequest, num_tokens: int
@@ -289,11 +422,13 @@ class KVCacheManager:
         partly covered last block is copied into a new block (copy-on-write: the child's
         next token is written there, where the parent writes its own). Returns the copies
         [(parent block, child block)] for the runner, or None (no change) if the pool is
-        short. The child then grows like any running request.
+        short. The child then grows like any running request. Plain managers only.
         """
-        if self.req_to_blocks.get(child.req_id):
+        if not self.plain:
+            raise ValueError("fork needs a manager of one full-attention group")
+        if self.get_block_ids(child.req_id):
             raise ValueError(f"request {child.req_id} already holds blocks")
-        parent_blocks = self.req_to_blocks.get(parent.req_id, [])
+        parent_blocks = self.req_to_blocks.get(parent.req_id, [[]])[0]
         num_full, rest = divmod(num_tokens, self.block_size)
         if len(parent_blocks) < num_full + (rest > 0):
             raise ValueError(f"request {parent.req_id} holds fewer than {num_tokens} tokens")
@@ -309,27 +444,30 @@ class KVCacheManager:
             blocks.append(copy)
         # NOTE: the shared full blocks are the parent's to register; the child registers
         # from its own copy on.
-        self._set_table(child.req_id, blocks, num_full)
+        self._set_tables(child.req_id, [blocks], num_full)
         return copies
 
     def free(self, request: _CacheRequest) -> None:
-        """Release the request's blocks (no-op if it holds none). Frees the table in
+        """Release the request's blocks (no-op if it holds none). Frees each table in
         reverse so that a sequence's tail is evicted before its head, which other
         requests are likelier to share.
         """
         req_id = request.req_id
-        blocks = self.req_to_blocks.pop(req_id, None)
+        tables = self.req_to_blocks.pop(req_id, None)
         self.req_to_block_ids.pop(req_id, None)
         self.num_cached_blocks.pop(req_id, None)
-        if blocks:
-            self.block_pool.free_blocks(reversed(blocks))
+        null = self.null_block
+        for blocks in tables or ():
+            self.block_pool.free_blocks(b for b in reversed(blocks) if b is not null)
 
-    def _set_table(self, req_id: str, blocks: list[KVCacheBlock], num_cached: int) -> None:
-        """Install a new request's block table; its first `num_cached` blocks are already
-        offered to the prefix cache."""
-        self.req_to_blocks[req_id] = blocks
-        self.req_to_block_ids[req_id] = [block.block_id for block in blocks]
-        self.num_cached_blocks[req_id] = num_cached
+    def _set_tables(
+        self, req_id: str, tables: list[list[KVCacheBlock]], num_cached: int
+    ) -> None:
+        """Install a new request's block tables; their first `num_cached` entries are
+        already offered to the prefix cache."""
+        self.req_to_blocks[req_id] = tables
+        self.req_to_block_ids[req_id] = [[block.block_id for block in t] for t in tables]
+        self.num_cached_blocks[req_id] = [num_cached] * len(tables)
         self._note_usage()
 
     def _note_usage(self) -> None:
@@ -345,20 +483,21 @@ class KVCacheManager:
         stored in them. A block shared by several requests (prefix hits, n > 1 samples)
         counts once, holding as many tokens as its fullest holder has computed in it: a
         request with c computed tokens fills its table's block j with
-        min(block_size, c - j * block_size) tokens, at least 0.
+        min(block_size, c - j * block_size) tokens, at least 0. Null entries hold nothing.
         """
-        block_size = self.block_size
+        block_size, null_id = self.block_size, self.null_block.block_id
         fill: dict[int, int] = {}
         for request in requests:
-            block_ids = self.req_to_block_ids.get(request.req_id)
-            if not block_ids:
-                continue
             num_full, rest = divmod(request.num_computed_tokens, block_size)
-            for j, block_id in enumerate(block_ids):
-                n = block_size if j < num_full else (rest if j == num_full else 0)
-                if n > fill.get(block_id, -1):
-                    fill[block_id] = n
+            for block_ids in self.req_to_block_ids.get(request.req_id, ()):
+                for j, block_id in enumerate(block_ids):
+                    if block_id == null_id:
+                        continue
+                    n = block_size if j < num_full else (rest if j == num_full else 0)
+                    if n > fill.get(block_id, -1):
+                        fill[block_id] = n
         return KVOccupancy(len(fill), len(fill) * block_size, sum(fill.values()))
+
     def end_step(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """The step's host-tier copies, (device, host slot) offloads and (host slot, device)
         loads, for the runner to perform before the forward; host slots the step reserved
@@ -381,11 +520,38 @@ class KVCacheManager:
         """Fraction of host-tier slots holding a block, in [0, 1] (0 without a tier)."""
         return self.host_tier.usage if self.host_tier is not None else 0.0
 
-    def get_block_ids(self, req_id: str) -> list[int]:
-        """The request's block table as ids ([] if it holds none). The live list, so
-        O(1): do not mutate it, and copy it to keep a snapshot.
+    def get_block_ids(self, req_id: str, group: int = 0) -> list[int]:
+        """One group's block table of the request as ids ([] if it holds none). The live
+        list, so O(1): do not mutate it, and copy it to keep a snapshot.
         """
-        return self.req_to_block_ids.get(req_id, [])
+        tables = self.req_to_block_ids.get(req_id)
+        return tables[group] if tables else []
+
+    def get_group_block_ids(self, req_id: str) -> tuple[list[int], ...]:
+        """Every group's block table as ids (live lists, as `get_block_ids`)."""
+        tables = self.req_to_block_ids.get(req_id)
+        return tuple(tables) if tables else tuple([] for _ in range(self.num_groups))
+
+    def group_ids(self, new_blocks: Sequence[KVCacheBlock]) -> tuple[list[int], ...]:
+        """`allocate_slots`'s group-major new blocks as one id list per group."""
+        n = len(new_blocks) // self.num_groups
+        return tuple([b.block_id for b in new_blocks[g * n : (g + 1) * n]]
+                     for g in range(self.num_groups))
+
+    def computed_block_ids(self, request: _CacheRequest) -> list[int]:
+        """The blocks holding the request's computed tokens that its groups keep, group-major
+        (what a swap-out copies; a swap-in's new table lists its blocks in the same order).
+        Frees the blocks outside the windows first."""
+        self.free_outside_window(request)
+        n = -(-request.num_computed_tokens // self.block_size)
+        null_id = self.null_block.block_id
+        return [b for ids in self.get_group_block_ids(request.req_id) for b in ids[:n]
+                if b != null_id]
+
+    def num_kept_blocks(self, num_computed_tokens: int) -> int:
+        """How many blocks `computed_block_ids` lists for that many computed tokens."""
+        return sum(r.num_kept_blocks(num_computed_tokens, self.block_size)
+                   for r in self.retentions)
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached hashes, host tier included; False (no change) while any block
@@ -393,24 +559,35 @@ class KVCacheManager:
         return self.block_pool.reset_prefix_cache()
 
     def check_integrity(self, requests: Iterable[_CacheRequest] = ()) -> None:
-        """Assert the pool's invariants plus: each block's ref_cnt equals its number of
-        appearances over all tables, no block is twice in one table, the null block is in
-        none, and the id tables match the block tables. For each of `requests` (those that
-        hold blocks): every registered block in its table was computed, i.e. lies within
-        its computed tokens and carries the hash of its own tokens there. Raises
+        """Assert the pool's invariants plus, over every group's tables: each block's
+        ref_cnt equals its number of appearances, no block is twice in one table, the null
+        block only in windowed groups, all tables of a request equally long, and the id
+        tables match the block tables. For each of `requests` (those that hold blocks):
+        every registered block in its tables was computed, i.e. lies within its computed
+        tokens and carries the (group's) hash of its own tokens there, and a windowed group
+        has every block that queries from its computed tokens on read (null only before
+        its window, past its sinks). Raises
         AssertionError with a message.
         """
         self.block_pool.check_integrity()
+        null_id = self.null_block.block_id
         num_refs: Counter[int] = Counter()
-        for req_id, blocks in self.req_to_blocks.items():
-            block_ids = [block.block_id for block in blocks]
-            assert_that(len(set(block_ids)) == len(block_ids), f"{req_id}: a block twice in table")
-            assert_that(self.req_to_block_ids.get(req_id) == block_ids, f"{req_id}: id table stale")
-            assert_that(self.num_cached_blocks[req_id] <= len(blocks), f"{req_id}: cached > table")
-            num_refs.update(block_ids)
+        for req_id, tables in self.req_to_blocks.items():
+            assert_that(len(tables) == self.num_groups, f"{req_id}: not one table per group")
+            assert_that(len({len(t) for t in tables}) == 1, f"{req_id}: tables differ in length")
+            for g, blocks in enumerate(tables):
+                block_ids = [b.block_id for b in blocks if b.block_id != null_id]
+                assert_that(len(set(block_ids)) == len(block_ids),
+                            f"{req_id}: a block twice in table")
+                assert_that(self.retentions[g].keeps_all is False or len(block_ids) ==
+                            len(blocks), f"{req_id}: null block in a full-attention table")
+                assert_that(self.num_cached_blocks[req_id][g] <= len(blocks),
+                            f"{req_id}: cached > table")
+                num_refs.update(block_ids)
+            assert_that(self.req_to_block_ids.get(req_id) ==
+                        [[b.block_id for b in t] for t in tables], f"{req_id}: id table stale")
         assert_that(self.req_to_block_ids.keys() == self.req_to_blocks.keys(), "tables disagree")
-        assert_that(num_refs[self.block_pool.null_block.block_id] == 0, "null block in a table")
-        for block in self.block_pool.blocks:
+        for block in self.block_pool.blocks[1:]:
             assert_that(
                 block.ref_cnt == num_refs[block.block_id],
                 f"{block}: ref_cnt != {num_refs[block.block_id]} table appearances",
@@ -420,14 +597,22 @@ class KVCacheManager:
 
     def _check_registered_were_computed(self, request: _CacheRequest) -> None:
         req_id = request.req_id
-        num_computed_blocks = request.num_computed_tokens // self.block_size
-        assert_that(self.num_cached_blocks.get(req_id, 0) <= num_computed_blocks,
-                    f"{req_id}: more blocks offered to the cache than computed")
-        for i, block in enumerate(self.req_to_blocks.get(req_id, ())):
-            if block.block_hash is None:
-                continue
-            assert_that(i < num_computed_blocks,
-                        f"{req_id}: {block} is registered but its tokens were not computed")
-            assert_that(i < len(request.block_hashes) and
-                        block.block_hash == request.block_hashes[i],
-                        f"{req_id}: {block} is registered under another prefix's hash")
+        bs = self.block_size
+        num_computed_blocks = request.num_computed_tokens // bs
+        tables = self.req_to_blocks.get(req_id, ())
+        for g, blocks in enumerate(tables):
+            assert_that(self.num_cached_blocks[req_id][g] <= num_computed_blocks,
+                        f"{req_id}: more blocks offered to the cache than computed")
+            retention = self.retentions[g]
+            for i, block in enumerate(blocks):
+                if block is self.null_block:
+                    assert_that(not retention.needs_block(i, request.num_computed_tokens, bs),
+                                f"{req_id}: group {g} lacks block {i}, which its window reads")
+                    continue
+                if block.block_hash is None:
+                    continue
+                assert_that(i < num_computed_blocks,
+                            f"{req_id}: {block} is registered but its tokens were not computed")
+                assert_that(i < len(request.block_hashes) and
+                            block.block_hash == group_key(request.block_hashes[i], g),
+                            f"{req_id}: {block} is registered under another prefix's hash")

@@ -5,9 +5,11 @@ sliding window of W tokens, or an MLA latent), the cache dtype (independent of t
 the block size and the per-token row. Pool sizing divides a memory budget by the bytes one
 block takes over every group; the worker allocates the tensors per group.
 
-NOTE: today every group shares one block table per request (the manager is single-group),
-so a sliding-window group keeps its whole context until window freeing lands; its kind
-only decides the attention mask for now.
+Each group has its own block table per request (core/kv_cache_manager.py). What a group
+keeps of a request is its `KVRetention`: everything (full attention), or the first
+`num_sink_tokens` and the last `window` tokens (a sliding window; attention sinks add the
+sink tokens). Blocks that hold nothing a later query reads are freed and replaced by the null
+block (block 0) in the table, so the table keeps one entry per block of the sequence.
 """
 
 from __future__ import annotations
@@ -59,6 +61,81 @@ class KVCacheSpec:
     @property
     def bytes_per_block(self) -> int:
         return self.bytes_per_token * self.block_size
+
+
+@dataclass(frozen=True, slots=True)
+class KVRetention:
+    """Which tokens of a request one group keeps: a query at position p reads the keys at
+    positions k <= p with k < num_sink_tokens or k > p - window (window None: all k <= p).
+    """
+
+    window: int | None = None
+    num_sink_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if self.window is not None and self.window < 1:
+            raise ValueError(f"a retention window must be at least 1, got {self.window}")
+        if self.num_sink_tokens < 0 or (self.num_sink_tokens and self.window is None):
+            raise ValueError("num_sink_tokens must be >= 0 and needs a window")
+
+    @property
+    def keeps_all(self) -> bool:
+        return self.window is None
+
+    def num_sink_blocks(self, block_size: int) -> int:
+        """Leading blocks that hold a sink token (kept for the request's life)."""
+        return -(-self.num_sink_tokens // block_size)
+
+    def first_window_block(self, num_computed_tokens: int, block_size: int) -> int:
+        """The first block of the window that queries from position `num_computed_tokens`
+        on read (0 when everything is kept); blocks before it, sink blocks aside, are never
+        read again."""
+        if self.window is None:
+            return 0
+        return max(0, num_computed_tokens - self.window + 1) // block_size
+
+    def needs_block(self, j: int, num_computed_tokens: int, block_size: int) -> bool:
+        """Whether block j is read by a query at position `num_computed_tokens` or later."""
+        return (j < self.num_sink_blocks(block_size)
+                or j >= self.first_window_block(num_computed_tokens, block_size))
+
+    def num_kept_blocks(self, num_tokens: int, block_size: int) -> int:
+        """Blocks of a table covering `num_tokens` computed tokens that this group keeps."""
+        n = -(-num_tokens // block_size)
+        sinks = min(n, self.num_sink_blocks(block_size))
+        first = max(self.first_window_block(num_tokens, block_size), sinks)
+        return sinks + max(0, n - first)
+
+
+def max_blocks_held(
+    retention: KVRetention, max_len: int, max_chunk: int, block_size: int
+) -> int:
+    """The most blocks a request of up to `max_len` tokens, computed `max_chunk` tokens a
+    step at most, holds in a group with this retention at any step."""
+    num_entries = -(-max_len // block_size)
+    if retention.keeps_all:
+        return num_entries
+    # NOTE: a step from c on holds [first_window_block(c), ceil((c + n) / block_size)):
+    # at most ceil((W - 1 + n) / block_size) + 1 entries, plus the sink blocks.
+    span = -(-(retention.window - 1 + max_chunk) // block_size) + 1
+    return min(num_entries, retention.num_sink_blocks(block_size) + span)
+
+
+def retentions_for(
+    specs: Sequence[KVCacheSpec], num_sink_tokens: int = 0, streaming_window: int | None = None
+) -> list[KVRetention]:
+    """Each group's retention: a sliding-window group keeps its window; a full-attention
+    group keeps everything, or with attention sinks (StreamingLLM) the first
+    `num_sink_tokens` and the last `streaming_window` tokens."""
+    out = []
+    for spec in specs:
+        if spec.kind == AttentionKind.SLIDING_WINDOW:
+            out.append(KVRetention(spec.sliding_window))
+        elif streaming_window is not None:
+            out.append(KVRetention(streaming_window, num_sink_tokens))
+        else:
+            out.append(KVRetention())
+    return out
 
 
 def bytes_per_block(specs: Sequence[KVCacheSpec]) -> int:

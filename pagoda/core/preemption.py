@@ -58,8 +58,7 @@ class Preemptor:
         req.num_preemptions += 1
         pairs = None
         if self.host_pool is not None and req.num_computed_tokens > 0:
-            num_blocks = -(-req.num_computed_tokens // self.kv.block_size)
-            device_ids = self.kv.get_block_ids(req.req_id)[:num_blocks]
+            device_ids = self.kv.computed_block_ids(req)
             pairs = self.host_pool.swap_out(req.req_id, device_ids)
         self.kv.free(req)
         if pairs is None:
@@ -79,6 +78,14 @@ class Preemptor:
         are shared instead of copied. `req.num_computed_tokens` is unchanged.
         """
         assert self.host_pool is not None, "swap_in without a host pool"
+        if not self.kv.plain:
+            # NOTE: with windowed groups every kept block is copied back (no hits shared):
+            # the new tables list them in the order `computed_block_ids` copied them out.
+            new_blocks = self.kv.allocate_slots(req, num_new_tokens)
+            if new_blocks is None:
+                return None
+            table = self.kv.computed_block_ids(req)
+            return new_blocks, self.host_pool.swap_in(req.req_id, table)
         hits, _ = self.kv.get_computed_blocks(req)
         # NOTE: only hits inside the swapped part: those blocks' copies are skipped; the
         # tokens past num_computed_tokens are scheduled as usual.
@@ -106,7 +113,7 @@ class Preemptor:
         SWAPPED ones hold host blocks, as many as cover their computed tokens.
         """
         swapped = {
-            r.req_id: -(-r.num_computed_tokens // self.kv.block_size)
+            r.req_id: self.kv.num_kept_blocks(r.num_computed_tokens)
             for r in waiting
             if r.status == RequestStatus.SWAPPED
         }

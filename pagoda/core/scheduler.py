@@ -61,8 +61,11 @@ class Scheduler:
         num_host_blocks: int = 0,
         aging_interval_s: float = DEFAULT_AGING_INTERVAL_S,
         sla_ttft_targets_s: Mapping[str, float] | None = None,
+        stop_at_max_model_len: bool = True,
     ) -> None:
         self.kv = kv_cache_manager
+        # NOTE: False with attention sinks: a stream may outgrow max_model_len.
+        self.stop_at_max_model_len = stop_at_max_model_len
         self.block_size = kv_cache_manager.block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -160,7 +163,7 @@ class Scheduler:
             if new_blocks is None:
                 break
             out.scheduled_cached_reqs.append(
-                CachedRequestData(req.req_id, [b.block_id for b in new_blocks],
+                CachedRequestData(req.req_id, self.kv.group_ids(new_blocks),
                                   req.num_computed_tokens)
             )
             out.num_scheduled_tokens[req.req_id] = n
@@ -249,7 +252,7 @@ class Scheduler:
                 req_id=req.req_id,
                 token_ids=list(req.all_token_ids),
                 num_prompt_tokens=req.num_prompt_tokens,
-                block_ids=self.kv.get_block_ids(req.req_id),
+                block_ids=self.kv.get_group_block_ids(req.req_id),
                 num_computed_tokens=num_computed,
                 sampling_params=req.sampling_params,
                 want_prompt_logprobs=want_prompt_logprobs,
@@ -270,6 +273,8 @@ class Scheduler:
         sample if that one runs with its prompt computed (fork from it), _WAIT_FOR_PARENT
         while that one is still computing its prompt, else None (admit as usual)."""
         if req.fork_of is None or req.num_output_tokens or req.num_preemptions:
+            return None
+        if not self.kv.supports_fork:
             return None
         if want_prompt_logprobs or req.status != RequestStatus.WAITING:
             return None
@@ -443,7 +448,9 @@ class Scheduler:
                 req.stop_reason = last
                 return RequestStatus.FINISHED_STOPPED
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len
-        if req.num_output_tokens >= max_tokens or req.num_tokens >= self.max_model_len:
+        if req.num_output_tokens >= max_tokens or (
+            self.stop_at_max_model_len and req.num_tokens >= self.max_model_len
+        ):
             return RequestStatus.FINISHED_LENGTH
         return None
 

@@ -18,7 +18,7 @@ class NewRequestData:
     req_id: str
     token_ids: list[int]  # prompt + outputs so far
     num_prompt_tokens: int
-    block_ids: list[int]
+    block_ids: tuple[list[int], ...]  # one block table per KV cache group
     num_computed_tokens: int
     sampling_params: SamplingParams  # the runner makes the generator from its seed
     # Prompt logprobs are wanted until the prompt has been computed once in full.
@@ -30,7 +30,7 @@ class CachedRequestData:
     """A request the runner knows: only what changed."""
 
     req_id: str
-    new_block_ids: list[int]
+    new_block_ids: tuple[list[int], ...]  # per KV cache group, as many in each
     num_computed_tokens: int
 
 

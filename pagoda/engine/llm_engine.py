@@ -19,7 +19,12 @@ import torch
 
 from pagoda.config import EngineConfig
 from pagoda.core.kv_cache_manager import KVCacheManager
-from pagoda.core.kv_cache_spec import KVCacheSpec, bytes_per_block
+from pagoda.core.kv_cache_spec import (
+    KVCacheSpec,
+    bytes_per_block,
+    max_blocks_held,
+    retentions_for,
+)
 from pagoda.core.request import DEFAULT_SLA_CLASS, SLA_CLASS_RANKS, Request, RequestStatus
 from pagoda.core.scheduler import Scheduler, SchedulerStats
 from pagoda.engine.output_processor import OutputKind, OutputProcessor
@@ -54,6 +59,16 @@ class LLMEngine:
         # Parent ids of the requests the last step ran if it failed (see `step`).
         self.failed_request_ids: list[str] = []
         self.max_model_len = self._max_model_len(int(hf.max_position_embeddings))
+        # NOTE: attention sinks keep rotary positions inside the cache (S + W tokens), so
+        # generation may run past max_model_len; only the prompt is bounded by it.
+        self.streaming = config.cache.streaming_window is not None
+        if self.streaming and (
+            config.cache.attention_sinks + config.cache.streaming_window > self.max_model_len
+        ):
+            raise ValueError(
+                f"attention_sinks + streaming_window ({config.cache.attention_sinks} + "
+                f"{config.cache.streaming_window}) exceeds max_model_len {self.max_model_len}"
+            )
         self.vocab_size = int(hf.vocab_size)
         self.eos_token_id = self.tokenizer.eos_token_id
         self.extra_stop_ids = _generation_eos_ids(ckpt.generation_config) - {self.eos_token_id}
@@ -63,6 +78,8 @@ class LLMEngine:
         self.kv_cache_specs = self.executor.kv_cache_specs()
         self.kv_block_bytes = bytes_per_block(self.kv_cache_specs)
         block_size = _shared_block_size(self.kv_cache_specs)
+        self.kv_retentions = retentions_for(self.kv_cache_specs, config.cache.attention_sinks,
+                                            config.cache.streaming_window)
         self.num_blocks = self._check_num_blocks(self.executor.determine_num_blocks(),
                                                  block_size)
         s = config.scheduler
@@ -71,6 +88,7 @@ class LLMEngine:
             block_size,
             enable_caching=config.cache.enable_prefix_caching,
             num_host_tier_blocks=self._num_host_tier_blocks(),
+            retentions=self.kv_retentions,
         )
         self.scheduler = Scheduler(
             self.kv_cache_manager,
@@ -83,6 +101,7 @@ class LLMEngine:
             num_host_blocks=self._num_host_blocks(),
             aging_interval_s=s.aging_interval_s,
             sla_ttft_targets_s=s.sla_ttft_targets_s,
+            stop_at_max_model_len=not self.streaming,
         )
         swap_pool = self.scheduler.preemptor.host_pool
         host_tier = self.kv_cache_manager.host_tier
@@ -114,7 +133,13 @@ class LLMEngine:
     def _check_num_blocks(self, num_blocks: int, block_size: int) -> int:
         # NOTE: block 0 is the reserved null block (core/block_pool.py): not for tokens.
         num_usable = max(num_blocks - 1, 0)
-        if num_usable * block_size < self.max_model_len:
+        s = self.config.scheduler
+        chunk = s.max_num_batched_tokens if s.enable_chunked_prefill else self.max_model_len
+        # NOTE: a request of max_model_len tokens must fit in every group at once; a
+        # windowed group holds only its window (and the step's chunk).
+        needed = sum(max_blocks_held(r, self.max_model_len, chunk, block_size)
+                     for r in self.kv_retentions)
+        if needed > num_usable:
             raise ValueError(
                 f"max_model_len {self.max_model_len} does not fit in the KV cache "
                 f"({num_usable} usable blocks of {block_size} tokens); the largest "
@@ -233,7 +258,7 @@ class LLMEngine:
                 params.max_tokens = self.max_model_len - n
             if self.extra_stop_ids and not params.ignore_eos:
                 params.stop_token_ids = sorted(set(params.stop_token_ids) | self.extra_stop_ids)
-        if n + params.max_tokens > self.max_model_len:
+        if n + params.max_tokens > self.max_model_len and not self.streaming:
             raise ValueError(
                 f"prompt ({n} tokens) plus max_tokens ({params.max_tokens}) exceeds "
                 f"max_model_len {self.max_model_len}"

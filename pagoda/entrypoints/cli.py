@@ -163,6 +163,10 @@ _BENCHES = {
                         "latency, throughput (and llama.cpp)")),
     "kernels": ("quant_kernels", ("quantized-linear CPU kernels per call vs bf16 and torch's "
                                   "int4 ops; --decode: SmolLM2 native GGUF decode ms/token")),
+    "streaming-ppl": ("streaming_ppl", ("perplexity over a long real-text stream: dense, "
+                                        "window truncation, attention sinks")),
+    "long-context": ("long_context", ("8k-64k prompts on a tiny 131072-position yarn model: "
+                                      "prefill, decode and KV bytes, dense / window / sinks")),
 }
 
 

@@ -14,7 +14,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from pagoda.ops import apply_rotary
 
-__all__ = ["RotaryEmbedding", "apply_rotary", "build_cos_sin"]
+__all__ = ["RotaryEmbedding", "apply_rotary", "build_cos_sin", "rope_inv_freq", "rotate_by"]
 
 
 def _rope_type(config: PretrainedConfig) -> str:
@@ -36,22 +36,41 @@ def build_cos_sin(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin tables [max_positions, head_dim // 2] in float32. `freq_factors` [head_dim
     // 2] divide the inverse frequencies (GGUF's rope_freqs, e.g. llama3 scaling)."""
-    rope_type = _rope_type(config)
     pos = torch.arange(max_positions, dtype=torch.float32)
-    if freq_factors is not None and rope_type == "dynamic":
-        raise ValueError("rope frequency factors do not combine with dynamic scaling")
+    if _rope_type(config) == "dynamic":
+        if freq_factors is not None:
+            raise ValueError("rope frequency factors do not combine with dynamic scaling")
+        return _dynamic_cos_sin(config, head_dim, pos)
+    inv_freq, factor = rope_inv_freq(config, head_dim, freq_factors)
+    freqs = torch.outer(pos, inv_freq)
+    return freqs.cos() * factor, freqs.sin() * factor
+
+
+def rope_inv_freq(
+    config: PretrainedConfig, head_dim: int, freq_factors: torch.Tensor | None = None
+) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies [head_dim // 2] float32, attention factor) of a rope whose
+    frequencies do not depend on the position (every type but dynamic)."""
+    rope_type = _rope_type(config)
     if rope_type == "default":
         inv_freq, factor = _default_inv_freq(config, head_dim), 1.0
+    elif rope_type not in ROPE_INIT_FUNCTIONS:
+        raise ValueError(f"unsupported rope_type {rope_type!r}")
     elif rope_type == "dynamic":
-        return _dynamic_cos_sin(config, head_dim, pos)
+        raise ValueError("dynamic rope scaling has no position-independent frequencies")
     else:
-        if rope_type not in ROPE_INIT_FUNCTIONS:
-            raise ValueError(f"unsupported rope_type {rope_type!r}")
         inv_freq, factor = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
     if freq_factors is not None:
         inv_freq = inv_freq.float() / freq_factors.float()
-    freqs = torch.outer(pos, inv_freq.float())
-    return freqs.cos() * factor, freqs.sin() * factor
+    return inv_freq.float(), factor
+
+
+def rotate_by(x: torch.Tensor, offsets: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] rotated by offsets[t] more positions (negative: back), with no attention
+    factor: R(p + o) = R(o) R(p), so a query rotated at p reads keys as if it were at p + o."""
+    angles = offsets.to(torch.float32)[:, None] * inv_freq.to(x.device)[None, :]
+    cos, sin = angles.cos().to(x.dtype)[:, None], angles.sin().to(x.dtype)[:, None]
+    return apply_rotary(x, cos, sin)
 
 
 def _dynamic_cos_sin(

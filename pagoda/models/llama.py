@@ -24,7 +24,7 @@ from pagoda.layers.linear import (
     RowParallelLinear,
 )
 from pagoda.layers.norm import RMSNorm
-from pagoda.layers.rotary import RotaryEmbedding, apply_rotary
+from pagoda.layers.rotary import RotaryEmbedding, apply_rotary, rope_inv_freq
 from pagoda.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from pagoda.models.registry import register_model
 from pagoda.models.weight_utils import load_weights_by_name
@@ -81,10 +81,15 @@ class LlamaSpec:
 
 
 def _sliding_windows(c: PretrainedConfig, arch: str) -> tuple[int | None, ...]:
+    """Each layer's window (None: full attention): Mistral windows every layer; others
+    follow `layer_types` (transformers derives Qwen2's from use_sliding_window and
+    max_window_layers: layers from max_window_layers on are windowed)."""
     window = getattr(c, "sliding_window", None)
     n = c.num_hidden_layers
     if arch == "MistralForCausalLM":
         return (window,) * n
+    if arch == "Qwen2ForCausalLM" and not getattr(c, "use_sliding_window", False):
+        return (None,) * n
     layer_types = getattr(c, "layer_types", None)
     if window and layer_types:
         return tuple(window if t == "sliding_attention" else None for t in layer_types)
@@ -274,22 +279,46 @@ class LlamaForCausalLM(nn.Module):
         rotary.to_dtype(dtype)
         self.rotary = rotary.to(device)
 
+    def ensure_rotary_positions(self, num_positions: int) -> None:
+        """Grow the cos/sin tables (doubling) to cover positions [0, num_positions): a
+        stream with attention sinks outgrows max_model_len."""
+        size = self.rotary.cos.shape[0]
+        if num_positions > size:
+            while size < num_positions:
+                size *= 2
+            self.init_rotary(size, self.rotary.cos.dtype, self.rotary.cos.device)
+
+    def set_attention_sinks(self, num_sink_tokens: int, window: int) -> None:
+        """StreamingLLM: every full-attention layer reads the first `num_sink_tokens` and the
+        last `window` tokens, with rotary positions taken within that cache."""
+        factors = getattr(self.hf_config, "rope_freq_factors", None)
+        inv_freq, _ = rope_inv_freq(
+            self.hf_config, self.spec.head_dim,
+            None if factors is None else torch.tensor(factors, dtype=torch.float32),
+        )
+        for i, layer in enumerate(self.model.layers):
+            if self.spec.sliding_windows[i] is None:
+                layer.self_attn.attn.set_attention_sinks(num_sink_tokens, window, inv_freq)
+
     def forward(
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: list[KVCache],
-        md: AttentionMetadata,
+        md: AttentionMetadata | list[AttentionMetadata],
     ) -> torch.Tensor:
-        """Flat batch [T] -> final hidden states [T, hidden] (normed)."""
+        """Flat batch [T] -> final hidden states [T, hidden] (normed). `md`: one metadata
+        for every layer, or one per layer (models with several KV cache groups)."""
         x = self.model.embed_tokens(input_ids)
         # NOTE: the fused rotary + cache write needs the cache in the activations' dtype
         # (--kv-cache-dtype can differ); otherwise rotary and the write run apart.
         fused = fused_ops_for(x) if kv_caches[0][0].dtype == x.dtype else None
         rope = RopeInputs(positions, self.rotary.cos, self.rotary.sin, fused)
         residual = None
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x, residual = layer(x, residual, rope, kv_cache, md)
+        layer_mds = md if isinstance(md, list) else [md] * len(kv_caches)
+        for layer, kv_cache, layer_md in zip(self.model.layers, kv_caches, layer_mds,
+                                             strict=True):
+            x, residual = layer(x, residual, rope, kv_cache, layer_md)
         x, _ = self.model.norm.forward_residual(x, residual)
         return x
 

@@ -13,13 +13,15 @@ condensed, because a step gathers its rows by slot index anyway.
 | num_tokens | [max_num_reqs] | valid entries of token_ids |
 | num_prompt_tokens | [max_num_reqs] | prompt part of token_ids |
 | num_computed_tokens | [max_num_reqs] | K/V in the cache before this step (from the diff) |
-| block_table | [max_num_reqs, max_blocks_per_req] int64 | block ids, num_blocks valid |
-| num_blocks | [max_num_reqs] | valid entries of block_table |
+| block_tables | [num_groups, max_num_reqs, max_blocks_per_req] int64 | per KV cache group: |
+| | | block ids, num_blocks valid (`block_table` = group 0's) |
+| num_blocks | [max_num_reqs] | valid entries of each group's row (the same in every group) |
 """
 
 from __future__ import annotations
 
 import heapq
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -47,14 +49,22 @@ class SlotState:
 
 
 class InputBatch:
-    def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int) -> None:
+    def __init__(
+        self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int,
+        num_groups: int = 1, growable: bool = False,
+    ) -> None:
+        """`growable`: rows grow (doubling) past max_model_len instead of refusing, for
+        streams that outlive it (attention sinks)."""
+        self.growable = growable
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
-        self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int64)
+        self.block_tables = np.zeros((num_groups, max_num_reqs, max_blocks_per_req),
+                                     dtype=np.int64)
+        self.block_table = self.block_tables[0]
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
         self.slots: list[SlotState | None] = [None] * max_num_reqs
         self.req_id_to_slot: dict[str, int] = {}
@@ -69,7 +79,7 @@ class InputBatch:
         req_id: str,
         token_ids: list[int],
         num_prompt_tokens: int,
-        block_ids: list[int],
+        block_ids: Sequence[list[int]],
         sampling_params: SamplingParams,
         want_prompt_logprobs: bool,
     ) -> int:
@@ -79,7 +89,9 @@ class InputBatch:
         if not self._free_slots:
             raise RuntimeError(f"the input batch is full ({self.max_num_reqs} requests)")
         n = len(token_ids)
-        if n > self.max_model_len:
+        if n > self.token_ids.shape[1] and self.growable:
+            self._grow_tokens(n)
+        if n > self.token_ids.shape[1]:
             raise ValueError(f"request {req_id!r} has {n} tokens > max_model_len "
                              f"{self.max_model_len}")
         slot = heapq.heappop(self._free_slots)
@@ -101,16 +113,28 @@ class InputBatch:
         heapq.heappush(self._free_slots, slot)
         return slot
 
-    def append_block_ids(self, slot: int, block_ids: list[int]) -> None:
+    def append_block_ids(self, slot: int, block_ids: Sequence[list[int]]) -> None:
+        """Append one id list per KV cache group (all as long) to the slot's rows."""
+        if len(block_ids) != len(self.block_tables):
+            raise ValueError(f"{len(block_ids)} block id lists for {len(self.block_tables)} "
+                             "KV cache groups")
         start = int(self.num_blocks[slot])
-        end = start + len(block_ids)
+        end = start + len(block_ids[0])
+        if end > self.block_tables.shape[2] and self.growable:
+            self.block_tables = _grown(self.block_tables, end)
+            self.block_table = self.block_tables[0]
         if end > self.block_table.shape[1]:
             raise ValueError(f"slot {slot}: {end} blocks > {self.block_table.shape[1]} per request")
-        self.block_table[slot, start:end] = block_ids
+        for table, ids in zip(self.block_tables, block_ids, strict=True):
+            if len(ids) != end - start:
+                raise ValueError(f"slot {slot}: KV cache groups got unequal block counts")
+            table[slot, start:end] = ids
         self.num_blocks[slot] = end
 
     def append_tokens(self, slots: np.ndarray, token_ids: np.ndarray) -> None:
         """One new token per slot in `slots` (distinct), vectorised."""
+        if self.growable and len(slots) and self.num_tokens[slots].max() >= self.token_ids.shape[1]:
+            self._grow_tokens(int(self.num_tokens[slots].max()) + 1)
         self.token_ids[slots, self.num_tokens[slots]] = token_ids
         self.num_tokens[slots] += 1
 
@@ -121,3 +145,16 @@ class InputBatch:
     def output_view(self, slot: int) -> np.ndarray:
         """The slot's output tokens so far: a view into token_ids (no copy)."""
         return self.token_ids[slot, self.num_prompt_tokens[slot] : self.num_tokens[slot]]
+
+    def _grow_tokens(self, n: int) -> None:
+        self.token_ids = _grown(self.token_ids, n)
+
+
+def _grown(a: np.ndarray, n: int) -> np.ndarray:
+    """`a` with its last axis widened to at least n (doubling), zeros after the old end."""
+    width = a.shape[-1]
+    while width < n:
+        width *= 2
+    out = np.zeros((*a.shape[:-1], width), dtype=a.dtype)
+    out[..., : a.shape[-1]] = a
+    return out

@@ -10,6 +10,7 @@ logits are computed only where something is sampled (or prompt logprobs are want
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -17,6 +18,7 @@ import torch
 from torch import nn
 
 from pagoda.attention.backend import AttentionBackend, AttentionMetadata, CommonAttentionMetadata
+from pagoda.core.kv_cache_spec import KVRetention
 from pagoda.core.scheduler_output import SchedulerOutput
 from pagoda.layers.sampler import Sampler, SamplingMetadata, compute_topk_logprobs
 from pagoda.worker.block_copies import LayerCaches
@@ -62,7 +64,12 @@ class ModelRunner:
         max_num_reqs: int,
         max_model_len: int,
         max_num_batched_tokens: int,
+        kv_groups: Sequence[tuple[KVRetention, Sequence[int]]] = (),
+        streaming: bool = False,
     ) -> None:
+        """`kv_groups`: per KV cache group its retention and layer ids, in the scheduler's
+        group order (empty: one full-attention group of every layer). `streaming`: attention
+        sinks are on, so requests may outgrow max_model_len."""
         self.model = model
         self.kv_caches = kv_caches
         self.attn_backend = attn_backend
@@ -72,12 +79,24 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.sampler = Sampler()
-        self.input_batch = InputBatch(max_num_reqs, max_model_len, -(-max_model_len // block_size))
+        self.retentions = [r for r, _ in kv_groups] or [KVRetention()]
+        # NOTE: with several groups every layer reads its own group's metadata.
+        self.group_of_layer = [0] * sum(len(layers) for _, layers in kv_groups)
+        for g, (_, layers) in enumerate(kv_groups):
+            for layer in layers:
+                self.group_of_layer[layer] = g
+        # NOTE: with attention sinks a stream outgrows max_model_len: rows, and the rotary
+        # tables (absolute positions), grow.
+        self.streaming = streaming
+        self.input_batch = InputBatch(max_num_reqs, max_model_len, -(-max_model_len // block_size),
+                                      num_groups=len(self.retentions),
+                                      growable=streaming)
         self.generators: dict[str, torch.Generator] = {}
         # Per-token buffers, sized once; a step uses their first T entries.
         self._input_ids = torch.zeros(max_num_batched_tokens, dtype=torch.int64)
         self._positions = torch.zeros(max_num_batched_tokens, dtype=torch.int64)
-        self._slot_mapping = torch.zeros(max_num_batched_tokens, dtype=torch.int64)
+        self._slot_mappings = [torch.zeros(max_num_batched_tokens, dtype=torch.int64)
+                               for _ in self.retentions]
         self._arange = np.arange(max(max_num_batched_tokens, max_num_reqs) + 1, dtype=np.int64)
 
     # ---- state diffs -----------------------------------------------------------------
@@ -111,6 +130,8 @@ class ModelRunner:
         if out.is_empty:
             return result
         step = self._step_batch(out)
+        if self.streaming:
+            self.model.ensure_rotary_positions(int((step.starts + step.query_lens).max()))
         input_ids, positions, md = self._prepare_inputs(step)
         hidden = self.model(input_ids, positions, self.kv_caches, md)
         self._prompt_logprobs(step, hidden, result)
@@ -133,41 +154,64 @@ class ModelRunner:
 
     def _prepare_inputs(
         self, step: StepBatch
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """Gather the step's token ids, positions and slots from the persistent arrays."""
-        batch, bs = self.input_batch, self.block_size
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata | list[AttentionMetadata]]:
+        """Gather the step's token ids, positions and slots from the persistent arrays; the
+        attention metadata (with several KV cache groups: one per layer, its group's)."""
+        batch = self.input_batch
         num_tokens = int(step.query_start_loc[-1])
         req_of_token = np.repeat(self._arange[: len(step.slots)], step.query_lens)
         slot_of_token = step.slots[req_of_token]
         positions = self._positions.numpy()[:num_tokens]
         np.subtract(self._arange[:num_tokens], step.query_start_loc[req_of_token], out=positions)
         positions += step.starts[req_of_token]
-        np.take(batch.token_ids.ravel(), slot_of_token * batch.max_model_len + positions,
+        np.take(batch.token_ids.ravel(), slot_of_token * batch.token_ids.shape[1] + positions,
                 out=self._input_ids.numpy()[:num_tokens])
-        slot_mapping = self._slot_mapping.numpy()[:num_tokens]
-        width = batch.block_table.shape[1]
-        np.take(batch.block_table.ravel(), slot_of_token * width + positions // bs,
+        seq_lens = step.starts + step.query_lens
+        max_blocks = self._check_blocks(step, seq_lens)
+        mds = [
+            self._group_metadata(g, step, positions, req_of_token, slot_of_token, seq_lens,
+                                 max_blocks)
+            for g in range(len(self.retentions))
+        ]
+        md = mds[0] if len(mds) == 1 else [mds[g] for g in self.group_of_layer]
+        input_ids = self._input_ids[:num_tokens].to(self.device)
+        return input_ids, self._positions[:num_tokens].to(self.device), md
+
+    def _group_metadata(
+        self, group: int, step: StepBatch, positions: np.ndarray, req_of_token: np.ndarray,
+        slot_of_token: np.ndarray, seq_lens: np.ndarray, max_blocks: int,
+    ) -> AttentionMetadata:
+        """One KV cache group's slot mapping and block tables, and its metadata."""
+        bs, num_tokens = self.block_size, len(positions)
+        table = self.input_batch.block_tables[group]
+        slot_mapping = self._slot_mappings[group].numpy()[:num_tokens]
+        np.take(table.ravel(), slot_of_token * table.shape[1] + positions // bs,
                 out=slot_mapping)
         slot_mapping *= bs
         slot_mapping += positions % bs
-
-        seq_lens = step.starts + step.query_lens
-        max_blocks = self._check_blocks(step, seq_lens)
+        block_tables = table[step.slots, :max_blocks]
+        retention = self.retentions[group]
+        if not retention.keeps_all:
+            # NOTE: the scheduler freed the blocks this step's queries do not read (the
+            # runner's rows keep their old ids): null them, so nothing reads a reused block.
+            first = np.fromiter((retention.first_window_block(c, bs) for c in step.starts.tolist()),
+                                np.int64, len(step.starts))
+            cols = np.arange(max_blocks)
+            freed = (cols >= retention.num_sink_blocks(bs)) & (cols < first[:, None])
+            block_tables[freed] = 0
         common = CommonAttentionMetadata(
             query_start_loc=step.query_start_loc,
             seq_lens=seq_lens,
             num_decodes=int((step.query_lens == 1).sum()),
-            block_tables=batch.block_table[step.slots, :max_blocks],
+            block_tables=block_tables,
             block_size=bs,
             positions=positions,
             req_of_token=req_of_token,
-            slot_mapping=self._slot_mapping[:num_tokens].to(self.device),
+            slot_mapping=self._slot_mappings[group][:num_tokens].to(self.device),
             dtype=self.dtype,
             device=self.device,
         )
-        md = self.attn_backend.build_metadata(common)
-        input_ids = self._input_ids[:num_tokens].to(self.device)
-        return input_ids, self._positions[:num_tokens].to(self.device), md
+        return self.attn_backend.build_metadata(common)
 
     def _check_blocks(self, step: StepBatch, seq_lens: np.ndarray) -> int:
         """The most blocks a row needs this step; RuntimeError if a row lacks some.

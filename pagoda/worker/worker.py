@@ -21,7 +21,12 @@ from pagoda.config import (
     resolve_dtype,
     resolve_kv_cache_dtype,
 )
-from pagoda.core.kv_cache_spec import KVCacheSpec, bytes_per_block, group_layers
+from pagoda.core.kv_cache_spec import (
+    KVCacheSpec,
+    bytes_per_block,
+    group_layers,
+    retentions_for,
+)
 from pagoda.core.scheduler_output import SchedulerOutput
 from pagoda.cpu_features import request_amx_tiles
 from pagoda.models.factory import build_model
@@ -64,6 +69,9 @@ class Worker:
             ckpt, self.dtype, self.device, max_model_len, config.model.attn_backend,
             config.model.quantization, config.model.gguf_native,
         )
+        c = config.cache
+        if c.streaming_window is not None:
+            self.model.set_attention_sinks(c.attention_sinks, c.streaming_window)
         self.kv_caches: LayerCaches = []
         self.host_kv_caches: LayerCaches | None = None
         self.host_tier_kv_caches: LayerCaches | None = None
@@ -112,12 +120,15 @@ class Worker:
         if num_host_tier_blocks is not None:
             self.host_tier_kv_caches = _allocate(specs, num_host_tier_blocks, None, pin,
                                                  zero=False)
-        s = self.config.scheduler
+        s, c = self.config.scheduler, self.config.cache
+        retentions = retentions_for(specs, c.attention_sinks, c.streaming_window)
         self.runner = ModelRunner(
             self.model, self.kv_caches, get_backend(self.config.model.attn_backend),
             self.config.cache.block_size, self.model.spec.vocab_size, self.eos_token_ids,
             self.device, self.dtype, max_num_reqs=s.max_num_seqs,
             max_model_len=self.max_model_len, max_num_batched_tokens=s.max_num_batched_tokens,
+            kv_groups=[(r, spec.layer_ids) for r, spec in zip(retentions, specs, strict=True)],
+            streaming=c.streaming_window is not None,
         )
 
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:

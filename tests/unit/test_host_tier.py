@@ -324,10 +324,10 @@ class KVCheckingRunner:
         for req_id in out.finished_req_ids:
             self.tables.pop(req_id, None)
         for new in out.scheduled_new_reqs:
-            self.tables[new.req_id] = list(new.block_ids)
+            self.tables[new.req_id] = list(new.block_ids[0])
             self.num_checked_hits += new.num_computed_tokens > 0
         for cached in out.scheduled_cached_reqs:
-            self.tables[cached.req_id].extend(cached.new_block_ids)
+            self.tables[cached.req_id].extend(cached.new_block_ids[0])
         if fault == "forward":
             raise StepFault(fault)
         k, v = self.kv[0]

@@ -46,7 +46,7 @@ def make_runner(max_num_reqs: int = 2) -> tuple[ModelRunner, NextIdModel]:
 
 def new(req_id: str, tokens: list[int], blocks: list[int], computed: int = 0,
         params: SamplingParams | None = None) -> NewRequestData:
-    return NewRequestData(req_id, tokens, len(tokens), blocks, computed,
+    return NewRequestData(req_id, tokens, len(tokens), (blocks,), computed,
                           params or SamplingParams(temperature=0.0), False)
 
 
@@ -62,13 +62,13 @@ def sched_out(new_reqs=(), cached=(), num_scheduled=None, finished=(), preempted
 
 def test_slots_are_reused_after_finish() -> None:
     batch = InputBatch(max_num_reqs=2, max_model_len=8, max_blocks_per_req=2)
-    assert batch.add_request("a", [1, 2, 3], 3, [5], SamplingParams(), False) == 0
-    assert batch.add_request("b", [4], 1, [6], SamplingParams(), False) == 1
+    assert batch.add_request("a", [1, 2, 3], 3, ([5],), SamplingParams(), False) == 0
+    assert batch.add_request("b", [4], 1, ([6],), SamplingParams(), False) == 1
     with pytest.raises(RuntimeError, match="full"):
-        batch.add_request("c", [7], 1, [7], SamplingParams(), False)
+        batch.add_request("c", [7], 1, ([7],), SamplingParams(), False)
     assert batch.remove_request("a") == 0
     assert batch.remove_request("a") is None
-    assert batch.add_request("c", [7, 8], 2, [9], SamplingParams(), False) == 0
+    assert batch.add_request("c", [7, 8], 2, ([9],), SamplingParams(), False) == 0
     assert batch.token_ids[0, :2].tolist() == [7, 8] and batch.num_tokens[0] == 2
     assert batch.block_table[0, :1].tolist() == [9] and batch.num_blocks[0] == 1
     assert batch.req_id_to_slot == {"b": 1, "c": 0}
@@ -85,13 +85,13 @@ def test_steps_apply_diffs_and_gather_from_the_arrays() -> None:
     assert out.sampled_token_ids == {"a": [10], "b": [12]}
     # Step 2: decodes, as diffs; "b" gets no block, "a" none either.
     out = runner.execute_model(sched_out(
-        cached=[CachedRequestData("a", [], 5), CachedRequestData("b", [], 2)],
+        cached=[CachedRequestData("a", ([],), 5), CachedRequestData("b", ([],), 2)],
         num_scheduled={"a": 1, "b": 1}))
     assert model.calls[-1] == ([10, 12], [5, 2], [5, 10])
     assert out.sampled_token_ids == {"a": [11], "b": [13]}
     # Step 3: "b" crosses into a new block (7); "a" finishes; "c" takes "a"'s slot.
     out = runner.execute_model(sched_out(
-        [new("c", [20, 21, 22], [0])], [CachedRequestData("b", [7], 3)],
+        [new("c", [20, 21, 22], [0])], [CachedRequestData("b", ([7],), 3)],
         num_scheduled={"b": 1, "c": 3}, finished=["a"]))
     batch = runner.input_batch
     assert batch.req_id_to_slot == {"b": 1, "c": 0}
@@ -107,7 +107,7 @@ def test_partial_prefill_chunk_samples_nothing() -> None:
     out = runner.execute_model(sched_out([new("a", [5, 6, 7, 8, 9], [3, 1])],
                                          num_scheduled={"a": 3}))
     assert out.sampled_token_ids == {}
-    out = runner.execute_model(sched_out(cached=[CachedRequestData("a", [], 3)],
+    out = runner.execute_model(sched_out(cached=[CachedRequestData("a", ([],), 3)],
                                          num_scheduled={"a": 2}))
     assert model.calls[-1] == ([8, 9], [3, 4], [15, 4])
     assert out.sampled_token_ids == {"a": [10]}
@@ -130,7 +130,7 @@ def test_sampler_gets_views_of_the_token_array(monkeypatch: pytest.MonkeyPatch) 
     runner.execute_model(sched_out([new("a", [5, 6], [0], params=penalised), new("b", [8], [1])],
                                    num_scheduled={"a": 2, "b": 1}))
     runner.execute_model(sched_out(
-        cached=[CachedRequestData("a", [], 2), CachedRequestData("b", [], 1)],
+        cached=[CachedRequestData("a", ([],), 2), CachedRequestData("b", ([],), 1)],
         num_scheduled={"a": 1, "b": 1}))
     token_ids = runner.input_batch.token_ids
     prompts, outputs = seen[-1]

@@ -316,14 +316,14 @@ def test_check_integrity_catches_corruption() -> None:
     a.num_computed_tokens = 3
     with pytest.raises(AssertionError, match="more blocks offered to the cache than computed"):
         manager.check_integrity([a])
-    manager.num_cached_blocks["a"] = 0
+    manager.num_cached_blocks["a"][0] = 0
     with pytest.raises(AssertionError, match="registered but its tokens were not computed"):
         manager.check_integrity([a])
-    a.num_computed_tokens, manager.num_cached_blocks["a"] = 5, 1
+    a.num_computed_tokens, manager.num_cached_blocks["a"][0] = 5, 1
     a.block_hashes[0] = b"h" * 32
     with pytest.raises(AssertionError, match="under another prefix's hash"):
         manager.check_integrity([a])
-    manager.req_to_blocks["a"].append(manager.req_to_blocks["a"][0])
+    manager.req_to_blocks["a"][0].append(manager.req_to_blocks["a"][0][0])
     with pytest.raises(AssertionError, match="a block twice in table"):
         manager.check_integrity()
 

@@ -57,13 +57,13 @@ class KVWritingRunner:
         for req_id in out.finished_req_ids:
             self.tables.pop(req_id, None)
         for new in out.scheduled_new_reqs:
-            self.tables[new.req_id] = list(new.block_ids)
+            self.tables[new.req_id] = list(new.block_ids[0])
             n = new.num_computed_tokens
             if n:
-                assert self.read(new.block_ids, n) == (new.token_ids[:n], list(range(n)))
+                assert self.read(new.block_ids[0], n) == (new.token_ids[:n], list(range(n)))
                 self.num_kv_checks += 1
         for cached in out.scheduled_cached_reqs:
-            self.tables[cached.req_id].extend(cached.new_block_ids)
+            self.tables[cached.req_id].extend(cached.new_block_ids[0])
         result = ModelRunnerOutput()
         k, v = self.kv[0]
         for req_id, n in out.num_scheduled_tokens.items():
@@ -183,7 +183,7 @@ def test_swap_out_and_in_keeps_computed_tokens_and_kv() -> None:
     # No recompute: only the one token past the computed ones is scheduled.
     assert data.num_computed_tokens == 12 and resumed.num_scheduled_tokens["new"] == 1
     assert [h for h, _ in resumed.blocks_to_swap_in] == [0, 1, 2]
-    assert [d for _, d in resumed.blocks_to_swap_in] == data.block_ids[:3]
+    assert [d for _, d in resumed.blocks_to_swap_in] == data.block_ids[0][:3]
     assert runner.num_kv_checks == 1
     assert sched.kv.usage == 0.0
     assert sched.preemptor.host_pool.num_free_blocks == 8
@@ -203,9 +203,9 @@ def test_swap_in_takes_cached_leading_blocks_instead_of_copying() -> None:
     assert data.num_computed_tokens == 12
     # new's first prompt block (device 3) was freed last and is still cached: it is shared
     # again, and only host blocks 1 and 2 are copied back.
-    assert data.block_ids[0] == 3
+    assert data.block_ids[0][0] == 3
     assert [h for h, _ in resumed.blocks_to_swap_in] == [1, 2]
-    assert [d for _, d in resumed.blocks_to_swap_in] == data.block_ids[1:3]
+    assert [d for _, d in resumed.blocks_to_swap_in] == data.block_ids[0][1:3]
     assert runner.num_kv_checks == 1
     assert new.output_token_ids == [TOKEN] * 12
 
