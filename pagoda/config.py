@@ -26,6 +26,10 @@ KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
     "float32": torch.float32,
+    # Quantized (ops/kv_quant.py): codes plus a float32 scale per token and kv head.
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "int8": torch.int8,
 }
 
 
@@ -232,7 +236,8 @@ class EngineArgs:
         p.add_argument("--dtype", default=d.dtype, choices=["auto", *_DTYPES])
         p.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype,
                        choices=list(KV_CACHE_DTYPES), help="the KV cache's element type "
-                       "(auto: the model's dtype)")
+                       "(auto: the model's dtype; fp8 = fp8_e4m3 and int8 store codes with a "
+                       "scale per token and kv head)")
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
                      "kv_cache_memory_bytes", "num_gpu_blocks_override", "seed"):
             p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(d, name))

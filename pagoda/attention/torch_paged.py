@@ -5,6 +5,10 @@ back through its block table, so cached prefixes, earlier chunks and this step's
 all read the same way. Decode rows go through `ops.paged_attention` (the C++ kernel on CPU,
 the reference elsewhere); prefill chunks use SDPA. Every tensor made here is made on the
 queries' device.
+A quantized cache (ops/kv_quant.py) is the layer's (k, v, k_scale, v_scale): the writes
+quantize, the kernel reads the codes in place, the reference paths dequantize what they
+gather (a prefill with nothing cached before it reads the cache too, so that every query
+sees the same stored K/V).
 """
 
 from __future__ import annotations
@@ -39,20 +43,20 @@ class TorchPagedAttention:
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: tuple[torch.Tensor, ...],
         md: AttentionMetadata,
         kv_written: bool = False,
     ) -> torch.Tensor:
-        k_cache, v_cache = kv_cache
+        k_cache, v_cache, *scales = kv_cache
         if not kv_written:
-            ops.write_kv(k, v, k_cache, v_cache, md.slot_mapping)
+            ops.write_kv(k, v, k_cache, v_cache, md.slot_mapping, *scales)
         if md.prefills and q.dtype in TOKEN_ROW_DTYPES and md.token_seq_lens is not None:
             # NOTE: a kernel that reads the paged cache in place (no gather) with each prefill
             # token as its own query row runs 2-3x faster than SDPA's CPU flash kernel here
             # (head_dim 64, bf16). The reference would gather a context per token: not that.
             args = (
                 q, k_cache, v_cache, md.token_block_tables, md.token_seq_lens, self.scale,
-                self.sliding_window,
+                self.sliding_window, None, *scales,
             )
             kernel = ops.paged_attention.select(*args)
             if kernel is not ops.paged_attention.reference:
@@ -62,17 +66,19 @@ class TorchPagedAttention:
         if nd:
             out[:nd] = ops.paged_attention(
                 q[:nd], k_cache, v_cache, md.decode_block_tables, md.decode_seq_lens,
-                self.scale, self.sliding_window, md.decode_max_seq_len,
+                self.scale, self.sliding_window, md.decode_max_seq_len, *scales,
             )
         for seq in md.prefills:
             s = slice(seq.query_start, seq.query_start + seq.query_len)
-            if seq.seq_len == seq.query_len:
+            if seq.seq_len == seq.query_len and not scales:
                 # Nothing cached before this chunk: attend to its own K/V, no gather.
-                keys, values = k[s], v[s]
+                keys, values = k[s].to(q.dtype), v[s].to(q.dtype)
             else:
-                keys = ops.gather_blocks(k_cache, seq.block_table[None], seq.seq_len)[0]
-                values = ops.gather_blocks(v_cache, seq.block_table[None], seq.seq_len)[0]
-            out[s] = self._prefill(q[s], keys.to(q.dtype), values.to(q.dtype))
+                table = seq.block_table[None]
+                k_scale, v_scale = scales or (None, None)
+                keys = ops.gather_kv(k_cache, k_scale, table, seq.seq_len, q.dtype)[0]
+                values = ops.gather_kv(v_cache, v_scale, table, seq.seq_len, q.dtype)[0]
+            out[s] = self._prefill(q[s], keys, values)
         return out.view(q.shape[0], -1)
 
     def _prefill(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

@@ -122,15 +122,14 @@ def _allocate(
     specs: list[KVCacheSpec], num_blocks: int, device: torch.device | None, pin: bool,
     zero: bool,
 ) -> LayerCaches:
-    """Per layer (in layer order) its group's tensors, [num_blocks, *spec.layer_shape] each;
-    on `device` (None: the host)."""
+    """Per layer (in layer order) its group's tensors (`spec.layer_tensors()`, each with
+    num_blocks in front: K, V and, quantized, their scales); on `device` (None: the host)."""
     make = torch.zeros if zero else torch.empty
     by_layer: dict[int, tuple[torch.Tensor, ...]] = {}
     for spec in specs:
-        shape = (num_blocks, *spec.layer_shape)
         for layer in spec.layer_ids:
             by_layer[layer] = tuple(
-                make(shape, dtype=spec.dtype, device=device, pin_memory=pin)
-                for _ in range(spec.num_tensors_per_layer)
+                make((num_blocks, *shape), dtype=dtype, device=device, pin_memory=pin)
+                for shape, dtype in spec.layer_tensors()
             )
     return [by_layer[i] for i in range(len(by_layer))]
