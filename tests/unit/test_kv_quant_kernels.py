@@ -60,7 +60,7 @@ def test_fused_rotary_write_quantizes_like_the_reference(ext, code) -> None:
     assert ops.rotary_and_cache.select(qkv, cos, sin, positions, *results[0][1]) is not (
         ops.rotary_and_cache.reference
     ), "the C++ kernel should take a quantized cache"
-    (x_k, c_k, s_k), (x_r, c_r, s_r) = results
+    (x_k, c_k, s_k), (x_r, _, _) = results
     # NOTE: the fused rotary rounds once per output, the reference's composed ops more
     # often, so the rotated rows may differ by a bf16 ulp; the codes of the kernel's own
     # rows must be the reference's quantization of them, code for code.
