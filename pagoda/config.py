@@ -12,6 +12,9 @@ from pagoda.core.preemption import PREEMPTION_MODES
 from pagoda.core.request import DEFAULT_SLA_TTFT_TARGETS_S, SLA_CLASS_RANKS
 from pagoda.core.request_queue import DEFAULT_AGING_INTERVAL_S, SCHEDULING_POLICIES
 
+# --kv-host-compression values (worker/kv_compress.py).
+HOST_COMPRESSIONS = ("none", "int8", "int4")
+
 _DTYPES = {
     "float32": torch.float32,
     "float": torch.float32,
@@ -100,6 +103,9 @@ class CacheConfig:
     kv_offloading_size: float
     # The KV cache's element type, independent of the model's: "auto" = the model dtype.
     kv_cache_dtype: str
+    # How the host pools (swap, host tier) keep blocks: "none" (as on the device), "int8" or
+    # "int4" codes with a scale per token and kv head (worker/kv_compress.py).
+    kv_host_compression: str = "none"
 
 
 @dataclass
@@ -169,6 +175,9 @@ class EngineConfig:
             raise ValueError(
                 f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {c.kv_cache_dtype!r}"
             )
+        if c.kv_host_compression not in HOST_COMPRESSIONS:
+            raise ValueError(f"kv_host_compression must be one of {list(HOST_COMPRESSIONS)}, "
+                             f"got {c.kv_host_compression!r}")
         if c.kv_offloading_size > 0 and not c.enable_prefix_caching:
             raise ValueError(
                 "kv_offloading_size > 0 (the prefix cache's host tier) needs "
@@ -225,6 +234,8 @@ class EngineArgs:
     aging_interval_s: float = DEFAULT_AGING_INTERVAL_S
     # Classes not given keep DEFAULT_SLA_TTFT_TARGETS_S.
     sla_ttft_targets_s: dict[str, float] | None = None
+    # kvquant: compressed KV blocks in the host pools (swap, host tier).
+    kv_host_compression: str = "none"
 
     @classmethod
     def add_cli_args(cls, p: argparse.ArgumentParser) -> None:
@@ -262,6 +273,11 @@ class EngineArgs:
                        help="GiB of host memory for the prefix cache's second tier: cached "
                        "blocks evicted from the KV cache are kept there and loaded back on a "
                        "later prefix hit (0: off)")
+        p.add_argument("--kv-host-compression", default=d.kv_host_compression,
+                       choices=list(HOST_COMPRESSIONS), help="how the host pools (swap, "
+                       "prefix-cache host tier) keep KV blocks: none (as on the device), int8 "
+                       "or int4 codes with a scale per token and kv head (more blocks per GiB, "
+                       "a small accuracy cost when they come back)")
         p.add_argument("--aging-interval-s", type=float, default=d.aging_interval_s,
                        help="priority policy: a request ranks one SLA class better per this "
                        "many seconds it arrived before another")
@@ -293,6 +309,7 @@ class EngineArgs:
                 swap_space=self.swap_space,
                 kv_offloading_size=self.kv_offloading_size,
                 kv_cache_dtype=self.kv_cache_dtype,
+                kv_host_compression=self.kv_host_compression,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,

@@ -65,6 +65,8 @@ def add_throughput_args(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=sched.max_num_seqs)
     p.add_argument("--max-num-batched-tokens", type=int, default=sched.max_num_batched_tokens)
     p.add_argument("--kv-cache-gib", type=int, default=4, help="KV cache of pagoda and vLLM")
+    p.add_argument("--kv-cache-dtypes", default="auto", help="comma-separated "
+                   "--kv-cache-dtype values: pagoda runs once per value (e.g. auto,int8,fp8)")
     p.add_argument(
         "--threads",
         type=int,
@@ -149,13 +151,15 @@ def _generate_measuring_kv(llm: Any, workload: Workload) -> tuple[list[int], flo
     return counts, time.perf_counter() - start - overhead, meter
 
 
-def run_pagoda(workload: Workload, args: argparse.Namespace) -> dict[str, Any]:
+def run_pagoda(workload: Workload, args: argparse.Namespace,
+               kv_cache_dtype: str = "auto") -> dict[str, Any]:
     """Time pagoda's engine over the workload (load and warm-up excluded), measuring the
     KV memory waste as it goes."""
     from pagoda import LLM, SamplingParams
 
     engine_kwargs = {
         "dtype": args.dtype,
+        "kv_cache_dtype": kv_cache_dtype,
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "kv_cache_memory_bytes": args.kv_cache_gib << 30,
@@ -207,13 +211,26 @@ def run_vllm_system(
     )
 
 
+def _runs(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """(result name, KV cache dtype) per run: pagoda once per --kv-cache-dtypes value."""
+    kvs = [k.strip() for k in str(args.kv_cache_dtypes).split(",") if k.strip()] or ["auto"]
+    runs = []
+    for name in args.systems:
+        if name != "pagoda":
+            runs.append((name, "auto"))
+            continue
+        runs += [(name if kv == "auto" else f"pagoda kv={kv}", kv) for kv in kvs]
+    return runs
+
+
 def run_system(
-    name: str, workload: Workload, src: ModelSource, args: argparse.Namespace
+    name: str, workload: Workload, src: ModelSource, args: argparse.Namespace,
+    kv_cache_dtype: str = "auto",
 ) -> dict[str, Any]:
     """One system's result; an exception becomes an "error" entry so the others still run."""
     try:
         if name == "pagoda":
-            return run_pagoda(workload, args)
+            return run_pagoda(workload, args, kv_cache_dtype)
         if name == "transformers":
             return run_hf(
                 workload,
@@ -374,9 +391,9 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
         print(rl.format_roofline(roof), flush=True)
 
     results: dict[str, dict[str, Any]] = {}
-    for name in args.systems:
+    for name, kv in _runs(args):
         print(f"-- running {name} ...", flush=True)
-        results[name] = run_system(name, workload, src, args)
+        results[name] = run_system(name.split(" ")[0], workload, src, args, kv)
         if "log_tail" in results[name]:
             print(results[name]["log_tail"])
     if roof:

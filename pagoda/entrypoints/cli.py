@@ -154,6 +154,8 @@ _BENCHES = {
                                 "throughput under fcfs and priority scheduling")),
     "multi-turn": ("multi_turn", ("multi-turn conversations evicted by other traffic: the "
                                   "prefix cache's host tier off/on")),
+    "kv-quant": ("kv_quant", ("quantized KV cache formats: decode attention time, bytes "
+                              "per token, perplexity")),
 }
 
 

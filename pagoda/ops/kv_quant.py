@@ -37,7 +37,9 @@ def storage_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def quantize(x: torch.Tensor, code_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., D] -> (codes [..., D] in code_dtype's storage, scales [...] float32)."""
+    """x [..., D] -> (codes [..., D] in code_dtype's storage, scales [...] float32);
+    code_dtype: the logical (torch.float8_e4m3fn) or the storage dtype."""
+    code_dtype = storage_dtype(code_dtype)
     code_max = CODE_MAX[code_dtype]
     xf = x.float()
     scale = xf.abs().amax(dim=-1) / code_max

@@ -27,6 +27,7 @@ from pagoda.models.factory import build_model
 from pagoda.models.loader import Checkpoint
 from pagoda.ops.cpu_kernels import load_extension
 from pagoda.worker.block_copies import LayerCaches, swap_blocks
+from pagoda.worker.kv_compress import host_layer_tensors, pool_format
 from pagoda.worker.model_runner import ModelRunner, ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
@@ -60,6 +61,7 @@ class Worker:
         self.host_kv_caches: LayerCaches | None = None
         self.host_tier_kv_caches: LayerCaches | None = None
         self.runner: ModelRunner | None = None
+        self.kv_formats = ("plain", "plain")  # (device, host pools): kv_compress.py
 
     def kv_cache_specs(self) -> list[KVCacheSpec]:
         """The model's layer groups, derived from its config, in the KV cache dtype."""
@@ -94,16 +96,19 @@ class Worker:
         """Allocate the device cache (per group), the host buffers (None: none) and the
         runner over them."""
         specs = self.kv_cache_specs()
+        compression = self.config.cache.kv_host_compression
+        self.kv_formats = (pool_format(specs[0]), pool_format(specs[0], compression))
         self.kv_caches = _allocate(specs, num_blocks, self.device, pin=False, zero=True)
         pin = self.device.type == "cuda"
         # NOTE: torch.empty for the host buffers: a block is written by a swap-out
         # (offload) before it is read, and untouched pages of a large pool are never
         # committed on the CPU.
         if num_swap_blocks is not None:
-            self.host_kv_caches = _allocate(specs, num_swap_blocks, None, pin, zero=False)
+            self.host_kv_caches = _allocate(specs, num_swap_blocks, None, pin, zero=False,
+                                            compression=compression)
         if num_host_tier_blocks is not None:
             self.host_tier_kv_caches = _allocate(specs, num_host_tier_blocks, None, pin,
-                                                 zero=False)
+                                                 zero=False, compression=compression)
         s = self.config.scheduler
         self.runner = ModelRunner(
             self.model, self.kv_caches, get_backend(self.config.model.attn_backend),
@@ -114,22 +119,25 @@ class Worker:
 
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """The step's block copies, then its forward and sampling."""
-        swap_blocks(out, self.kv_caches, self.host_kv_caches, self.host_tier_kv_caches)
+        swap_blocks(out, self.kv_caches, self.host_kv_caches, self.host_tier_kv_caches,
+                    *self.kv_formats)
         return self.runner.execute_model(out)
 
 
 def _allocate(
     specs: list[KVCacheSpec], num_blocks: int, device: torch.device | None, pin: bool,
     zero: bool,
+    compression: str = "none",
 ) -> LayerCaches:
     """Per layer (in layer order) its group's tensors (`spec.layer_tensors()`, each with
-    num_blocks in front: K, V and, quantized, their scales); on `device` (None: the host)."""
+    num_blocks in front: K, V and, quantized, their scales; a host pool's in its
+    `compression` format: kv_compress.py); on `device` (None: the host)."""
     make = torch.zeros if zero else torch.empty
     by_layer: dict[int, tuple[torch.Tensor, ...]] = {}
     for spec in specs:
         for layer in spec.layer_ids:
             by_layer[layer] = tuple(
                 make((num_blocks, *shape), dtype=dtype, device=device, pin_memory=pin)
-                for shape, dtype in spec.layer_tensors()
+                for shape, dtype in host_layer_tensors(spec, compression)
             )
     return [by_layer[i] for i in range(len(by_layer))]

@@ -34,6 +34,13 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+// The quantized caches' dot-product paths (16-bit widening needs AVX512BW).
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#define PAGODA_FP8_DOT 1
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define PAGODA_INT8_DOT 1
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -404,13 +411,59 @@ struct AvxScratch {
   std::vector<float> p;      // one tile of scores, then probabilities: [heads][16]
   std::vector<float> corr;   // this tile's rescale of acc (broadcast): [heads][16]
   std::vector<float> ks, vs; // quantized caches: this tile's K / V scales: [kv heads][16]
+  std::vector<float> qscale;  // int8 dot path: the scale of each head's int16 q (in qb)
   AvxScratch(int heads, int d, int /*block_size*/)
       : qb(heads * d), qf(heads * d), acc(heads * d), m(heads * kTile), l(heads * kTile),
-        p(heads * kTile), corr(heads * kTile), ks(heads * kTile), vs(heads * kTile) {}
+        p(heads * kTile), corr(heads * kTile), ks(heads * kTile), vs(heads * kTile),
+        qscale(heads) {}
 };
 
+// 32 values of a row as the 16-bit operands of a dot-product instruction: bf16 rows as
+// they are; fp8 codes as bf16 bits (the fp8_bits_as_f32 trick on 16 bits: value * 2^-120;
+// NOTE: vdpbf16ps reads bf16 denormals as zero, so fp8 subnormal codes, |x| < amax / 28672,
+// count as 0 here); int8 codes sign-extended to int16.
+inline __m512i load_dot_chunk(const uint16_t* src) { return _mm512_loadu_si512(src); }
+
+#if defined(__AVX512BW__)
+inline __m512i load_dot_chunk(const uint8_t* src) {
+  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+  const __m512i w = _mm512_slli_epi16(_mm512_cvtepi8_epi16(x), 4);
+  return _mm512_and_si512(w, _mm512_set1_epi16(static_cast<short>(0x87F0)));
+}
+
+inline __m512i load_dot_chunk(const int8_t* src) {
+  return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+}
+#else
+// NOTE: never called (the code dot paths need AVX512BW); keeps tile_scores compiling.
+template <typename T>
+inline __m512i load_dot_chunk(const T*) { return _mm512_setzero_si512(); }
+#endif
+
+// q . row over kNC chunks of 32 pairs, as 16 fp32 partial sums.
+template <typename KV, int kNC>
+inline __m512 dot_chunks(const __m512i* q, const __m512i* kx) {
+  if constexpr (std::is_same_v<KV, int8_t>) {
+#if defined(PAGODA_INT8_DOT)
+    // NOTE: exact: |q| <= 32767, |code| <= 127, so 256 products stay far inside int32.
+    __m512i d = _mm512_setzero_si512();
+    for (int c = 0; c < kNC; ++c) d = _mm512_dpwssd_epi32(d, q[c], kx[c]);
+    return _mm512_cvtepi32_ps(d);
+#endif
+  } else {
+#if defined(__AVX512BF16__)
+    __m512 d = _mm512_setzero_ps();
+    for (int c = 0; c < kNC; ++c) d = _mm512_dpbf16_ps(d, (__m512bh)q[c], (__m512bh)kx[c]);
+    return d;
+#endif
+  }
+  return _mm512_setzero_ps();  // NOTE: unreachable: dispatch_avx takes kDot only where built
+}
+
 // Phase 1 of a tile: the scaled, masked scores of query heads [j0, j0 + NH) of one kv head
-// (rows at column col) into s.p. kDot: vdpbf16ps on bf16 q and rows.
+// (rows at column col) into s.p. kDot: a 32-pair dot-product instruction on 16-bit q and
+// rows: vdpbf16ps for bf16 rows and for fp8 rows widened to bf16, vpdpwssd for int8 rows
+// widened to int16 against q quantized to int16 (dot_chunk).
 template <typename KV, int kD, int NH, bool kDot>
 inline void tile_scores(const KV* __restrict k_cache, const TileRows& tr, int64_t col,
                         AvxScratch& s, int j0, __m512 vscale, const float* ksc,
@@ -418,7 +471,6 @@ inline void tile_scores(const KV* __restrict k_cache, const TileRows& tr, int64_
   constexpr int kNV = kD / 16;
   __m512 w[4][NH];
   if constexpr (kDot) {
-#if defined(__AVX512BF16__)
     constexpr int kNC = kD / 32;
     __m512i q[NH][kNC];
     for (int h = 0; h < NH; ++h)
@@ -429,19 +481,20 @@ inline void tile_scores(const KV* __restrict k_cache, const TileRows& tr, int64_
       for (int u = 0; u < 4; ++u) {
         const KV* kr = k_cache + tr.off[4 * g + u] + col;
         __m512i kx[kNC];
-        for (int c = 0; c < kNC; ++c) kx[c] = _mm512_loadu_si512(kr + 32 * c);
-        for (int h = 0; h < NH; ++h) {
-          __m512 d = _mm512_setzero_ps();
-          for (int c = 0; c < kNC; ++c)
-            d = _mm512_dpbf16_ps(d, (__m512bh)q[h][c], (__m512bh)kx[c]);
-          a[u][h] = d;
-        }
+        for (int c = 0; c < kNC; ++c) kx[c] = load_dot_chunk(kr + 32 * c);
+        for (int h = 0; h < NH; ++h) a[u][h] = dot_chunks<KV, kNC>(q[h], kx);
       }
       for (int h = 0; h < NH; ++h) w[g][h] = sum4(a[0][h], a[1][h], a[2][h], a[3][h]);
       pf.issue();
       pf.issue();
     }
-#endif
+    if constexpr (std::is_same_v<KV, int8_t>) {
+      // NOTE: the int16 q's scale, per head (one vector of 16 scores each).
+      for (int h = 0; h < NH; ++h) {
+        const __m512 qs = _mm512_set1_ps(s.qscale[j0 + h]);
+        for (int g = 0; g < 4; ++g) w[g][h] = _mm512_mul_ps(w[g][h], qs);
+      }
+    }
   } else {
     for (int g = 0; g < 4; ++g) {
       __m512 a[4][NH];
@@ -582,6 +635,21 @@ inline void prefetch_scales(const Problem& p, const TileRows& tr, int kvh0) {
   }
 }
 
+// One query head (n values from q[q0]) as int16 (stored in a uint16 buffer) and its scale,
+// for the int8 dot path: |q| max -> 32767. NOTE: the rounding error (<= amax / 65534 per
+// value) is far below a bf16 q's own (2^-9 relative) and the int8 K's (amax_k / 254).
+inline void quantize_q_int16(const Problem& p, int64_t q0, int n, uint16_t* out,
+                             float& scale) {
+  float amax = 0.0f;
+  for (int d = 0; d < n; ++d) amax = std::max(amax, std::fabs(load_q(p, q0 + d)));
+  scale = amax / 32767.0f;
+  const float inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
+  for (int d = 0; d < n; ++d) {
+    const auto v = static_cast<int16_t>(std::nearbyint(load_q(p, q0 + d) * inv));
+    out[d] = static_cast<uint16_t>(v);
+  }
+}
+
 template <typename KV, int kD, bool kDot>
 void decode_one_avx(const Problem& p, const KV* k_cache, const KV* v_cache, int64_t b, int kvh0,
                     int kvh1, AvxScratch& s) {
@@ -593,12 +661,16 @@ void decode_one_avx(const Problem& p, const KV* k_cache, const KV* v_cache, int6
   const int64_t q_base = (b * p.num_heads + static_cast<int64_t>(kvh0) * G) * kD;
 
   for (int j = 0; j < nh; ++j) {
+    const int64_t q0 = q_base + static_cast<int64_t>(j) * kD;
+    if constexpr (kDot && std::is_same_v<KV, int8_t>) {
+      quantize_q_int16(p, q0, kD, s.qb.data() + j * kD, s.qscale[j]);
+      continue;
+    }
     for (int d = 0; d < kD; ++d) {
-      const int64_t qi = q_base + static_cast<int64_t>(j) * kD + d;
       if constexpr (kDot) {
-        s.qb[j * kD + d] = static_cast<const c10::BFloat16*>(p.q)[qi].x;  // q is bf16 here
+        s.qb[j * kD + d] = static_cast<const c10::BFloat16*>(p.q)[q0 + d].x;  // q is bf16 here
       } else {
-        s.qf[j * kD + row_index<KV>(d)] = load_q(p, qi);
+        s.qf[j * kD + row_index<KV>(d)] = load_q(p, q0 + d);
       }
     }
   }
@@ -798,9 +870,18 @@ void decode_all_avx(const Problem& p, const KV* k, const KV* v, int64_t batch) {
 
 template <typename KV, int kD>
 void dispatch_avx(const Problem& p, const KV* k, const KV* v, int64_t batch) {
+  // NOTE: the dot paths only for a bf16 q: a float32 q would have to be rounded (or split
+  // into terms); it keeps the fp32 FMAs (the exact path).
   if constexpr (std::is_same_v<KV, uint16_t>) {
 #if defined(__AVX512BF16__)
-    // NOTE: only for a bf16 q: a float32 q would have to be rounded (or split into terms).
+    if (g_use_bf16_dot && p.q_is_bf16) return decode_all_avx<KV, kD, true>(p, k, v, batch);
+#endif
+  } else if constexpr (std::is_same_v<KV, uint8_t>) {
+#if defined(PAGODA_FP8_DOT)
+    if (g_use_bf16_dot && p.q_is_bf16) return decode_all_avx<KV, kD, true>(p, k, v, batch);
+#endif
+  } else if constexpr (std::is_same_v<KV, int8_t>) {
+#if defined(PAGODA_INT8_DOT)
     if (g_use_bf16_dot && p.q_is_bf16) return decode_all_avx<KV, kD, true>(p, k, v, batch);
 #endif
   }
@@ -943,6 +1024,12 @@ std::vector<std::string> attention_isa() {
 #endif
 #if defined(__AVX512BF16__)
   isa.push_back("avx512_bf16");
+#endif
+#if defined(PAGODA_FP8_DOT) || defined(PAGODA_INT8_DOT)
+  isa.push_back("avx512bw");
+#endif
+#if defined(PAGODA_INT8_DOT)
+  isa.push_back("avx512_vnni");
 #endif
   return isa;
 }
