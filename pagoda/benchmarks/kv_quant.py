@@ -6,7 +6,11 @@ costs against the model-dtype cache, in one run:
   randomly placed blocks, best of `--repeats`;
 - KV bytes per token and conversations of `--conversation-tokens` held per GiB;
 - perplexity through the engine's prompt logprobs on a real text (sliding windows), and its
-  delta against the model-dtype cache.
+  delta against the model-dtype cache;
+- per host compression format (--kv-host-compression): bytes per token, conversations per
+  GiB of host memory, and perplexity with every block of earlier prefill chunks passed
+  through the format before each step (the worst case: all history comes back from the
+  host), plus what a lossless pass (zlib) would add.
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ def add_kv_quant_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ppl-tokens", type=int, default=4096, help="tokens scored (0: skip)")
     p.add_argument("--ppl-window", type=int, default=512)
     p.add_argument("--conversation-tokens", type=int, default=2048)
+    p.add_argument("--host-compressions", default="none,int8,int4",
+                   help="comma-separated --kv-host-compression values to measure ('' skips)")
     p.add_argument("--output-json")
 
 
@@ -100,6 +106,79 @@ def perplexity(model: str | None, kv: str, ids: list[int], window: int) -> float
     return math.exp(nll / count)
 
 
+def round_trip_perplexity(model: str | None, compression: str, ids: list[int], window: int,
+                          chunk: int = 128) -> tuple[float, dict[str, float]]:
+    """Perplexity (windows of `window` tokens, prefilled in chunks of `chunk`) with the
+    whole device cache passed through `compression` and back before every step, so each
+    chunk attends to its predecessors as restored from the host; and zlib on the last
+    compressed copy of the blocks in use (ratio, MB/s at level 1)."""
+    import zlib
+
+    from pagoda import LLM, SamplingParams
+    from pagoda.worker.kv_compress import convert_blocks, host_layer_tensors, pool_format
+
+    num_blocks = window // 16 + 4
+    llm = LLM(model=model, dtype="bfloat16", max_model_len=window + 1,
+              enable_prefix_caching=False, max_num_batched_tokens=chunk, max_num_seqs=1,
+              num_gpu_blocks_override=num_blocks)
+    worker = llm.llm_engine.executor.worker
+    (spec,) = worker.kv_cache_specs()
+    fmt = pool_format(spec)
+    host = [tuple(torch.empty((num_blocks, *shape), dtype=dtype)
+                  for shape, dtype in host_layer_tensors(spec, compression))
+            for _ in worker.kv_caches]
+    idx = torch.arange(1, num_blocks)
+    real = worker.execute_model
+
+    def through_host(out):
+        for layer, host_layer in zip(worker.kv_caches, host, strict=True):
+            convert_blocks(layer, host_layer, idx, idx, fmt, compression)
+            convert_blocks(host_layer, layer, idx, idx, compression, fmt)
+        return real(out)
+
+    if compression != "none":
+        worker.execute_model = through_host
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    windows = [{"prompt_token_ids": ids[i:i + window]} for i in range(0, len(ids), window)]
+    nll, count = 0.0, 0
+    for out in llm.generate(windows, params, use_tqdm=False):
+        for tok, lp in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:], strict=True):
+            nll -= lp[tok].logprob
+            count += 1
+    # NOTE: "none" keeps the device's own blocks (bf16: viewed as int16 to reach numpy).
+    pools = worker.kv_caches if compression == "none" else host
+    raw = b"".join(t[idx].contiguous().view(torch.uint8).numpy().tobytes()
+                   for layer in pools for t in layer)
+    start = time.perf_counter()
+    packed = zlib.compress(raw, 1)
+    seconds = time.perf_counter() - start
+    lossless = {"zlib1_ratio": len(raw) / len(packed), "zlib1_mb_s": len(raw) / seconds / 1e6}
+    return math.exp(nll / count), lossless
+
+
+def _host_rows(args, shape, ids) -> dict[str, dict[str, Any]]:
+    from pagoda.config import resolve_kv_cache_dtype
+    from pagoda.core.kv_cache_spec import group_layers
+    from pagoda.worker.kv_compress import host_bytes_per_block
+
+    (spec,) = group_layers([None] * shape.num_layers, 16, shape.num_kv_heads, shape.head_dim,
+                           resolve_kv_cache_dtype("auto", torch.bfloat16))
+    rows = {}
+    for compression in [c for c in args.host_compressions.split(",") if c]:
+        per_token = host_bytes_per_block([spec], compression) // 16
+        row: dict[str, Any] = {
+            "host_bytes_per_token": per_token,
+            "conversations_per_host_gib": (1 << 30) / (per_token * args.conversation_tokens),
+        }
+        if ids:
+            row["perplexity"], lossless = round_trip_perplexity(args.model, compression, ids,
+                                                               args.ppl_window)
+            row.update(lossless)
+        rows[compression] = row
+        print("host", compression, json.dumps(row), flush=True)
+    return rows
+
+
 def run_kv_quant(args: argparse.Namespace) -> dict[str, Any]:
     from pagoda import LLM
     from pagoda.benchmarks import roofline as rl
@@ -136,10 +215,13 @@ def run_kv_quant(args: argparse.Namespace) -> dict[str, Any]:
         rows[kv] = row
         print(kv, json.dumps(row), flush=True)
     _print_table(rows, kvs[0], args, shape)
+    host = _host_rows(args, shape, ids)
+    if host:
+        _print_host_table(host)
     report = {"setup": {"model": src.label, "batch": args.batch, "context": args.context,
                         "text": args.text, "ppl_tokens": len(ids),
                         "machine": rl.describe_machine()["cpu"]},
-              "results": rows}
+              "results": rows, "host_compression": host}
     if args.output_json:
         with open(args.output_json, "w", encoding="utf-8") as f:
             json.dump(report, f, indent=2)
@@ -161,3 +243,17 @@ def _print_table(rows: dict[str, dict[str, Any]], base: str, args, shape) -> Non
               f"{b['attention_cpu_ms'] / r['attention_cpu_ms']:>8.2f}x"
               f"{r['kv_bytes_per_token']:>9}{r['conversations_per_gib']:>10.1f}"
               f"{(f'{ppl:.3f}' if ppl else '-'):>10}{delta:>11}")
+
+
+def _print_host_table(rows: dict[str, dict[str, Any]]) -> None:
+    base = rows.get("none", {}).get("perplexity")
+    print("== host pool formats (swap, host tier): history restored before every step ==")
+    print(f"{'format':<8}{'B/token':>9}{'conv/GiB':>10}{'ppl':>10}{'ppl delta':>11}"
+          f"{'zlib-1 ratio':>14}{'zlib MB/s':>11}")
+    for name, r in rows.items():
+        ppl = r.get("perplexity")
+        delta = f"{ppl / base - 1:+.2%}" if ppl and base else "-"
+        zr, zs = r.get("zlib1_ratio"), r.get("zlib1_mb_s")
+        print(f"{name:<8}{r['host_bytes_per_token']:>9}{r['conversations_per_host_gib']:>10.1f}"
+              f"{(f'{ppl:.3f}' if ppl else '-'):>10}{delta:>11}"
+              f"{(f'{zr:.3f}' if zr else '-'):>14}{(f'{zs:.0f}' if zs else '-'):>11}")

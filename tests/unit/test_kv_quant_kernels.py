@@ -135,9 +135,13 @@ def test_paged_attention_reads_quantized_cache(ext, code, d, block_size, hk, gro
 
 
 @pytest.mark.parametrize("code", CODES)
-def test_paged_attention_bf16_q_on_quantized_cache(ext, code) -> None:
-    q, kc, vc, tables, lens, ks, vs = _attention_case([3, 33, 64], 2, 4, 64, 16, code,
-                                                      torch.bfloat16, seed=3)
+@pytest.mark.parametrize(("d", "block_size", "group"), [(64, 16, 4), (96, 8, 3), (128, 32, 2)])
+def test_paged_attention_bf16_q_on_quantized_cache(ext, code, d, block_size, group) -> None:
+    """A bf16 q takes the dot-product paths (int8: int16 q and weights, vpdpwssd; fp8:
+    vdpbf16ps), with partial first and last tiles (odd lengths, windows)."""
+    q, kc, vc, tables, lens, ks, vs = _attention_case([3, 33, 64, 17], 2, group, d,
+                                                      block_size, code, torch.bfloat16,
+                                                      seed=3)
     args = (q, kc, vc, tables, lens, 0.125, None, None, ks, vs)
     kernel = ops.paged_attention.select(*args)
     assert kernel is not ops.paged_attention.reference
@@ -145,6 +149,9 @@ def test_paged_attention_bf16_q_on_quantized_cache(ext, code) -> None:
     # q's dtype (bf16) first, hence the bf16-sized tolerance.
     want = reference.paged_attention(q.float(), kc, vc, tables, lens, 0.125, None, None, ks, vs)
     torch.testing.assert_close(kernel(*args).float(), want, rtol=2e-2, atol=2e-2)
+    windowed = (*args[:6], 7, None, ks, vs)
+    want = reference.paged_attention(q.float(), kc, vc, tables, lens, 0.125, 7, None, ks, vs)
+    torch.testing.assert_close(kernel(*windowed).float(), want, rtol=2e-2, atol=2e-2)
 
 
 def test_kernels_refuse_missing_or_stray_scales(ext) -> None:

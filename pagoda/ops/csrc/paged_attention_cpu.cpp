@@ -579,6 +579,80 @@ inline void tile_values(const KV* __restrict v_cache, const TileRows& tr, int64_
       _mm512_storeu_ps(s.acc.data() + (j0 + h) * kD + 16 * i, acc[h][i]);
 }
 
+// Where dim d of an accumulator lives: the rows' layout (row_index), except on the int8 dot
+// path, whose int16 row pairs (unpacklo / unpackhi of two rows, per 128-bit lane) leave 32
+// dims c as lanes [4k + j] of vector 2c (d = 32c + 8k + j) and 2c + 1 (d = 32c + 8k + 4 + j).
+template <typename KV, bool kDot>
+inline int acc_index(int d) {
+  if constexpr (kDot && std::is_same_v<KV, int8_t>) {
+    const int c = d >> 5, r = d & 31;
+    return (2 * c + ((r >> 2) & 1)) * 16 + (r >> 3) * 4 + (r & 3);
+  } else {
+    return row_index<KV>(d);
+  }
+}
+
+// Phase 3 for int8 rows with a bf16 q: each probability times its row's V scale, quantized
+// per head and tile to int16 (max -> 32767; error <= 1.5e-5 of the tile's largest weight),
+// then two rows at a time against their codes as int16 pairs with vpdpwssd (32 exact
+// multiply-adds per instruction, against 16 FMAs after two conversions on the fp32 path);
+// the tile's integer sums are scaled into the fp32 accumulators once.
+#if defined(PAGODA_INT8_DOT)
+template <int kD, int NH>
+inline void tile_values_int8(const int8_t* __restrict v_cache, const TileRows& tr, int64_t col,
+                             AvxScratch& s, int j0, const float* vsc, Prefetcher& pf) {
+  constexpr int kNV = kD / 16;
+  alignas(64) int32_t wq[NH][kTile];
+  float wscale[NH];
+  const __m512 vs = _mm512_loadu_ps(vsc);
+  for (int h = 0; h < NH; ++h) {
+    const __m512 w = _mm512_mul_ps(_mm512_loadu_ps(s.p.data() + (j0 + h) * kTile), vs);
+    const float wmax = _mm512_reduce_max_ps(w);
+    wscale[h] = wmax / 32767.0f;
+    const __m512 inv = _mm512_set1_ps(wmax > 0.0f ? 32767.0f / wmax : 0.0f);
+    _mm512_store_si512(wq[h], _mm512_cvtps_epi32(_mm512_mul_ps(w, inv)));
+  }
+  __m512i iacc[NH][kNV];
+  for (int h = 0; h < NH; ++h)
+    for (int i = 0; i < kNV; ++i) iacc[h][i] = _mm512_setzero_si512();
+  // NOTE: pairs from an even lane; a lane outside [lo, hi) repeats a valid row, weight 0.
+  for (int t = tr.lo & ~1; t < tr.hi; t += 2) {
+    const int8_t* ra = v_cache + tr.off[t] + col;
+    const int8_t* rb = v_cache + tr.off[t + 1] + col;
+    pf.issue();
+    __m512i x[kNV];
+    for (int c = 0; c < kD / 32; ++c) {
+      const __m512i wa = _mm512_cvtepi8_epi16(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ra + 32 * c)));
+      const __m512i wb = _mm512_cvtepi8_epi16(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rb + 32 * c)));
+      x[2 * c] = _mm512_unpacklo_epi16(wa, wb);
+      x[2 * c + 1] = _mm512_unpackhi_epi16(wa, wb);
+    }
+    for (int h = 0; h < NH; ++h) {
+      const uint32_t pair = (static_cast<uint32_t>(wq[h][t + 1]) << 16) |
+                            (static_cast<uint32_t>(wq[h][t]) & 0xFFFFu);
+      const __m512i wp = _mm512_set1_epi32(static_cast<int32_t>(pair));
+      for (int i = 0; i < kNV; ++i) iacc[h][i] = _mm512_dpwssd_epi32(iacc[h][i], wp, x[i]);
+    }
+  }
+  for (int h = 0; h < NH; ++h) {
+    const __m512 corr = _mm512_loadu_ps(s.corr.data() + (j0 + h) * kTile);
+    const __m512 ws = _mm512_set1_ps(wscale[h]);
+    float* acc = s.acc.data() + (j0 + h) * kD;
+    for (int i = 0; i < kNV; ++i) {
+      const __m512 a = _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * i), corr);
+      _mm512_storeu_ps(acc + 16 * i, _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[h][i]), ws, a));
+    }
+  }
+}
+#else
+// NOTE: never called (dispatch_avx takes the int8 dot path only where it was built).
+template <int kD, int NH>
+inline void tile_values_int8(const int8_t*, const TileRows&, int64_t, AvxScratch&, int,
+                             const float*, Prefetcher&) {}
+#endif
+
 // Query heads handled together per call of tile_scores / tile_values: the accumulators
 // (NH * kD / 16 vectors) stay in registers.
 template <int kD>
@@ -714,7 +788,12 @@ void decode_one_avx(const Problem& p, const KV* k_cache, const KV* v_cache, int6
         const int jk = (kvh - kvh0) * G;
         const float* vsc = s.vs.data() + (kvh - kvh0) * kTile;
         for_head_chunks<kNH>(G, [&](auto nh_c, int g0) {
-          tile_values<KV, kD, decltype(nh_c)::value>(v_cache, tr, col, s, jk + g0, vsc, pf);
+          constexpr int kNHc = decltype(nh_c)::value;
+          if constexpr (kDot && std::is_same_v<KV, int8_t>) {
+            tile_values_int8<kD, kNHc>(v_cache, tr, col, s, jk + g0, vsc, pf);
+          } else {
+            tile_values<KV, kD, kNHc>(v_cache, tr, col, s, jk + g0, vsc, pf);
+          }
         });
       }
     }
@@ -725,7 +804,7 @@ void decode_one_avx(const Problem& p, const KV* k_cache, const KV* v_cache, int6
     const float inv = l > 0.0f ? 1.0f / l : 0.0f;
     const float* aj = s.acc.data() + j * kD;
     for (int d = 0; d < kD; ++d) {
-      store_out(p, q_base + static_cast<int64_t>(j) * kD + d, aj[row_index<KV>(d)] * inv);
+      store_out(p, q_base + static_cast<int64_t>(j) * kD + d, aj[acc_index<KV, kDot>(d)] * inv);
     }
   }
 }
