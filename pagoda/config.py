@@ -13,6 +13,9 @@ from pagoda.core.request import DEFAULT_SLA_TTFT_TARGETS_S, SLA_CLASS_RANKS
 from pagoda.core.request_queue import DEFAULT_AGING_INTERVAL_S, SCHEDULING_POLICIES
 from pagoda.quant.base import quantization_methods
 
+# --kv-host-compression values (worker/kv_compress.py).
+HOST_COMPRESSIONS = ("none", "int8", "int4")
+
 _DTYPES = {
     "float32": torch.float32,
     "float": torch.float32,
@@ -28,6 +31,10 @@ KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
     "float32": torch.float32,
+    # Quantized (ops/kv_quant.py): codes plus a float32 scale per token and kv head.
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "int8": torch.int8,
 }
 
 
@@ -108,6 +115,9 @@ class CacheConfig:
     # attention_sinks tokens and the last streaming_window (None: off) tokens.
     attention_sinks: int = 0
     streaming_window: int | None = None
+    # How the host pools (swap, host tier) keep blocks: "none" (as on the device), "int8" or
+    # "int4" codes with a scale per token and kv head (worker/kv_compress.py).
+    kv_host_compression: str = "none"
 
 
 @dataclass
@@ -171,6 +181,10 @@ class EngineConfig:
         if c.attention_sinks and c.streaming_window is None:
             raise ValueError("attention_sinks needs streaming_window (the tokens kept after "
                              "the sinks)")
+        if c.streaming_window is not None and c.kv_cache_dtype in ("fp8", "fp8_e4m3", "int8"):
+            # NOTE: the sink attention path reads the cache without scales.
+            raise ValueError(f"attention sinks (streaming_window) need an unquantized KV "
+                             f"cache, got kv_cache_dtype {c.kv_cache_dtype!r}")
         self._validate_preemption_and_policy()
 
     def _validate_quantization(self) -> None:
@@ -193,6 +207,9 @@ class EngineConfig:
             raise ValueError(
                 f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {c.kv_cache_dtype!r}"
             )
+        if c.kv_host_compression not in HOST_COMPRESSIONS:
+            raise ValueError(f"kv_host_compression must be one of {list(HOST_COMPRESSIONS)}, "
+                             f"got {c.kv_host_compression!r}")
         if c.kv_offloading_size > 0 and not c.enable_prefix_caching:
             raise ValueError(
                 "kv_offloading_size > 0 (the prefix cache's host tier) needs "
@@ -256,6 +273,8 @@ class EngineArgs:
     # streaming_window tokens in full-attention layers (None: keep all).
     attention_sinks: int = 0
     streaming_window: int | None = None
+    # kvquant: compressed KV blocks in the host pools (swap, host tier).
+    kv_host_compression: str = "none"
 
     @classmethod
     def add_cli_args(cls, p: argparse.ArgumentParser) -> None:
@@ -267,7 +286,8 @@ class EngineArgs:
         p.add_argument("--dtype", default=d.dtype, choices=["auto", *_DTYPES])
         p.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype,
                        choices=list(KV_CACHE_DTYPES), help="the KV cache's element type "
-                       "(auto: the model's dtype)")
+                       "(auto: the model's dtype; fp8 = fp8_e4m3 and int8 store codes with a "
+                       "scale per token and kv head)")
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
                      "kv_cache_memory_bytes", "num_gpu_blocks_override", "seed"):
             p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(d, name))
@@ -292,6 +312,11 @@ class EngineArgs:
                        help="GiB of host memory for the prefix cache's second tier: cached "
                        "blocks evicted from the KV cache are kept there and loaded back on a "
                        "later prefix hit (0: off)")
+        p.add_argument("--kv-host-compression", default=d.kv_host_compression,
+                       choices=list(HOST_COMPRESSIONS), help="how the host pools (swap, "
+                       "prefix-cache host tier) keep KV blocks: none (as on the device), int8 "
+                       "or int4 codes with a scale per token and kv head (more blocks per GiB, "
+                       "a small accuracy cost when they come back)")
         p.add_argument("--aging-interval-s", type=float, default=d.aging_interval_s,
                        help="priority policy: a request ranks one SLA class better per this "
                        "many seconds it arrived before another")
@@ -340,6 +365,7 @@ class EngineArgs:
                 kv_cache_dtype=self.kv_cache_dtype,
                 attention_sinks=self.attention_sinks,
                 streaming_window=self.streaming_window,
+                kv_host_compression=self.kv_host_compression,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,

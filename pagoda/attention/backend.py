@@ -108,7 +108,7 @@ class AttentionBackend(Protocol):
         q: torch.Tensor,  # [T, H, D]
         k: torch.Tensor,  # [T, Hk, D]
         v: torch.Tensor,  # [T, Hk, D]
-        kv_cache: tuple[torch.Tensor, torch.Tensor],  # [num_blocks, block_size, Hk, D] each
+        kv_cache: tuple[torch.Tensor, ...],  # K, V [num_blocks, block_size, Hk, D] (+ scales)
         md: AttentionMetadata,
         kv_written: bool = False,  # True: the caller already wrote k/v into their slots
     ) -> torch.Tensor:  # [T, H * D]

@@ -5,6 +5,10 @@ back through its block table, so cached prefixes, earlier chunks and this step's
 all read the same way. Decode rows go through `ops.paged_attention` (the C++ kernel on CPU,
 the reference elsewhere); prefill chunks use SDPA. Every tensor made here is made on the
 queries' device.
+A quantized cache (ops/kv_quant.py) is the layer's (k, v, k_scale, v_scale): the writes
+quantize, the kernel reads the codes in place, the reference paths dequantize what they
+gather (a prefill with nothing cached before it reads the cache too, so that every query
+sees the same stored K/V).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from pagoda.attention.backend import (
     build_paged_metadata,
     register_backend,
 )
-from pagoda.attention.sinks import gather_range, sink_attention
+from pagoda.attention.sinks import sink_attention
 
 
 @register_backend("torch_paged")
@@ -47,14 +51,15 @@ class TorchPagedAttention:
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: tuple[torch.Tensor, ...],
         md: AttentionMetadata,
         kv_written: bool = False,
     ) -> torch.Tensor:
-        k_cache, v_cache = kv_cache
+        k_cache, v_cache, *scales = kv_cache
         if not kv_written:
-            ops.write_kv(k, v, k_cache, v_cache, md.slot_mapping)
+            ops.write_kv(k, v, k_cache, v_cache, md.slot_mapping, *scales)
         if self.sinks is not None:
+            # NOTE: EngineConfig refuses sinks with a quantized cache (no scales here).
             return self._forward_sinks(q, k_cache, v_cache, md)
         if md.prefills and q.dtype in TOKEN_ROW_DTYPES and md.token_seq_lens is not None:
             # NOTE: a kernel that reads the paged cache in place (no gather) with each prefill
@@ -62,7 +67,7 @@ class TorchPagedAttention:
             # (head_dim 64, bf16). The reference would gather a context per token: not that.
             args = (
                 q, k_cache, v_cache, md.token_block_tables, md.token_seq_lens, self.scale,
-                self.sliding_window,
+                self.sliding_window, None, *scales,
             )
             kernel = ops.paged_attention.select(*args)
             if kernel is not ops.paged_attention.reference:
@@ -72,22 +77,26 @@ class TorchPagedAttention:
         if nd:
             out[:nd] = ops.paged_attention(
                 q[:nd], k_cache, v_cache, md.decode_block_tables, md.decode_seq_lens,
-                self.scale, self.sliding_window, md.decode_max_seq_len,
+                self.scale, self.sliding_window, md.decode_max_seq_len, *scales,
             )
         for seq in md.prefills:
             s = slice(seq.query_start, seq.query_start + seq.query_len)
             key_start = 0
-            if seq.seq_len == seq.query_len:
+            if seq.seq_len == seq.query_len and not scales:
                 # Nothing cached before this chunk: attend to its own K/V, no gather.
-                keys, values = k[s], v[s]
+                keys, values = k[s].to(q.dtype), v[s].to(q.dtype)
             else:
+                bs = k_cache.shape[1]
                 if self.sliding_window is not None:
                     # NOTE: only the window's blocks (the ones before it are freed).
                     first = seq.seq_len - seq.query_len - self.sliding_window + 1
-                    key_start = max(0, first) // k_cache.shape[1] * k_cache.shape[1]
-                keys = gather_range(k_cache, seq.block_table, key_start, seq.seq_len)
-                values = gather_range(v_cache, seq.block_table, key_start, seq.seq_len)
-            out[s] = self._prefill(q[s], keys.to(q.dtype), values.to(q.dtype), key_start)
+                    key_start = max(0, first) // bs * bs
+                table = seq.block_table[None, key_start // bs :]
+                k_scale, v_scale = scales or (None, None)
+                n = seq.seq_len - key_start
+                keys = ops.gather_kv(k_cache, k_scale, table, n, q.dtype)[0]
+                values = ops.gather_kv(v_cache, v_scale, table, n, q.dtype)[0]
+            out[s] = self._prefill(q[s], keys, values, key_start)
         return out.view(q.shape[0], -1)
 
     def _forward_sinks(

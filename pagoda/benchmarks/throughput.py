@@ -71,6 +71,8 @@ def add_throughput_args(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=sched.max_num_seqs)
     p.add_argument("--max-num-batched-tokens", type=int, default=sched.max_num_batched_tokens)
     p.add_argument("--kv-cache-gib", type=int, default=4, help="KV cache of pagoda and vLLM")
+    p.add_argument("--kv-cache-dtypes", default="auto", help="comma-separated "
+                   "--kv-cache-dtype values: pagoda runs once per value (e.g. auto,int8,fp8)")
     p.add_argument(
         "--threads",
         type=int,
@@ -165,13 +167,15 @@ def _generate_measuring_kv(llm: Any, workload: Workload) -> tuple[list[int], flo
     return counts, time.perf_counter() - start - overhead, meter
 
 
-def run_pagoda(workload: Workload, args: argparse.Namespace) -> dict[str, Any]:
+def run_pagoda(workload: Workload, args: argparse.Namespace,
+               kv_cache_dtype: str = "auto") -> dict[str, Any]:
     """Time pagoda's engine over the workload (load and warm-up excluded), measuring the
     KV memory waste as it goes."""
     from pagoda import LLM, SamplingParams
 
     engine_kwargs = {
         "dtype": args.dtype,
+        "kv_cache_dtype": kv_cache_dtype,
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "kv_cache_memory_bytes": args.kv_cache_gib << 30,
@@ -231,14 +235,28 @@ def run_vllm_system(
     )
 
 
+def _runs(args: argparse.Namespace) -> list[tuple[str, str, str]]:
+    """(result name, system name for run_system, KV cache dtype) per run: pagoda once per
+    --kv-cache-dtypes value, vLLM once per --vllm-modes value."""
+    kvs = [k.strip() for k in str(args.kv_cache_dtypes).split(",") if k.strip()] or ["auto"]
+    runs = []
+    for name in run_names(args.systems, args.vllm_modes):
+        if name != "pagoda":
+            runs.append((name, name, "auto"))
+            continue
+        runs += [(name if kv == "auto" else f"pagoda kv={kv}", name, kv) for kv in kvs]
+    return runs
+
+
 def run_system(
-    name: str, workload: Workload, src: ModelSource, args: argparse.Namespace
+    name: str, workload: Workload, src: ModelSource, args: argparse.Namespace,
+    kv_cache_dtype: str = "auto",
 ) -> dict[str, Any]:
     """One system's result (name: a SYSTEMS entry, or "vllm (MODE)"); an exception becomes
     an "error" entry so the others still run."""
     try:
         if name == "pagoda":
-            return run_pagoda(workload, args)
+            return run_pagoda(workload, args, kv_cache_dtype)
         if name == "transformers":
             return run_hf(
                 workload,
@@ -342,9 +360,9 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
         print(rl.format_roofline(roof), flush=True)
 
     results: dict[str, dict[str, Any]] = {}
-    for name in run_names(args.systems, args.vllm_modes):
+    for name, system, kv in _runs(args):
         print(f"-- running {name} ...", flush=True)
-        results[name] = run_system(name, workload, src, args)
+        results[name] = run_system(system, workload, src, args, kv)
         if "log_tail" in results[name]:
             print(results[name]["log_tail"])
     if roof:

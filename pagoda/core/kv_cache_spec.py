@@ -2,7 +2,8 @@
 
 A `KVCacheSpec` describes a group of layers that share one layout: the attention kind (full,
 sliding window of W tokens, or an MLA latent), the cache dtype (independent of the model's),
-the block size and the per-token row. Pool sizing divides a memory budget by the bytes one
+the block size and the per-token row. A quantized dtype (int8, fp8 e4m3: ops/kv_quant.py)
+adds a float32 scale per token and kv head beside K and V. Pool sizing divides a memory budget by the bytes one
 block takes over every group; the worker allocates the tensors per group.
 
 Each group has its own block table per request (core/kv_cache_manager.py). What a group
@@ -19,6 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from pagoda.ops.kv_quant import SCALE_DTYPE, is_quantized, storage_dtype
 
 
 class AttentionKind(enum.Enum):
@@ -52,10 +55,28 @@ class KVCacheSpec:
         return (self.block_size, self.num_kv_heads, self.head_size)
 
     @property
+    def quantized(self) -> bool:
+        """Codes plus per-(token, kv head) scales instead of plain values."""
+        return is_quantized(self.dtype)
+
+    def layer_tensors(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """(shape of one block, storage dtype) of each tensor of one layer: K and V (or the
+        latent), then, when quantized, their scales [block_size, num_kv_heads]."""
+        codes = [(self.layer_shape, storage_dtype(self.dtype))] * self.num_tensors_per_layer
+        if not self.quantized:
+            return codes
+        scales = [((self.block_size, self.num_kv_heads), SCALE_DTYPE)] * len(codes)
+        return codes + scales
+
+    @property
     def bytes_per_token(self) -> int:
-        """Bytes one token takes in every layer of the group."""
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        per_layer = self.num_tensors_per_layer * self.num_kv_heads * self.head_size * elem
+        """Bytes one token takes in every layer of the group (scales included)."""
+        per_layer = 0
+        for shape, dtype in self.layer_tensors():
+            elems = 1
+            for n in shape[1:]:
+                elems *= n
+            per_layer += elems * torch.empty((), dtype=dtype).element_size()
         return per_layer * len(self.layer_ids)
 
     @property

@@ -33,6 +33,7 @@ from pagoda.omp_env import apply_openmp_defaults
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
 from pagoda.worker.executor import get_executor_class
+from pagoda.worker.kv_compress import host_bytes_per_block
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +78,9 @@ class LLMEngine:
                                        eos_ids | self.extra_stop_ids)
         self.kv_cache_specs = self.executor.kv_cache_specs()
         self.kv_block_bytes = bytes_per_block(self.kv_cache_specs)
+        # NOTE: the host pools may keep blocks compressed (--kv-host-compression).
+        self.host_block_bytes = host_bytes_per_block(self.kv_cache_specs,
+                                                     config.cache.kv_host_compression)
         block_size = _shared_block_size(self.kv_cache_specs)
         self.kv_retentions = retentions_for(self.kv_cache_specs, config.cache.attention_sinks,
                                             config.cache.streaming_window)
@@ -153,17 +157,17 @@ class LLMEngine:
         """Swap preemption's host pool size: `swap_space` GiB, only in swap mode."""
         if self.config.scheduler.preemption_mode != "swap":
             return 0
-        return int(self.config.cache.swap_space * (1 << 30)) // self.kv_block_bytes
+        return int(self.config.cache.swap_space * (1 << 30)) // self.host_block_bytes
 
     def _num_host_tier_blocks(self) -> int:
         """The prefix cache's host tier size: `kv_offloading_size` GiB (0: no tier)."""
         size = self.config.cache.kv_offloading_size
         if size <= 0:
             return 0
-        num_blocks = int(size * (1 << 30)) // self.kv_block_bytes
+        num_blocks = int(size * (1 << 30)) // self.host_block_bytes
         if num_blocks == 0:
             logger.warning("kv_offloading_size %s GiB holds no KV block (%d bytes): the "
-                           "host tier is off", size, self.kv_block_bytes)
+                           "host tier is off", size, self.host_block_bytes)
         return num_blocks
 
     # ---- requests ---------------------------------------------------------------------

@@ -167,6 +167,8 @@ _BENCHES = {
                                         "window truncation, attention sinks")),
     "long-context": ("long_context", ("8k-64k prompts on a tiny 131072-position yarn model: "
                                       "prefill, decode and KV bytes, dense / window / sinks")),
+    "kv-quant": ("kv_quant", ("quantized KV cache formats: decode attention time, bytes "
+                              "per token, perplexity")),
 }
 
 

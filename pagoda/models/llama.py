@@ -29,9 +29,10 @@ from pagoda.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from pagoda.models.registry import register_model
 from pagoda.models.weight_utils import load_weights_by_name
 from pagoda.ops import fused_ops_for
+from pagoda.ops.kv_quant import is_quantized
 from pagoda.quant.base import QuantizableLayer, QuantizationConfig
 
-KVCache = tuple[torch.Tensor, torch.Tensor]
+KVCache = tuple[torch.Tensor, ...]  # K, V (and, quantized, their scales)
 
 
 @dataclass(frozen=True)
@@ -156,7 +157,7 @@ class LlamaAttention(nn.Module):
             # One kernel rotates q and k in place and writes k and v to the cache.
             rope.fused.rotary_and_cache(
                 qkv, rope.cos_table, rope.sin_table, rope.positions, kv_cache[0], kv_cache[1],
-                md.slot_mapping, self.num_heads, self.num_kv_heads,
+                md.slot_mapping, self.num_heads, self.num_kv_heads, *kv_cache[2:],
             )
             q, k, v = qkv[:, :nq], qkv[:, nq:nqk], qkv[:, nqk:]
             return self.o_proj(self.attn.forward(q, k, v, kv_cache, md, kv_written=True))
@@ -311,8 +312,9 @@ class LlamaForCausalLM(nn.Module):
         for every layer, or one per layer (models with several KV cache groups)."""
         x = self.model.embed_tokens(input_ids)
         # NOTE: the fused rotary + cache write needs the cache in the activations' dtype
-        # (--kv-cache-dtype can differ); otherwise rotary and the write run apart.
-        fused = fused_ops_for(x) if kv_caches[0][0].dtype == x.dtype else None
+        # or quantized (--kv-cache-dtype can differ); otherwise rotary and the write run apart.
+        cache_dtype = kv_caches[0][0].dtype
+        fused = fused_ops_for(x) if cache_dtype == x.dtype or is_quantized(cache_dtype) else None
         rope = RopeInputs(positions, self.rotary.cos, self.rotary.sin, fused)
         residual = None
         layer_mds = md if isinstance(md, list) else [md] * len(kv_caches)

@@ -10,6 +10,8 @@ with a plain PyTorch reference (reference.py) that runs on any device.
   write_kv(k, v, k_cache, v_cache, slot_mapping)  writes k, v into their slots
   paged_attention(q, k_cache, v_cache, block_tables, seq_lens, scale,
                   sliding_window=None, max_seq_len=None) -> [B, H, D]
+The cache ops take a quantized cache's scales (k_scale, v_scale) as trailing arguments
+(kv_quant.py: int8 / fp8 codes, a float32 scale per token and kv head).
 
 The quantized-weight linears (wq_linear, int8_linear, fp8_linear, gguf_linear) and their
 weight objects are in wquant.py.
@@ -26,7 +28,7 @@ from types import ModuleType
 import torch
 
 from pagoda.ops import cpu, fp8_cuda, quant_cpu, reference, wquant
-from pagoda.ops.reference import apply_rotary, gather_blocks
+from pagoda.ops.reference import apply_rotary, gather_blocks, gather_kv
 from pagoda.ops.registry import OPS, Kernel, Op, define_op
 
 rms_norm = define_op("rms_norm", reference.rms_norm)
@@ -55,6 +57,7 @@ __all__ = [
     "fused_add_rms_norm",
     "fused_ops_for",
     "gather_blocks",
+    "gather_kv",
     "paged_attention",
     "rms_norm",
     "rotary_and_cache",

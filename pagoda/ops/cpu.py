@@ -2,8 +2,9 @@
 
 Which calls they take: the fused element-wise ops in bf16/fp16 only (float32 keeps the
 reference, PyTorch's ops, the path that matches transformers bit for bit) on a CPU whose
-AVX-512 F/BW/VL vector path was built; paged attention in float32/bf16 on any CPU the
-extension builds on. Anything else, and `PAGODA_DISABLE_CPU_KERNELS=1`, runs the reference.
+AVX-512 F/BW/VL vector path was built; paged attention with a float32/bf16 q on any CPU the
+extension builds on. Both also take quantized caches (int8 / fp8 codes with their scales,
+kv_quant.py), which they write and read natively. Anything else, and `PAGODA_DISABLE_CPU_KERNELS=1`, runs the reference.
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ from types import ModuleType
 import torch
 
 from pagoda.ops import cpu_kernels
+from pagoda.ops.kv_quant import CODE_MAX
 from pagoda.ops.registry import OPS, Kernel
 
 LOW_PRECISION = frozenset({torch.bfloat16, torch.float16})
 _ATTENTION_DTYPES = frozenset({torch.float32, torch.bfloat16})
+_CACHE_DTYPES = _ATTENTION_DTYPES | frozenset(CODE_MAX)
 
 
 def _fused_add_rms_norm(
@@ -52,7 +55,7 @@ def _rotary_supports(qkv, cos, sin, positions, k_cache, v_cache, *_rest) -> bool
     # NOTE: the kernel checks shapes and ranges itself (a clear error, not a fallback).
     return (
         cos.dtype == qkv.dtype
-        and k_cache.dtype == qkv.dtype
+        and (k_cache.dtype == qkv.dtype or k_cache.dtype in CODE_MAX)
         and k_cache.device.type == "cpu"
         and k_cache.is_contiguous()
         and v_cache.is_contiguous()
@@ -69,12 +72,14 @@ def _paged_attention(
     scale: float,
     sliding_window: int | None = None,
     max_seq_len: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     q = q.contiguous()
     out = torch.empty_like(q)
     window = -1 if sliding_window is None else int(sliding_window)
     ext.paged_decode_attention(
-        out, q, k_cache, v_cache, block_tables, seq_lens, float(scale), window
+        out, q, k_cache, v_cache, block_tables, seq_lens, float(scale), window, k_scale, v_scale
     )
     return out
 
@@ -82,7 +87,7 @@ def _paged_attention(
 def _attention_supports(q, k_cache, v_cache, *_rest) -> bool:
     return (
         k_cache.device.type == "cpu"
-        and k_cache.dtype in _ATTENTION_DTYPES
+        and k_cache.dtype in _CACHE_DTYPES
         and v_cache.dtype == k_cache.dtype
         and k_cache.is_contiguous()
         and v_cache.is_contiguous()

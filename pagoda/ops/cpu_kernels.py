@@ -35,6 +35,8 @@ _SOURCES = [
     Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp",
     Path(__file__).parent / "csrc" / "fused_ops_cpu.cpp",
 ]
+# Included by the sources: part of the build's inputs (its hash), not compiled on their own.
+_HEADERS = [Path(__file__).parent / "csrc" / "kv_quant_cpu.h"]
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 _LDFLAGS = ["-fopenmp"]
 # NOTE: a build takes ~1.5 min on a loaded 2-core machine; a lock this old has no owner.
@@ -104,7 +106,7 @@ def _sources_tag() -> str:
     build be imported as is (`_import_built`).
     """
     digest = hashlib.sha256()
-    for path in _SOURCES:
+    for path in [*_SOURCES, *_HEADERS]:
         digest.update(path.read_bytes())
     digest.update(" ".join([*_CFLAGS, *_LDFLAGS, torch.__version__]).encode())
     return digest.hexdigest()[:8]

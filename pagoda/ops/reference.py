@@ -2,13 +2,17 @@
 made on its inputs' device), and is what each kernel is tested against.
 
 Layouts: tokens are rows ([T, ...]); the paged caches are [num_blocks, block_size, Hk, D];
-`slot_mapping` [T] holds flat slots (block_id * block_size + offset), all >= 0.
+`slot_mapping` [T] holds flat slots (block_id * block_size + offset), all >= 0. A quantized
+cache (kv_quant.py: int8 / fp8 codes) comes with its scale tensors k_scale, v_scale
+[num_blocks, block_size, Hk]: writes quantize, reads dequantize (None: a plain cache).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from pagoda.ops.kv_quant import dequantize, quantize
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -42,11 +46,19 @@ def write_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """Scatter this step's K/V ([T, Hk, D]) into their slots."""
+    """Scatter this step's K/V ([T, Hk, D]) into their slots (quantized, with their scales,
+    when the cache is)."""
     hk, d = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, hk, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, hk, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    for x, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        if scale is None:
+            cache.view(-1, hk, d).index_copy_(0, slot_mapping, x.to(cache.dtype))
+        else:
+            codes, scales = quantize(x, cache.dtype)
+            cache.view(-1, hk, d).index_copy_(0, slot_mapping, codes)
+            scale.view(-1, hk).index_copy_(0, slot_mapping, scales)
 
 
 def rotary_and_cache(
@@ -59,12 +71,15 @@ def rotary_and_cache(
     slot_mapping: torch.Tensor,
     num_heads: int,
     num_kv_heads: int,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Rotates q and k of `qkv` in place, then writes k and v into their cache slots."""
     nqk = num_heads + num_kv_heads
     qk = qkv[:, :nqk]
     qk.copy_(apply_rotary(qk, cos[positions][:, None], sin[positions][:, None]))
-    write_kv(qkv[:, num_heads:nqk], qkv[:, nqk:], k_cache, v_cache, slot_mapping)
+    write_kv(qkv[:, num_heads:nqk], qkv[:, nqk:], k_cache, v_cache, slot_mapping, k_scale,
+             v_scale)
 
 
 def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int) -> torch.Tensor:
@@ -78,6 +93,21 @@ def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int)
     return g[:, :max_len]
 
 
+def gather_kv(
+    cache: torch.Tensor,
+    scale: torch.Tensor | None,
+    block_tables: torch.Tensor,
+    max_len: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """gather_blocks in `dtype`, dequantized through `scale` for a quantized cache."""
+    if scale is None:
+        return gather_blocks(cache, block_tables, max_len).to(dtype)
+    codes = gather_blocks(cache, block_tables, max_len)
+    return dequantize(codes, gather_blocks(scale[..., None], block_tables, max_len)[..., 0],
+                      dtype)
+
+
 def paged_attention(
     q: torch.Tensor,  # [B, H, D]
     k_cache: torch.Tensor,
@@ -87,14 +117,16 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     max_seq_len: int | None = None,  # max(seq_lens), when the caller knows it (no sync)
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query row per sequence over positions [max(0, len - window), len) of its paged
     context: [B, H, D] in q's dtype."""
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max())
     b, h, d = q.shape
-    keys = gather_blocks(k_cache, block_tables, max_seq_len).to(q.dtype)  # [B, L, Hk, D]
-    values = gather_blocks(v_cache, block_tables, max_seq_len).to(q.dtype)
+    keys = gather_kv(k_cache, k_scale, block_tables, max_seq_len, q.dtype)  # [B, L, Hk, D]
+    values = gather_kv(v_cache, v_scale, block_tables, max_seq_len, q.dtype)
     key_pos = torch.arange(max_seq_len, device=q.device)
     lens = seq_lens.to(q.device)[:, None]
     valid = key_pos[None, :] < lens

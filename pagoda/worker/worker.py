@@ -34,6 +34,7 @@ from pagoda.models.loader import Checkpoint
 from pagoda.ops import registry as ops_registry
 from pagoda.ops.cpu_kernels import load_extension
 from pagoda.worker.block_copies import LayerCaches, swap_blocks
+from pagoda.worker.kv_compress import host_layer_tensors, pool_format
 from pagoda.worker.model_runner import ModelRunner, ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
@@ -76,6 +77,7 @@ class Worker:
         self.host_kv_caches: LayerCaches | None = None
         self.host_tier_kv_caches: LayerCaches | None = None
         self.runner: ModelRunner | None = None
+        self.kv_formats = ("plain", "plain")  # (device, host pools): kv_compress.py
 
     def kv_cache_specs(self) -> list[KVCacheSpec]:
         """The model's layer groups, derived from its config, in the KV cache dtype."""
@@ -110,16 +112,19 @@ class Worker:
         """Allocate the device cache (per group), the host buffers (None: none) and the
         runner over them."""
         specs = self.kv_cache_specs()
+        compression = self.config.cache.kv_host_compression
+        self.kv_formats = (pool_format(specs[0]), pool_format(specs[0], compression))
         self.kv_caches = _allocate(specs, num_blocks, self.device, pin=False, zero=True)
         pin = self.device.type == "cuda"
         # NOTE: torch.empty for the host buffers: a block is written by a swap-out
         # (offload) before it is read, and untouched pages of a large pool are never
         # committed on the CPU.
         if num_swap_blocks is not None:
-            self.host_kv_caches = _allocate(specs, num_swap_blocks, None, pin, zero=False)
+            self.host_kv_caches = _allocate(specs, num_swap_blocks, None, pin, zero=False,
+                                            compression=compression)
         if num_host_tier_blocks is not None:
             self.host_tier_kv_caches = _allocate(specs, num_host_tier_blocks, None, pin,
-                                                 zero=False)
+                                                 zero=False, compression=compression)
         s, c = self.config.scheduler, self.config.cache
         retentions = retentions_for(specs, c.attention_sinks, c.streaming_window)
         self.runner = ModelRunner(
@@ -133,23 +138,25 @@ class Worker:
 
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """The step's block copies, then its forward and sampling."""
-        swap_blocks(out, self.kv_caches, self.host_kv_caches, self.host_tier_kv_caches)
+        swap_blocks(out, self.kv_caches, self.host_kv_caches, self.host_tier_kv_caches,
+                    *self.kv_formats)
         return self.runner.execute_model(out)
 
 
 def _allocate(
     specs: list[KVCacheSpec], num_blocks: int, device: torch.device | None, pin: bool,
     zero: bool,
+    compression: str = "none",
 ) -> LayerCaches:
-    """Per layer (in layer order) its group's tensors, [num_blocks, *spec.layer_shape] each;
-    on `device` (None: the host)."""
+    """Per layer (in layer order) its group's tensors (`spec.layer_tensors()`, each with
+    num_blocks in front: K, V and, quantized, their scales; a host pool's in its
+    `compression` format: kv_compress.py); on `device` (None: the host)."""
     make = torch.zeros if zero else torch.empty
     by_layer: dict[int, tuple[torch.Tensor, ...]] = {}
     for spec in specs:
-        shape = (num_blocks, *spec.layer_shape)
         for layer in spec.layer_ids:
             by_layer[layer] = tuple(
-                make(shape, dtype=spec.dtype, device=device, pin_memory=pin)
-                for _ in range(spec.num_tensors_per_layer)
+                make((num_blocks, *shape), dtype=dtype, device=device, pin_memory=pin)
+                for shape, dtype in host_layer_tensors(spec, compression)
             )
     return [by_layer[i] for i in range(len(by_layer))]

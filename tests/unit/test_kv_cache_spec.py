@@ -39,6 +39,21 @@ def test_kv_cache_dtype_is_independent_of_the_model_dtype() -> None:
     assert resolve_kv_cache_dtype("auto", torch.float32) == torch.float32
     assert resolve_kv_cache_dtype("bfloat16", torch.float32) == torch.bfloat16
     with pytest.raises(ValueError, match="kv_cache_dtype"):
-        resolve_kv_cache_dtype("fp8", torch.float32)
+        resolve_kv_cache_dtype("fp4", torch.float32)
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         EngineArgs(kv_cache_dtype="int4").create_engine_config()
+
+
+@pytest.mark.parametrize(("name", "codes"), [("int8", torch.int8), ("fp8", torch.uint8),
+                                              ("fp8_e4m3", torch.uint8)])
+def test_quantized_spec_counts_codes_and_scales(name, codes) -> None:
+    dtype = resolve_kv_cache_dtype(name, torch.bfloat16)
+    spec = KVCacheSpec(AttentionKind.FULL, (0, 1), 16, 4, 64, dtype)
+    assert spec.quantized
+    # Per layer: K and V codes (1 byte each) + a float32 scale per kv head for each.
+    assert spec.bytes_per_token == 2 * (2 * 4 * 64 + 2 * 4 * 4)
+    assert spec.layer_tensors() == [((16, 4, 64), codes)] * 2 + [((16, 4), torch.float32)] * 2
+    bf16 = KVCacheSpec(AttentionKind.FULL, (0, 1), 16, 4, 64, torch.bfloat16)
+    assert not bf16.quantized and len(bf16.layer_tensors()) == 2
+    # Close to twice the blocks in the same memory (head dim 64: 128 / 68 bytes per head).
+    assert bf16.bytes_per_block / spec.bytes_per_block == pytest.approx(128 / 68)

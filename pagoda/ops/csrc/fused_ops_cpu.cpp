@@ -3,7 +3,9 @@
 //
 //   fused_add_rms_norm: residual += x; x = rms_norm(residual) * weight   (both in place)
 //   rotary_and_cache:   rotate q and k of a fused qkv buffer in place (neox layout), then
-//                       write k and v into the paged caches at their slots
+//                       write k and v into the paged caches at their slots (quantized
+//                       to int8 / fp8 codes with their scales for a quantized cache:
+//                       kv_quant_cpu.h, from the rotated values rounded to the model dtype)
 //   silu_and_mul:       [gate | up] -> silu(gate) * up
 //
 // Rounding: the residual sum is rounded to the model dtype (as transformers' bf16 modules
@@ -31,9 +33,12 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <vector>
+
+#include "kv_quant_cpu.h"
 
 namespace pagoda_fused {
 
@@ -210,9 +215,44 @@ inline void rotate_head(T* h, const T* cos, const T* sin, int64_t half) {
   }
 }
 
+// Where rotary_and_cache writes: plain caches of T, or codes (int8 / fp8 bits) and scales.
+struct CacheDst {
+  void* k;
+  void* v;
+  float* k_scale = nullptr;  // quantized only: [N * bs * Hk]
+  float* v_scale = nullptr;
+  c10::ScalarType dtype;
+};
+
+// One token's k and v rows (Hk heads of head_dim) into slot `slot` of the caches.
+template <typename T>
+inline void write_slot(const T* k, const T* v, const CacheDst& dst, int64_t slot,
+                       int64_t num_kv_heads, int64_t head_dim) {
+  const int64_t kv_row = num_kv_heads * head_dim;
+  if (dst.k_scale == nullptr) {
+    std::memcpy(static_cast<T*>(dst.k) + slot * kv_row, k, kv_row * sizeof(T));
+    std::memcpy(static_cast<T*>(dst.v) + slot * kv_row, v, kv_row * sizeof(T));
+    return;
+  }
+  for (int64_t h = 0; h < num_kv_heads; ++h) {
+    const int64_t row = slot * kv_row + h * head_dim, sc = slot * num_kv_heads + h;
+    if (dst.dtype == at::kChar) {
+      dst.k_scale[sc] = pagoda_kvq::quantize_row(k + h * head_dim,
+                                                 static_cast<int8_t*>(dst.k) + row, head_dim);
+      dst.v_scale[sc] = pagoda_kvq::quantize_row(v + h * head_dim,
+                                                 static_cast<int8_t*>(dst.v) + row, head_dim);
+    } else {
+      dst.k_scale[sc] = pagoda_kvq::quantize_row(k + h * head_dim,
+                                                 static_cast<uint8_t*>(dst.k) + row, head_dim);
+      dst.v_scale[sc] = pagoda_kvq::quantize_row(v + h * head_dim,
+                                                 static_cast<uint8_t*>(dst.v) + row, head_dim);
+    }
+  }
+}
+
 template <typename T>
 void rotary_and_cache_impl(T* qkv, const T* cos, const T* sin, const int64_t* positions,
-                           T* k_cache, T* v_cache, const int64_t* slots, int64_t tokens,
+                           const CacheDst& dst, const int64_t* slots, int64_t tokens,
                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                            int64_t row_stride) {
   const int64_t half = head_dim / 2;
@@ -229,16 +269,42 @@ void rotary_and_cache_impl(T* qkv, const T* cos, const T* sin, const int64_t* po
     const T* k = row + num_heads * head_dim;
     const T* v = k + kv_row;
     if (slots[t] < 0) continue;  // a padding token: no cache slot
-    T* kd = k_cache + slots[t] * kv_row;
-    T* vd = v_cache + slots[t] * kv_row;
-    std::memcpy(kd, k, kv_row * sizeof(T));
-    std::memcpy(vd, v, kv_row * sizeof(T));
+    write_slot(k, v, dst, slots[t], num_kv_heads, head_dim);
   }
+}
+
+// The cache destination of rotary_and_cache: a plain cache of qkv's dtype, or int8 / uint8
+// (fp8 bits) codes with their float32 [N, bs, Hk] scales.
+CacheDst cache_dst(const torch::Tensor& qkv, torch::Tensor& k_cache, torch::Tensor& v_cache,
+                   std::optional<torch::Tensor>& k_scale, std::optional<torch::Tensor>& v_scale) {
+  const auto dtype = k_cache.scalar_type();
+  TORCH_CHECK(v_cache.scalar_type() == dtype, "the caches must share a dtype");
+  const bool quantized = dtype == at::kChar || dtype == at::kByte;
+  CacheDst dst{k_cache.data_ptr(), v_cache.data_ptr(), nullptr, nullptr, dtype};
+  if (!quantized) {
+    TORCH_CHECK(dtype == qkv.scalar_type(), "qkv, cos/sin and the caches must share a dtype");
+    TORCH_CHECK(!k_scale.has_value() && !v_scale.has_value(),
+                "k_scale / v_scale are for quantized caches only");
+    return dst;
+  }
+  TORCH_CHECK(k_scale.has_value() && v_scale.has_value(),
+              "a quantized (int8 / fp8) cache needs k_scale and v_scale");
+  for (auto* sc : {&*k_scale, &*v_scale}) {
+    TORCH_CHECK(sc->scalar_type() == at::kFloat && sc->is_contiguous() && sc->dim() == 3 &&
+                    sc->size(0) == k_cache.size(0) && sc->size(1) == k_cache.size(1) &&
+                    sc->size(2) == k_cache.size(2),
+                "k_scale and v_scale must be contiguous float32 [N, bs, Hk]");
+  }
+  dst.k_scale = k_scale->data_ptr<float>();
+  dst.v_scale = v_scale->data_ptr<float>();
+  return dst;
 }
 
 void rotary_and_cache(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
                       torch::Tensor positions, torch::Tensor k_cache, torch::Tensor v_cache,
-                      torch::Tensor slot_mapping, int64_t num_heads, int64_t num_kv_heads) {
+                      torch::Tensor slot_mapping, int64_t num_heads, int64_t num_kv_heads,
+                      std::optional<torch::Tensor> k_scale,
+                      std::optional<torch::Tensor> v_scale) {
   TORCH_CHECK(qkv.dim() == 3, "qkv must be [T, H + 2 * Hk, D]");
   const int64_t tokens = qkv.size(0);
   const int64_t head_dim = qkv.size(2);
@@ -252,10 +318,9 @@ void rotary_and_cache(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
                   k_cache.size(2) == num_kv_heads && k_cache.size(3) == head_dim,
               "caches must be [N, bs, Hk, D]");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
-  TORCH_CHECK(qkv.scalar_type() == cos.scalar_type() && qkv.scalar_type() == sin.scalar_type() &&
-                  qkv.scalar_type() == k_cache.scalar_type() &&
-                  v_cache.scalar_type() == k_cache.scalar_type(),
+  TORCH_CHECK(qkv.scalar_type() == cos.scalar_type() && qkv.scalar_type() == sin.scalar_type(),
               "qkv, cos/sin and the caches must share a dtype");
+  const CacheDst dst = cache_dst(qkv, k_cache, v_cache, k_scale, v_scale);
   TORCH_CHECK(positions.dim() == 1 && positions.size(0) == tokens, "positions must be [T]");
   TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == tokens,
               "slot_mapping must be [T]");
@@ -271,9 +336,8 @@ void rotary_and_cache(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rotary", [&] {
     rotary_and_cache_impl<scalar_t>(
-        qkv.data_ptr<scalar_t>(), cos.data_ptr<scalar_t>(), sin.data_ptr<scalar_t>(), p,
-        k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), sl, tokens, num_heads,
-        num_kv_heads, head_dim, qkv.stride(0));
+        qkv.data_ptr<scalar_t>(), cos.data_ptr<scalar_t>(), sin.data_ptr<scalar_t>(), p, dst,
+        sl, tokens, num_heads, num_kv_heads, head_dim, qkv.stride(0));
   });
 }
 
@@ -337,6 +401,11 @@ void register_fused_ops(pybind11::module& m) {
   m.def("fused_add_rms_norm", &pagoda_fused::fused_add_rms_norm,
         "residual += x; x = rms_norm(residual) * weight (both in place)");
   m.def("rotary_and_cache", &pagoda_fused::rotary_and_cache,
-        "Rotate q and k of a fused qkv buffer in place, then write k and v to the caches");
+        "Rotate q and k of a fused qkv buffer in place, then write k and v to the caches",
+        pybind11::arg("qkv"), pybind11::arg("cos"), pybind11::arg("sin"),
+        pybind11::arg("positions"), pybind11::arg("k_cache"), pybind11::arg("v_cache"),
+        pybind11::arg("slot_mapping"), pybind11::arg("num_heads"),
+        pybind11::arg("num_kv_heads"), pybind11::arg("k_scale") = pybind11::none(),
+        pybind11::arg("v_scale") = pybind11::none());
   m.def("silu_and_mul", &pagoda_fused::silu_and_mul, "[gate | up] -> silu(gate) * up");
 }

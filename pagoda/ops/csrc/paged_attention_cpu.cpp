@@ -16,10 +16,16 @@
 //
 // Layouts (all contiguous):
 //   q, out        [B, H, D]          float32 or bfloat16 (same dtype)
-//   k/v_cache     [N, bs, Hk, D]     float32 or bfloat16 (same dtype; may differ from q's)
+//   k/v_cache     [N, bs, Hk, D]     float32 or bfloat16 (same dtype; may differ from q's),
+//                                    or quantized codes: int8, or uint8 = fp8 e4m3fn bits
+//   k/v_scale     [N, bs, Hk]        float32, with quantized caches only (kv_quant_cpu.h)
 //   block_tables  [B, max_blocks]    int64 (int32 is widened by the caller)
 //   seq_lens      [B]                int64
 // Query b attends to positions [max(0, seq_len - window), seq_len); window < 0 means none.
+//
+// Quantized caches are read in place too (no dequantized copy): codes are widened to fp32 in
+// registers, q . code is scaled by the row's K scale (one multiply per score) and each
+// probability by the row's V scale before it weights the codes.
 
 #include <torch/extension.h>
 
@@ -27,6 +33,13 @@
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
+#endif
+// The quantized caches' dot-product paths (16-bit widening needs AVX512BW).
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#define PAGODA_FP8_DOT 1
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define PAGODA_INT8_DOT 1
 #endif
 
 #include <algorithm>
@@ -36,9 +49,12 @@
 #include <cstring>
 #include <limits>
 #include <map>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <vector>
+
+#include "kv_quant_cpu.h"
 
 namespace {
 
@@ -96,6 +112,28 @@ struct RowLoader<uint16_t> {
   }
 };
 
+// Quantized rows: the codes' values (the row's scale is applied by the caller).
+template <>
+struct RowLoader<int8_t> {
+  static inline const float* load(const int8_t* src, float* buf, int d) {
+#pragma omp simd
+    for (int i = 0; i < d; ++i) buf[i] = static_cast<float>(src[i]);
+    return buf;
+  }
+};
+
+template <>
+struct RowLoader<uint8_t> {
+  static inline const float* load(const uint8_t* src, float* buf, int d) {
+    for (int i = 0; i < d; ++i) buf[i] = pagoda_kvq::fp8_decode(src[i]);
+    return buf;
+  }
+};
+
+// int8 codes, and uint8 = fp8 e4m3fn codes, carry a scale per (token, kv head).
+template <typename KV>
+constexpr bool kQuantized = std::is_same_v<KV, int8_t> || std::is_same_v<KV, uint8_t>;
+
 struct Problem {
   const void* q;
   void* out;
@@ -109,6 +147,8 @@ struct Problem {
   int block_size;
   float scale;
   int64_t window;
+  const float* k_scale = nullptr;  // [N * bs * Hk], quantized caches only
+  const float* v_scale = nullptr;
 };
 
 inline float load_q(const Problem& p, int64_t i) {
@@ -192,10 +232,37 @@ inline void load_row_f32(const uint16_t* src, __m512* f) {
   }
 }
 
+// int8 codes: 16 at a time sign-extended to int32, then converted (exact).
+template <int kD>
+inline void load_row_f32(const int8_t* src, __m512* f) {
+  for (int i = 0; i < kD / 16; ++i) {
+    const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16 * i));
+    f[i] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(x));
+  }
+}
+
+// fp8 e4m3fn codes as value * 2^-120 (kv_quant_cpu.h: kFp8Unit): the sign-extended byte
+// shifted left by 20 has the sign in bits 31..27 and exponent/mantissa in bits 26..20;
+// keeping bit 31 and bits 26..20 is the float32. Subnormal codes give float32 denormals,
+// which the FMAs take exactly (nothing here sets denormals-are-zero).
+template <int kD>
+inline void load_row_f32(const uint8_t* src, __m512* f) {
+  const __m512i keep = _mm512_set1_epi32(static_cast<int>(0x87F00000u));
+  for (int i = 0; i < kD / 16; ++i) {
+    const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16 * i));
+    const __m512i w = _mm512_slli_epi32(_mm512_cvtepi8_epi32(x), 20);
+    f[i] = _mm512_castsi512_ps(_mm512_and_si512(w, keep));
+  }
+}
+
+// What a quantized row's scale is multiplied by for the rows load_row_f32 gives.
+template <typename KV>
+constexpr float kCodeUnit = std::is_same_v<KV, uint8_t> ? pagoda_kvq::kFp8Unit : 1.0f;
+
 // Where dim d of a row loaded by load_row_f32 lives (and so of q and the accumulators).
 template <typename KV>
 inline int row_index(int d) {
-  if constexpr (std::is_same_v<KV, float>) {
+  if constexpr (!std::is_same_v<KV, uint16_t>) {
     return d;
   } else {
     const int c = d >> 5, r = d & 31;
@@ -254,6 +321,7 @@ inline __m512 hmax16(__m512 x) {
 // so every lane can be loaded; their scores are masked and their V rows never read.
 struct TileRows {
   int64_t off[kTile];
+  int64_t slot[kTile];  // lane t's token slot (block id * block_size + row): its scales
   int lo, hi;
   __mmask16 mask;
 };
@@ -268,14 +336,15 @@ inline void tile_rows(const Problem& p, const int64_t* table, int64_t row_stride
   int64_t r = pos0 + tr.lo - blk * bs;
   int64_t base = table[blk] * bs;
   for (int t = tr.lo; t < tr.hi; ++t) {
+    tr.slot[t] = base + r;
     tr.off[t] = (base + r) * row_stride;
     if (++r == bs && t + 1 < tr.hi) {
       r = 0;
       base = table[++blk] * bs;
     }
   }
-  for (int t = 0; t < tr.lo; ++t) tr.off[t] = tr.off[tr.lo];
-  for (int t = tr.hi; t < kTile; ++t) tr.off[t] = tr.off[tr.lo];
+  for (int t = 0; t < tr.lo; ++t) tr.off[t] = tr.off[tr.lo], tr.slot[t] = tr.slot[tr.lo];
+  for (int t = tr.hi; t < kTile; ++t) tr.off[t] = tr.off[tr.lo], tr.slot[t] = tr.slot[tr.lo];
   tr.mask = static_cast<__mmask16>(((1u << tr.hi) - 1u) & ~((1u << tr.lo) - 1u));
 }
 
@@ -341,20 +410,67 @@ struct AvxScratch {
   std::vector<float> m, l;   // running max (broadcast) and per-lane sums: [heads][16]
   std::vector<float> p;      // one tile of scores, then probabilities: [heads][16]
   std::vector<float> corr;   // this tile's rescale of acc (broadcast): [heads][16]
+  std::vector<float> ks, vs; // quantized caches: this tile's K / V scales: [kv heads][16]
+  std::vector<float> qscale;  // int8 dot path: the scale of each head's int16 q (in qb)
   AvxScratch(int heads, int d, int /*block_size*/)
       : qb(heads * d), qf(heads * d), acc(heads * d), m(heads * kTile), l(heads * kTile),
-        p(heads * kTile), corr(heads * kTile) {}
+        p(heads * kTile), corr(heads * kTile), ks(heads * kTile), vs(heads * kTile),
+        qscale(heads) {}
 };
 
+// 32 values of a row as the 16-bit operands of a dot-product instruction: bf16 rows as
+// they are; fp8 codes as bf16 bits (the fp8_bits_as_f32 trick on 16 bits: value * 2^-120;
+// NOTE: vdpbf16ps reads bf16 denormals as zero, so fp8 subnormal codes, |x| < amax / 28672,
+// count as 0 here); int8 codes sign-extended to int16.
+inline __m512i load_dot_chunk(const uint16_t* src) { return _mm512_loadu_si512(src); }
+
+#if defined(__AVX512BW__)
+inline __m512i load_dot_chunk(const uint8_t* src) {
+  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+  const __m512i w = _mm512_slli_epi16(_mm512_cvtepi8_epi16(x), 4);
+  return _mm512_and_si512(w, _mm512_set1_epi16(static_cast<short>(0x87F0)));
+}
+
+inline __m512i load_dot_chunk(const int8_t* src) {
+  return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+}
+#else
+// NOTE: never called (the code dot paths need AVX512BW); keeps tile_scores compiling.
+template <typename T>
+inline __m512i load_dot_chunk(const T*) { return _mm512_setzero_si512(); }
+#endif
+
+// q . row over kNC chunks of 32 pairs, as 16 fp32 partial sums.
+template <typename KV, int kNC>
+inline __m512 dot_chunks(const __m512i* q, const __m512i* kx) {
+  if constexpr (std::is_same_v<KV, int8_t>) {
+#if defined(PAGODA_INT8_DOT)
+    // NOTE: exact: |q| <= 32767, |code| <= 127, so 256 products stay far inside int32.
+    __m512i d = _mm512_setzero_si512();
+    for (int c = 0; c < kNC; ++c) d = _mm512_dpwssd_epi32(d, q[c], kx[c]);
+    return _mm512_cvtepi32_ps(d);
+#endif
+  } else {
+#if defined(__AVX512BF16__)
+    __m512 d = _mm512_setzero_ps();
+    for (int c = 0; c < kNC; ++c) d = _mm512_dpbf16_ps(d, (__m512bh)q[c], (__m512bh)kx[c]);
+    return d;
+#endif
+  }
+  return _mm512_setzero_ps();  // NOTE: unreachable: dispatch_avx takes kDot only where built
+}
+
 // Phase 1 of a tile: the scaled, masked scores of query heads [j0, j0 + NH) of one kv head
-// (rows at column col) into s.p. kDot: vdpbf16ps on bf16 q and rows.
+// (rows at column col) into s.p. kDot: a 32-pair dot-product instruction on 16-bit q and
+// rows: vdpbf16ps for bf16 rows and for fp8 rows widened to bf16, vpdpwssd for int8 rows
+// widened to int16 against q quantized to int16 (dot_chunk).
 template <typename KV, int kD, int NH, bool kDot>
 inline void tile_scores(const KV* __restrict k_cache, const TileRows& tr, int64_t col,
-                        AvxScratch& s, int j0, __m512 vscale, Prefetcher& pf) {
+                        AvxScratch& s, int j0, __m512 vscale, const float* ksc,
+                        Prefetcher& pf) {
   constexpr int kNV = kD / 16;
   __m512 w[4][NH];
   if constexpr (kDot) {
-#if defined(__AVX512BF16__)
     constexpr int kNC = kD / 32;
     __m512i q[NH][kNC];
     for (int h = 0; h < NH; ++h)
@@ -365,19 +481,20 @@ inline void tile_scores(const KV* __restrict k_cache, const TileRows& tr, int64_
       for (int u = 0; u < 4; ++u) {
         const KV* kr = k_cache + tr.off[4 * g + u] + col;
         __m512i kx[kNC];
-        for (int c = 0; c < kNC; ++c) kx[c] = _mm512_loadu_si512(kr + 32 * c);
-        for (int h = 0; h < NH; ++h) {
-          __m512 d = _mm512_setzero_ps();
-          for (int c = 0; c < kNC; ++c)
-            d = _mm512_dpbf16_ps(d, (__m512bh)q[h][c], (__m512bh)kx[c]);
-          a[u][h] = d;
-        }
+        for (int c = 0; c < kNC; ++c) kx[c] = load_dot_chunk(kr + 32 * c);
+        for (int h = 0; h < NH; ++h) a[u][h] = dot_chunks<KV, kNC>(q[h], kx);
       }
       for (int h = 0; h < NH; ++h) w[g][h] = sum4(a[0][h], a[1][h], a[2][h], a[3][h]);
       pf.issue();
       pf.issue();
     }
-#endif
+    if constexpr (std::is_same_v<KV, int8_t>) {
+      // NOTE: the int16 q's scale, per head (one vector of 16 scores each).
+      for (int h = 0; h < NH; ++h) {
+        const __m512 qs = _mm512_set1_ps(s.qscale[j0 + h]);
+        for (int g = 0; g < 4; ++g) w[g][h] = _mm512_mul_ps(w[g][h], qs);
+      }
+    }
   } else {
     for (int g = 0; g < 4; ++g) {
       __m512 a[4][NH];
@@ -397,6 +514,7 @@ inline void tile_scores(const KV* __restrict k_cache, const TileRows& tr, int64_
     }
   }
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  if constexpr (kQuantized<KV>) vscale = _mm512_mul_ps(vscale, _mm512_loadu_ps(ksc));
   for (int h = 0; h < NH; ++h) {
     const __m512 sc = _mm512_mul_ps(sum16(w[0][h], w[1][h], w[2][h], w[3][h]), vscale);
     _mm512_storeu_ps(s.p.data() + (j0 + h) * kTile, _mm512_mask_mov_ps(neg_inf, tr.mask, sc));
@@ -430,7 +548,7 @@ inline void tile_softmax(AvxScratch& s, int nh, __mmask16 mask) {
 // of one kv head, the accumulators held in registers.
 template <typename KV, int kD, int NH>
 inline void tile_values(const KV* __restrict v_cache, const TileRows& tr, int64_t col,
-                        AvxScratch& s, int j0, Prefetcher& pf) {
+                        AvxScratch& s, int j0, const float* vsc, Prefetcher& pf) {
   constexpr int kNV = kD / 16;
   __m512 acc[NH][kNV];
   for (int h = 0; h < NH; ++h) {
@@ -442,10 +560,17 @@ inline void tile_values(const KV* __restrict v_cache, const TileRows& tr, int64_
   for (int t = tr.lo; t < tr.hi; ++t) {
     __m512 vf[kNV];
     load_row_f32<kD>(v_cache + tr.off[t] + col, vf);
-    // NOTE: float rows are twice the bytes, so twice the prefetch units per row.
-    for (int i = 0; i < static_cast<int>(sizeof(KV)) / 2; ++i) pf.issue();
+    // NOTE: prefetch units per row in proportion to its bytes (float: 2, bf16: 1,
+    // codes: one every other row).
+    if constexpr (sizeof(KV) == 1) {
+      if (t & 1) pf.issue();
+    } else {
+      for (int i = 0; i < static_cast<int>(sizeof(KV)) / 2; ++i) pf.issue();
+    }
     for (int h = 0; h < NH; ++h) {
-      const __m512 wt = _mm512_set1_ps(pb[h * kTile + t]);
+      float w = pb[h * kTile + t];
+      if constexpr (kQuantized<KV>) w *= vsc[t];
+      const __m512 wt = _mm512_set1_ps(w);
       for (int i = 0; i < kNV; ++i) acc[h][i] = _mm512_fmadd_ps(wt, vf[i], acc[h][i]);
     }
   }
@@ -453,6 +578,80 @@ inline void tile_values(const KV* __restrict v_cache, const TileRows& tr, int64_
     for (int i = 0; i < kNV; ++i)
       _mm512_storeu_ps(s.acc.data() + (j0 + h) * kD + 16 * i, acc[h][i]);
 }
+
+// Where dim d of an accumulator lives: the rows' layout (row_index), except on the int8 dot
+// path, whose int16 row pairs (unpacklo / unpackhi of two rows, per 128-bit lane) leave 32
+// dims c as lanes [4k + j] of vector 2c (d = 32c + 8k + j) and 2c + 1 (d = 32c + 8k + 4 + j).
+template <typename KV, bool kDot>
+inline int acc_index(int d) {
+  if constexpr (kDot && std::is_same_v<KV, int8_t>) {
+    const int c = d >> 5, r = d & 31;
+    return (2 * c + ((r >> 2) & 1)) * 16 + (r >> 3) * 4 + (r & 3);
+  } else {
+    return row_index<KV>(d);
+  }
+}
+
+// Phase 3 for int8 rows with a bf16 q: each probability times its row's V scale, quantized
+// per head and tile to int16 (max -> 32767; error <= 1.5e-5 of the tile's largest weight),
+// then two rows at a time against their codes as int16 pairs with vpdpwssd (32 exact
+// multiply-adds per instruction, against 16 FMAs after two conversions on the fp32 path);
+// the tile's integer sums are scaled into the fp32 accumulators once.
+#if defined(PAGODA_INT8_DOT)
+template <int kD, int NH>
+inline void tile_values_int8(const int8_t* __restrict v_cache, const TileRows& tr, int64_t col,
+                             AvxScratch& s, int j0, const float* vsc, Prefetcher& pf) {
+  constexpr int kNV = kD / 16;
+  alignas(64) int32_t wq[NH][kTile];
+  float wscale[NH];
+  const __m512 vs = _mm512_loadu_ps(vsc);
+  for (int h = 0; h < NH; ++h) {
+    const __m512 w = _mm512_mul_ps(_mm512_loadu_ps(s.p.data() + (j0 + h) * kTile), vs);
+    const float wmax = _mm512_reduce_max_ps(w);
+    wscale[h] = wmax / 32767.0f;
+    const __m512 inv = _mm512_set1_ps(wmax > 0.0f ? 32767.0f / wmax : 0.0f);
+    _mm512_store_si512(wq[h], _mm512_cvtps_epi32(_mm512_mul_ps(w, inv)));
+  }
+  __m512i iacc[NH][kNV];
+  for (int h = 0; h < NH; ++h)
+    for (int i = 0; i < kNV; ++i) iacc[h][i] = _mm512_setzero_si512();
+  // NOTE: pairs from an even lane; a lane outside [lo, hi) repeats a valid row, weight 0.
+  for (int t = tr.lo & ~1; t < tr.hi; t += 2) {
+    const int8_t* ra = v_cache + tr.off[t] + col;
+    const int8_t* rb = v_cache + tr.off[t + 1] + col;
+    pf.issue();
+    __m512i x[kNV];
+    for (int c = 0; c < kD / 32; ++c) {
+      const __m512i wa = _mm512_cvtepi8_epi16(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ra + 32 * c)));
+      const __m512i wb = _mm512_cvtepi8_epi16(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rb + 32 * c)));
+      x[2 * c] = _mm512_unpacklo_epi16(wa, wb);
+      x[2 * c + 1] = _mm512_unpackhi_epi16(wa, wb);
+    }
+    for (int h = 0; h < NH; ++h) {
+      const uint32_t pair = (static_cast<uint32_t>(wq[h][t + 1]) << 16) |
+                            (static_cast<uint32_t>(wq[h][t]) & 0xFFFFu);
+      const __m512i wp = _mm512_set1_epi32(static_cast<int32_t>(pair));
+      for (int i = 0; i < kNV; ++i) iacc[h][i] = _mm512_dpwssd_epi32(iacc[h][i], wp, x[i]);
+    }
+  }
+  for (int h = 0; h < NH; ++h) {
+    const __m512 corr = _mm512_loadu_ps(s.corr.data() + (j0 + h) * kTile);
+    const __m512 ws = _mm512_set1_ps(wscale[h]);
+    float* acc = s.acc.data() + (j0 + h) * kD;
+    for (int i = 0; i < kNV; ++i) {
+      const __m512 a = _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * i), corr);
+      _mm512_storeu_ps(acc + 16 * i, _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[h][i]), ws, a));
+    }
+  }
+}
+#else
+// NOTE: never called (dispatch_avx takes the int8 dot path only where it was built).
+template <int kD, int NH>
+inline void tile_values_int8(const int8_t*, const TileRows&, int64_t, AvxScratch&, int,
+                             const float*, Prefetcher&) {}
+#endif
 
 // Query heads handled together per call of tile_scores / tile_values: the accumulators
 // (NH * kD / 16 vectors) stay in registers.
@@ -480,6 +679,51 @@ inline void for_head_chunks(int G, Fn&& fn) {
   }
 }
 
+// A quantized tile's K and V scales of kv heads [kvh0, kvh1) into s.ks / s.vs (times the
+// codes' unit), lane t = the tile's row t.
+template <typename KV>
+inline void tile_scales(const Problem& p, const TileRows& tr, int kvh0, int kvh1,
+                        AvxScratch& s) {
+  constexpr float kUnit = kCodeUnit<KV>;
+  for (int kvh = kvh0; kvh < kvh1; ++kvh) {
+    float* ks = s.ks.data() + (kvh - kvh0) * kTile;
+    float* vs = s.vs.data() + (kvh - kvh0) * kTile;
+    for (int t = 0; t < kTile; ++t) {
+      const int64_t i = tr.slot[t] * p.num_kv_heads + kvh;
+      ks[t] = p.k_scale[i] * kUnit;
+      vs[t] = p.v_scale[i] * kUnit;
+    }
+  }
+}
+
+// The cache lines of a tile's scales (kv heads from kvh0 on), each asked for once.
+inline void prefetch_scales(const Problem& p, const TileRows& tr, int kvh0) {
+  uintptr_t last = 0;
+  for (int t = tr.lo; t < tr.hi; ++t) {
+    const int64_t i = tr.slot[t] * p.num_kv_heads + kvh0;
+    const uintptr_t line = reinterpret_cast<uintptr_t>(p.k_scale + i) >> 6;
+    if (line == last) continue;
+    last = line;
+    _mm_prefetch(reinterpret_cast<const char*>(p.k_scale + i), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(p.v_scale + i), _MM_HINT_T0);
+  }
+}
+
+// One query head (n values from q[q0]) as int16 (stored in a uint16 buffer) and its scale,
+// for the int8 dot path: |q| max -> 32767. NOTE: the rounding error (<= amax / 65534 per
+// value) is far below a bf16 q's own (2^-9 relative) and the int8 K's (amax_k / 254).
+inline void quantize_q_int16(const Problem& p, int64_t q0, int n, uint16_t* out,
+                             float& scale) {
+  float amax = 0.0f;
+  for (int d = 0; d < n; ++d) amax = std::max(amax, std::fabs(load_q(p, q0 + d)));
+  scale = amax / 32767.0f;
+  const float inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
+  for (int d = 0; d < n; ++d) {
+    const auto v = static_cast<int16_t>(std::nearbyint(load_q(p, q0 + d) * inv));
+    out[d] = static_cast<uint16_t>(v);
+  }
+}
+
 template <typename KV, int kD, bool kDot>
 void decode_one_avx(const Problem& p, const KV* k_cache, const KV* v_cache, int64_t b, int kvh0,
                     int kvh1, AvxScratch& s) {
@@ -491,12 +735,16 @@ void decode_one_avx(const Problem& p, const KV* k_cache, const KV* v_cache, int6
   const int64_t q_base = (b * p.num_heads + static_cast<int64_t>(kvh0) * G) * kD;
 
   for (int j = 0; j < nh; ++j) {
+    const int64_t q0 = q_base + static_cast<int64_t>(j) * kD;
+    if constexpr (kDot && std::is_same_v<KV, int8_t>) {
+      quantize_q_int16(p, q0, kD, s.qb.data() + j * kD, s.qscale[j]);
+      continue;
+    }
     for (int d = 0; d < kD; ++d) {
-      const int64_t qi = q_base + static_cast<int64_t>(j) * kD + d;
       if constexpr (kDot) {
-        s.qb[j * kD + d] = static_cast<const c10::BFloat16*>(p.q)[qi].x;  // q is bf16 here
+        s.qb[j * kD + d] = static_cast<const c10::BFloat16*>(p.q)[q0 + d].x;  // q is bf16 here
       } else {
-        s.qf[j * kD + row_index<KV>(d)] = load_q(p, qi);
+        s.qf[j * kD + row_index<KV>(d)] = load_q(p, q0 + d);
       }
     }
   }
@@ -522,21 +770,30 @@ void decode_one_avx(const Problem& p, const KV* k_cache, const KV* v_cache, int6
         TileRows& next = rows[(tile - first + 1) & 1];
         tile_rows(p, table, row_stride, tile + 1, start, seq_len, next);
         pf.start(k_cache, v_cache, next, col0, span_bytes);
+        if constexpr (kQuantized<KV>) prefetch_scales(p, next, kvh0);
       }
+      if constexpr (kQuantized<KV>) tile_scales<KV>(p, tr, kvh0, kvh1, s);
       for (int kvh = kvh0; kvh < kvh1; ++kvh) {
         const int64_t col = static_cast<int64_t>(kvh) * kD;
         const int jk = (kvh - kvh0) * G;
+        const float* ksc = s.ks.data() + (kvh - kvh0) * kTile;
         for_head_chunks<kNH>(G, [&](auto nh_c, int g0) {
           tile_scores<KV, kD, decltype(nh_c)::value, kDot>(k_cache, tr, col, s, jk + g0,
-                                                           vscale, pf);
+                                                           vscale, ksc, pf);
         });
       }
       tile_softmax(s, nh, tr.mask);
       for (int kvh = kvh0; kvh < kvh1; ++kvh) {
         const int64_t col = static_cast<int64_t>(kvh) * kD;
         const int jk = (kvh - kvh0) * G;
+        const float* vsc = s.vs.data() + (kvh - kvh0) * kTile;
         for_head_chunks<kNH>(G, [&](auto nh_c, int g0) {
-          tile_values<KV, kD, decltype(nh_c)::value>(v_cache, tr, col, s, jk + g0, pf);
+          constexpr int kNHc = decltype(nh_c)::value;
+          if constexpr (kDot && std::is_same_v<KV, int8_t>) {
+            tile_values_int8<kD, kNHc>(v_cache, tr, col, s, jk + g0, vsc, pf);
+          } else {
+            tile_values<KV, kD, kNHc>(v_cache, tr, col, s, jk + g0, vsc, pf);
+          }
         });
       }
     }
@@ -547,7 +804,7 @@ void decode_one_avx(const Problem& p, const KV* k_cache, const KV* v_cache, int6
     const float inv = l > 0.0f ? 1.0f / l : 0.0f;
     const float* aj = s.acc.data() + j * kD;
     for (int d = 0; d < kD; ++d) {
-      store_out(p, q_base + static_cast<int64_t>(j) * kD + d, aj[row_index<KV>(d)] * inv);
+      store_out(p, q_base + static_cast<int64_t>(j) * kD + d, aj[acc_index<KV, kDot>(d)] * inv);
     }
   }
 }
@@ -598,19 +855,21 @@ void decode_one(const Problem& p, const KV* k_cache, const KV* v_cache, int64_t 
       prefetch_block(k_cache, p, table[nb], 0, nt1, kvh0, kvh1);
       prefetch_block(v_cache, p, table[nb], 0, nt1, kvh0, kvh1);
     }
-    const int64_t first = (table[blk] * bs + t0) * row_stride;
+    const int64_t slot0 = table[blk] * bs + t0;
+    const int64_t first = slot0 * row_stride;
     const KV* k_rows = k_cache + first;
     const KV* v_rows = v_cache + first;
     for (int t = 0; t < n; ++t) {
       for (int kvh = kvh0; kvh < kvh1; ++kvh) {
         const float* kr = RowLoader<KV>::load(k_rows + t * row_stride + kvh * D, row, D);
+        const float ks = kQuantized<KV> ? p.k_scale[(slot0 + t) * p.num_kv_heads + kvh] : 1.0f;
         for (int g = 0; g < G; ++g) {
           const int j = (kvh - kvh0) * G + g;
           const float* qj = q + j * D;
           float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
           for (int i = 0; i < D; ++i) dot += qj[i] * kr[i];
-          scores[j * bs + t] = dot;
+          scores[j * bs + t] = dot * ks;
         }
       }
     }
@@ -640,9 +899,10 @@ void decode_one(const Problem& p, const KV* k_cache, const KV* v_cache, int64_t 
     for (int t = 0; t < n; ++t) {
       for (int kvh = kvh0; kvh < kvh1; ++kvh) {
         const float* vr = RowLoader<KV>::load(v_rows + t * row_stride + kvh * D, row, D);
+        const float vs = kQuantized<KV> ? p.v_scale[(slot0 + t) * p.num_kv_heads + kvh] : 1.0f;
         for (int g = 0; g < G; ++g) {
           const int j = (kvh - kvh0) * G + g;
-          const float w = scores[j * bs + t];
+          const float w = scores[j * bs + t] * vs;
           float* aj = acc + j * D;
 #pragma omp simd
           for (int i = 0; i < D; ++i) aj[i] += w * vr[i];
@@ -689,9 +949,18 @@ void decode_all_avx(const Problem& p, const KV* k, const KV* v, int64_t batch) {
 
 template <typename KV, int kD>
 void dispatch_avx(const Problem& p, const KV* k, const KV* v, int64_t batch) {
+  // NOTE: the dot paths only for a bf16 q: a float32 q would have to be rounded (or split
+  // into terms); it keeps the fp32 FMAs (the exact path).
   if constexpr (std::is_same_v<KV, uint16_t>) {
 #if defined(__AVX512BF16__)
-    // NOTE: only for a bf16 q: a float32 q would have to be rounded (or split into terms).
+    if (g_use_bf16_dot && p.q_is_bf16) return decode_all_avx<KV, kD, true>(p, k, v, batch);
+#endif
+  } else if constexpr (std::is_same_v<KV, uint8_t>) {
+#if defined(PAGODA_FP8_DOT)
+    if (g_use_bf16_dot && p.q_is_bf16) return decode_all_avx<KV, kD, true>(p, k, v, batch);
+#endif
+  } else if constexpr (std::is_same_v<KV, int8_t>) {
+#if defined(PAGODA_INT8_DOT)
     if (g_use_bf16_dot && p.q_is_bf16) return decode_all_avx<KV, kD, true>(p, k, v, batch);
 #endif
   }
@@ -723,9 +992,30 @@ void dispatch_head_dim(const Problem& p, const KV* k, const KV* v, int64_t batch
                          });
 }
 
+// A quantized cache's scales: both given, float32 [N, bs, Hk] and contiguous; a plain
+// cache has none. Returns whether the cache is quantized.
+bool check_scales(const torch::Tensor& k_cache, const std::optional<torch::Tensor>& k_scale,
+                  const std::optional<torch::Tensor>& v_scale) {
+  const auto dtype = k_cache.scalar_type();
+  const bool quantized = dtype == at::kChar || dtype == at::kByte;
+  TORCH_CHECK(k_scale.has_value() == quantized && v_scale.has_value() == quantized,
+              quantized ? "a quantized (int8 / fp8) cache needs k_scale and v_scale"
+                        : "k_scale / v_scale are for quantized caches only");
+  if (!quantized) return false;
+  for (const auto* sc : {&*k_scale, &*v_scale}) {
+    TORCH_CHECK(sc->scalar_type() == at::kFloat && sc->is_contiguous() && sc->dim() == 3 &&
+                    sc->size(0) == k_cache.size(0) && sc->size(1) == k_cache.size(1) &&
+                    sc->size(2) == k_cache.size(2),
+                "k_scale and v_scale must be contiguous float32 [N, bs, Hk]");
+  }
+  return true;
+}
+
 void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
                             torch::Tensor v_cache, torch::Tensor block_tables,
-                            torch::Tensor seq_lens, double scale, int64_t sliding_window) {
+                            torch::Tensor seq_lens, double scale, int64_t sliding_window,
+                            std::optional<torch::Tensor> k_scale,
+                            std::optional<torch::Tensor> v_scale) {
   TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "q and out must be [B, H, D]");
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "k_cache and v_cache must be [N, bs, Hk, D]");
@@ -736,6 +1026,7 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_
   TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
               "q must be float32 or bfloat16");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "caches must share a dtype");
+  const bool quantized = check_scales(k_cache, k_scale, v_scale);
   const int64_t batch = q.size(0);
   const int num_heads = static_cast<int>(q.size(1));
   const int head_dim = static_cast<int>(q.size(2));
@@ -768,14 +1059,23 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_
   Problem p{q.data_ptr(), out.data_ptr(), q.scalar_type() == at::kBFloat16,
             bt.data_ptr<int64_t>(), sl.data_ptr<int64_t>(), bt.size(1), num_heads,
             num_kv_heads, head_dim, block_size, static_cast<float>(scale), sliding_window};
-  if (k_cache.scalar_type() == at::kFloat) {
+  if (quantized) {
+    p.k_scale = k_scale->data_ptr<float>();
+    p.v_scale = v_scale->data_ptr<float>();
+  }
+  if (k_cache.scalar_type() == at::kChar) {
+    dispatch_head_dim<int8_t>(p, k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>(), batch);
+  } else if (k_cache.scalar_type() == at::kByte) {
+    dispatch_head_dim<uint8_t>(p, k_cache.data_ptr<uint8_t>(), v_cache.data_ptr<uint8_t>(),
+                               batch);
+  } else if (k_cache.scalar_type() == at::kFloat) {
     dispatch_head_dim<float>(p, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), batch);
   } else if (k_cache.scalar_type() == at::kBFloat16) {
     const auto* k = reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>());
     const auto* v = reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>());
     dispatch_head_dim<uint16_t>(p, k, v, batch);
   } else {
-    TORCH_CHECK(false, "caches must be float32 or bfloat16");
+    TORCH_CHECK(false, "caches must be float32, bfloat16, int8 or uint8 (fp8 e4m3fn bits)");
   }
 }
 
@@ -804,6 +1104,12 @@ std::vector<std::string> attention_isa() {
 #if defined(__AVX512BF16__)
   isa.push_back("avx512_bf16");
 #endif
+#if defined(PAGODA_FP8_DOT) || defined(PAGODA_INT8_DOT)
+  isa.push_back("avx512bw");
+#endif
+#if defined(PAGODA_INT8_DOT)
+  isa.push_back("avx512_vnni");
+#endif
   return isa;
 }
 
@@ -816,7 +1122,11 @@ std::vector<std::string> fused_ops_isa();
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_fused_ops(m);
   m.def("paged_decode_attention", &paged_decode_attention,
-        "Decode attention over a paged KV cache (in place into out)");
+        "Decode attention over a paged KV cache (in place into out)", pybind11::arg("out"),
+        pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"),
+        pybind11::arg("block_tables"), pybind11::arg("seq_lens"), pybind11::arg("scale"),
+        pybind11::arg("sliding_window"), pybind11::arg("k_scale") = pybind11::none(),
+        pybind11::arg("v_scale") = pybind11::none());
   m.def("kernel_isa", [] {
     return std::map<std::string, std::vector<std::string>>{
         {"paged_attention", attention_isa()}, {"fused_ops", fused_ops_isa()}};
