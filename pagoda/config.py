@@ -11,6 +11,7 @@ import torch
 from pagoda.core.preemption import PREEMPTION_MODES
 from pagoda.core.request import DEFAULT_SLA_TTFT_TARGETS_S, SLA_CLASS_RANKS
 from pagoda.core.request_queue import DEFAULT_AGING_INTERVAL_S, SCHEDULING_POLICIES
+from pagoda.spec_decode.config import SpeculativeConfig
 
 _DTYPES = {
     "float32": torch.float32,
@@ -127,6 +128,8 @@ class EngineConfig:
     # How the engine reaches its workers (pagoda.worker.executor.EXECUTORS): "uni" = one
     # worker in this process.
     distributed_executor_backend: str
+    # Speculative decoding (spec_decode/config.py); None: off.
+    speculative: SpeculativeConfig | None = None
 
     def validate(self) -> None:
         c, s = self.cache, self.scheduler
@@ -221,6 +224,9 @@ class EngineArgs:
     aging_interval_s: float = DEFAULT_AGING_INTERVAL_S
     # Classes not given keep DEFAULT_SLA_TTFT_TARGETS_S.
     sla_ttft_targets_s: dict[str, float] | None = None
+    # Speculative decoding, vLLM's form: a dict or its JSON text, e.g. {"method": "ngram",
+    # "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}.
+    speculative_config: dict | str | None = None
 
     @classmethod
     def add_cli_args(cls, p: argparse.ArgumentParser) -> None:
@@ -264,6 +270,11 @@ class EngineArgs:
                        default=None, metavar="CLASS=SECONDS", type=sla_seconds_arg,
                        help="time-to-first-token target of an SLA class (interactive, "
                        "async, batch); repeatable")
+        p.add_argument("--speculative-config", default=d.speculative_config,
+                       help='speculative decoding as JSON, e.g. \'{"method": "ngram", '
+                       '"num_speculative_tokens": 4, "prompt_lookup_max": 4, '
+                       '"prompt_lookup_min": 2}\' or \'{"method": "draft_model", '
+                       '"model": PATH, "num_speculative_tokens": 4}\'')
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
@@ -301,6 +312,7 @@ class EngineArgs:
             ),
             device=self.device,
             distributed_executor_backend=self.distributed_executor_backend,
+            speculative=SpeculativeConfig.parse(self.speculative_config),
         )
         config.validate()
         return config

@@ -281,6 +281,21 @@ class KVCacheManager:
             )
             self.num_cached_blocks[req_id] = num_full_blocks
 
+    def free_uncomputed_tail(self, request: _CacheRequest) -> None:
+        """Release the blocks past those the request's computed tokens occupy: after a
+        step that rejected draft tokens, the blocks only they used (never registered:
+        drafts are not hashed). Tail first, as in `free`."""
+        blocks = self.req_to_blocks.get(request.req_id)
+        if not blocks:
+            return
+        num_kept = -(-request.num_computed_tokens // self.block_size)
+        if num_kept >= len(blocks):
+            return
+        tail = blocks[num_kept:]
+        del blocks[num_kept:]
+        del self.req_to_block_ids[request.req_id][num_kept:]
+        self.block_pool.free_blocks(reversed(tail))
+
     def fork(
         self, parent: _CacheRequest, child: _CacheRequest, num_tokens: int
     ) -> list[tuple[int, int]] | None:

@@ -27,6 +27,7 @@ from pagoda.models.loader import load_checkpoint
 from pagoda.omp_env import apply_openmp_defaults
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
+from pagoda.spec_decode.adaptive import DraftLengthPolicy
 from pagoda.worker.executor import get_executor_class
 
 logger = logging.getLogger(__name__)
@@ -83,6 +84,8 @@ class LLMEngine:
             num_host_blocks=self._num_host_blocks(),
             aging_interval_s=s.aging_interval_s,
             sla_ttft_targets_s=s.sla_ttft_targets_s,
+            draft_length_policy=None if config.speculative is None else DraftLengthPolicy(
+                config.speculative.num_speculative_tokens, config.speculative.adaptive),
         )
         swap_pool = self.scheduler.preemptor.host_pool
         host_tier = self.kv_cache_manager.host_tier

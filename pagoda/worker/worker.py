@@ -27,6 +27,7 @@ from pagoda.models.factory import build_model
 from pagoda.models.loader import Checkpoint
 from pagoda.ops import registry as ops_registry
 from pagoda.ops.cpu_kernels import load_extension
+from pagoda.spec_decode.proposer import ProposerContext, create_proposer
 from pagoda.worker.block_copies import LayerCaches, swap_blocks
 from pagoda.worker.model_runner import ModelRunner, ModelRunnerOutput
 
@@ -109,11 +110,18 @@ class Worker:
             self.host_tier_kv_caches = _allocate(specs, num_host_tier_blocks, None, pin,
                                                  zero=False)
         s = self.config.scheduler
+        proposer = None
+        if self.config.speculative is not None:
+            proposer = create_proposer(self.config.speculative, ProposerContext(
+                vocab_size=self.model.spec.vocab_size, device=self.device, dtype=self.dtype,
+                max_model_len=self.max_model_len, max_num_seqs=s.max_num_seqs,
+                block_size=self.config.cache.block_size))
         self.runner = ModelRunner(
             self.model, self.kv_caches, get_backend(self.config.model.attn_backend),
             self.config.cache.block_size, self.model.spec.vocab_size, self.eos_token_ids,
             self.device, self.dtype, max_num_reqs=s.max_num_seqs,
             max_model_len=self.max_model_len, max_num_batched_tokens=s.max_num_batched_tokens,
+            proposer=proposer,
         )
 
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
