@@ -72,4 +72,4 @@ def create_proposer(config: SpeculativeConfig, context: ProposerContext) -> Prop
 
 
 # NOTE: importing the proposer modules runs their @register_proposer decorators.
-from pagoda.spec_decode import ngram  # noqa: F401
+from pagoda.spec_decode import draft_model, ngram  # noqa: F401

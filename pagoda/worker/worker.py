@@ -99,16 +99,16 @@ class Worker:
         """Allocate the device cache (per group), the host buffers (None: none) and the
         runner over them."""
         specs = self.kv_cache_specs()
-        self.kv_caches = _allocate(specs, num_blocks, self.device, pin=False, zero=True)
+        self.kv_caches = allocate_kv_caches(specs, num_blocks, self.device, pin=False, zero=True)
         pin = self.device.type == "cuda"
         # NOTE: torch.empty for the host buffers: a block is written by a swap-out
         # (offload) before it is read, and untouched pages of a large pool are never
         # committed on the CPU.
         if num_swap_blocks is not None:
-            self.host_kv_caches = _allocate(specs, num_swap_blocks, None, pin, zero=False)
+            self.host_kv_caches = allocate_kv_caches(specs, num_swap_blocks, None, pin, zero=False)
         if num_host_tier_blocks is not None:
-            self.host_tier_kv_caches = _allocate(specs, num_host_tier_blocks, None, pin,
-                                                 zero=False)
+            self.host_tier_kv_caches = allocate_kv_caches(specs, num_host_tier_blocks, None,
+                                                          pin, zero=False)
         s = self.config.scheduler
         proposer = None
         if self.config.speculative is not None:
@@ -130,7 +130,7 @@ class Worker:
         return self.runner.execute_model(out)
 
 
-def _allocate(
+def allocate_kv_caches(
     specs: list[KVCacheSpec], num_blocks: int, device: torch.device | None, pin: bool,
     zero: bool,
 ) -> LayerCaches:
