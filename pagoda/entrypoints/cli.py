@@ -154,6 +154,8 @@ _BENCHES = {
                                 "throughput under fcfs and priority scheduling")),
     "multi-turn": ("multi_turn", ("multi-turn conversations evicted by other traffic: the "
                                   "prefix cache's host tier off/on")),
+    "spec": ("spec_decode", ("speculative decoding (ngram, draft model) vs off: tok/s, "
+             "acceptance, mean accepted length")),
 }
 
 
