@@ -135,6 +135,11 @@ def run_spec_decode(args: argparse.Namespace) -> dict:
                 runs.append({"config": name, "concurrency": c, "workload": workload, **r})
             del llm
             gc.collect()
+    base = {(r["workload"], r["concurrency"]): r for r in runs if r["config"] == "off"}
+    for r in runs:
+        off = base[(r["workload"], r["concurrency"])]
+        r["speedup"] = r["tok_per_s"] / off["tok_per_s"]
+        r["same_output"] = r["outputs"] == off["outputs"]
     _print(runs)
     t0, t1 = _fit(all_steps)
     print(f"decode step time fit over {len(all_steps)} steps: t0 = {t0 * 1e3:.2f} ms + "
@@ -151,13 +156,11 @@ def run_spec_decode(args: argparse.Namespace) -> dict:
 
 
 def _print(runs: list[dict]) -> None:
-    base = {(r["workload"], r["concurrency"]): r for r in runs if r["config"] == "off"}
     print(f"{'workload':<10}{'conc':>5} {'config':<15}{'tok/s':>8}{'speedup':>9}"
           f"{'accept':>8}{'mean len':>9}{'same output':>13}")
     for r in runs:
-        off = base[(r["workload"], r["concurrency"])]
         acc = f"{r['acceptance']:.2f}" if r["acceptance"] is not None else "-"
         mlen = f"{r['mean_accepted_len']:.2f}" if r["mean_accepted_len"] is not None else "-"
         print(f"{r['workload']:<10}{r['concurrency']:>5} {r['config']:<15}"
-              f"{r['tok_per_s']:>8.1f}{r['tok_per_s'] / off['tok_per_s']:>8.2f}x{acc:>8}"
-              f"{mlen:>9}{'yes' if r['outputs'] == off['outputs'] else 'NO':>13}")
+              f"{r['tok_per_s']:>8.1f}{r['speedup']:>8.2f}x{acc:>8}"
+              f"{mlen:>9}{'yes' if r['same_output'] else 'NO':>13}")
