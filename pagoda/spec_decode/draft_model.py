@@ -58,6 +58,10 @@ class DraftModelProposer(Proposer):
         if vocab_size != context.vocab_size:
             raise ValueError(f"speculative_config.model: the draft's vocabulary ({vocab_size} "
                              f"tokens) does not match the target's ({context.vocab_size})")
+        max_positions = int(ckpt.hf_config.max_position_embeddings)
+        if max_positions < context.max_model_len:
+            raise ValueError(f"speculative_config.model: the draft's max_position_embeddings "
+                             f"{max_positions} is below max_model_len {context.max_model_len}")
         self.model = build_model(ckpt, context.dtype, context.device, context.max_model_len,
                                  _BACKEND)
         spec = self.model.spec

@@ -228,3 +228,10 @@ def test_draft_vocabulary_mismatch_refused_at_start(small, tiny_model) -> None:
     other = tiny_model("LlamaForCausalLM")  # 49152 tokens against 64
     with pytest.raises(ValueError, match=r"speculative_config\.model: the draft's vocabulary"):
         LLM(str(path), dtype="float32", speculative_config=draft_config(other))
+
+
+def test_draft_shorter_than_max_model_len_refused_at_start(small, tiny_model) -> None:
+    path, _, _ = small
+    short = tiny_model("LlamaForCausalLM", vocab_size=SMALL_VOCAB, max_position_embeddings=64)
+    with pytest.raises(ValueError, match=r"speculative_config\.model: .*max_position_embeddings"):
+        LLM(str(path), dtype="float32", speculative_config=draft_config(short))
