@@ -133,6 +133,8 @@ def run_spec_decode(args: argparse.Namespace) -> dict:
                 r = _run(llm, prompts, args)
                 all_steps += r.pop("steps")
                 runs.append({"config": name, "concurrency": c, "workload": workload, **r})
+                print(f"  done: {name}, concurrency {c}, {workload}: "
+                      f"{r['tok_per_s']:.1f} tok/s", flush=True)
             del llm
             gc.collect()
     base = {(r["workload"], r["concurrency"]): r for r in runs if r["config"] == "off"}
