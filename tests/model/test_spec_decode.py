@@ -235,3 +235,19 @@ def test_draft_shorter_than_max_model_len_refused_at_start(small, tiny_model) ->
     short = tiny_model("LlamaForCausalLM", vocab_size=SMALL_VOCAB, max_position_embeddings=64)
     with pytest.raises(ValueError, match=r"speculative_config\.model: .*max_position_embeddings"):
         LLM(str(path), dtype="float32", speculative_config=draft_config(short))
+
+
+@pytest.mark.parametrize("arch", ["MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"])
+def test_other_architectures_greedy_identical(tiny_model, monkeypatch, arch) -> None:
+    path = tiny_model(arch, vocab_size=SMALL_VOCAB)
+    prompts = prompts_for(SMALL_VOCAB, 4, seed=11)
+    expected, _ = run(path, prompts)
+    monkeypatch.setitem(proposer_mod.PROPOSERS, "oracle", _Oracle)
+    monkeypatch.setattr(_Oracle, "continuations",
+                        {tuple(p): p + e[0] for p, e in zip(prompts, expected)})
+    monkeypatch.setattr(_Oracle, "mode", "half")
+    got, stats = run(path, prompts, speculative_config={
+        "method": "oracle", "num_speculative_tokens": 3, "adaptive": False})
+    assert got == expected
+    assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
+    assert run(path, prompts, speculative_config=NGRAM)[0] == expected
