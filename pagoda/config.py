@@ -15,6 +15,7 @@ from pagoda.quant.base import quantization_methods
 
 # --kv-host-compression values (worker/kv_compress.py).
 HOST_COMPRESSIONS = ("none", "int8", "int4")
+from pagoda.spec_decode.config import SpeculativeConfig
 
 _DTYPES = {
     "float32": torch.float32,
@@ -149,6 +150,8 @@ class EngineConfig:
     # How the engine reaches its workers (pagoda.worker.executor.EXECUTORS): "uni" = one
     # worker in this process.
     distributed_executor_backend: str
+    # Speculative decoding (spec_decode/config.py); None: off.
+    speculative: SpeculativeConfig | None = None
 
     def validate(self) -> None:
         c, s = self.cache, self.scheduler
@@ -275,6 +278,9 @@ class EngineArgs:
     streaming_window: int | None = None
     # kvquant: compressed KV blocks in the host pools (swap, host tier).
     kv_host_compression: str = "none"
+    # Speculative decoding, vLLM's form: a dict or its JSON text, e.g. {"method": "ngram",
+    # "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}.
+    speculative_config: dict | str | None = None
 
     @classmethod
     def add_cli_args(cls, p: argparse.ArgumentParser) -> None:
@@ -338,6 +344,11 @@ class EngineArgs:
         p.add_argument("--streaming-window", type=int, default=d.streaming_window,
                        help="StreamingLLM: the last tokens kept; generation may then run "
                        "past max_model_len with bounded KV memory")
+        p.add_argument("--speculative-config", default=d.speculative_config,
+                       help='speculative decoding as JSON, e.g. \'{"method": "ngram", '
+                       '"num_speculative_tokens": 4, "prompt_lookup_max": 4, '
+                       '"prompt_lookup_min": 2}\' or \'{"method": "draft_model", '
+                       '"model": PATH, "num_speculative_tokens": 4}\'')
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
@@ -379,6 +390,7 @@ class EngineArgs:
             ),
             device=self.device,
             distributed_executor_backend=self.distributed_executor_backend,
+            speculative=SpeculativeConfig.parse(self.speculative_config),
         )
         config.validate()
         return config

@@ -414,6 +414,23 @@ class KVCacheManager:
                 self.block_pool.cache_full_blocks(table, hashes, num_cached[g], num_full_blocks)
                 num_cached[g] = num_full_blocks
 
+    def free_uncomputed_tail(self, request: _CacheRequest) -> None:
+        """Release, in every group, the blocks past those the request's computed tokens
+        occupy: after a step that rejected draft tokens, the blocks only they used (never
+        registered: drafts are not hashed). Tail first, as in `free`."""
+        tables = self.req_to_blocks.get(request.req_id)
+        if not tables:
+            return
+        num_kept = -(-request.num_computed_tokens // self.block_size)
+        if num_kept >= len(tables[0]):
+            return
+        tail: list[KVCacheBlock] = []
+        for table, id_table in zip(tables, self.req_to_block_ids[request.req_id], strict=True):
+            tail += [b for b in table[num_kept:] if b is not self.null_block]
+            del table[num_kept:]
+            del id_table[num_kept:]
+        self.block_pool.free_blocks(reversed(tail))
+
     def fork(
         self, parent: _CacheRequest, child: _CacheRequest, num_tokens: int
     ) -> list[tuple[int, int]] | None:

@@ -76,6 +76,9 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
+    # Draft tokens the proposer guessed to follow all_token_ids (speculative decoding);
+    # not part of the sequence until the step that verifies them accepts them.
+    spec_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     num_preemptions: int = 0

@@ -14,6 +14,15 @@ appended (one or more per request, with stop checks per token). A step that rais
 interrupted is undone by `rollback_step` instead: nothing it allocated is registered, so
 there is nothing to unregister.
 
+Speculative decoding: a running request in decode carries draft tokens
+(`Request.spec_token_ids`, from the runner's proposer). The step schedules 1 + k of its
+tokens, k cut to the budget, to the request's max_tokens / max_model_len and to the
+`DraftLengthPolicy`'s k for the step, and allocates slots for all of them. At commit the
+runner's tokens are the accepted drafts plus one; `num_computed_tokens` drops back by the
+rejected ones and blocks that only rejected tokens used are freed. Drafts are never in
+`all_token_ids` before they are accepted, so no block hash (hence no prefix-cache entry)
+ever covers a rejected token.
+
 Preemption (carried out by core/preemption.py, victims chosen by the policy in
 core/request_queue.py):
 - KV pressure while growing a running request: the policy's last running request (FCFS:
@@ -43,6 +52,7 @@ from pagoda.core.scheduler_output import (  # NOTE: also imported from here by o
     SchedulerOutput,
     SchedulerStats,
 )
+from pagoda.spec_decode.adaptive import DraftLengthPolicy
 
 _WAIT_FOR_PARENT = object()  # a forked sample's parent is still computing the prompt
 
@@ -62,6 +72,7 @@ class Scheduler:
         aging_interval_s: float = DEFAULT_AGING_INTERVAL_S,
         sla_ttft_targets_s: Mapping[str, float] | None = None,
         stop_at_max_model_len: bool = True,
+        draft_length_policy: DraftLengthPolicy | None = None,
     ) -> None:
         self.kv = kv_cache_manager
         # NOTE: False with attention sinks: a stream may outgrow max_model_len.
@@ -82,6 +93,9 @@ class Scheduler:
         self.sla_ttft_misses: Counter[str] = Counter()
         # Preemptions by the preempted request's SLA class (sums to num_preemptions).
         self.sla_preemptions: Counter[str] = Counter()
+        # None: speculative decoding is off.
+        self.draft_length_policy = draft_length_policy
+        self._num_drafts_this_step = 0
 
     @property
     def num_preemptions(self) -> int:
@@ -127,6 +141,9 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         self.waiting.order_running(self.running)
+        if self.draft_length_policy is not None:
+            k = self.draft_length_policy.num_drafts_for_step(len(self.running))
+            self._num_drafts_this_step = out.num_spec_tokens = k
         preempted = self._schedule_running(out)
         if not preempted:
             self._schedule_waiting(out)
@@ -148,10 +165,15 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
+            drafts = self._drafts_to_verify(req, n, budget)
             while True:
-                new_blocks = self.kv.allocate_slots(req, n)
+                new_blocks = self.kv.allocate_slots(req, n + len(drafts))
                 if new_blocks is not None:
                     break
+                if drafts:
+                    # NOTE: drafts are optional: give them up before preempting anyone.
+                    drafts = []
+                    continue
                 # NOTE: preempt inside the retry loop: the policy's last running request
                 # (not yet scheduled this step) gives its blocks back; if that is this
                 # request, it waits for a later step.
@@ -162,15 +184,32 @@ class Scheduler:
                     break
             if new_blocks is None:
                 break
+            if drafts:
+                out.scheduled_spec_decode_tokens[req.req_id] = drafts
+                n += len(drafts)
             out.scheduled_cached_reqs.append(
                 CachedRequestData(req.req_id, self.kv.group_ids(new_blocks),
-                                  req.num_computed_tokens)
+                                  req.num_computed_tokens,
+                                  len(self.kv.get_block_ids(req.req_id)))
             )
             out.num_scheduled_tokens[req.req_id] = n
             out.total_num_scheduled_tokens += n
             budget -= n
             i += 1
         return preempted
+
+    def _drafts_to_verify(self, req: Request, n: int, budget: int) -> list[int]:
+        """The draft tokens `req` verifies this step: only in decode (its one new token
+        is its last), at most the step's k, what the budget leaves, and one fewer than the
+        tokens it may still produce (the step also emits one target token)."""
+        if not req.spec_token_ids or n != 1 or req.num_computed_tokens != req.num_tokens - 1:
+            return []
+        params = req.sampling_params
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len
+        k = min(len(req.spec_token_ids), self._num_drafts_this_step, budget - 1,
+                max_tokens - req.num_output_tokens - 1,
+                self.max_model_len - req.num_tokens - 1)
+        return req.spec_token_ids[:k] if k > 0 else []
 
     def _schedule_waiting(self, out: SchedulerOutput) -> None:
         now = time.monotonic()
@@ -325,6 +364,7 @@ class Scheduler:
         # before its blocks go (its num_computed_tokens only advances at the end, and its
         # blocks are only registered at commit, so nothing else needs undoing).
         n = out.num_scheduled_tokens.pop(victim.req_id, 0)
+        out.scheduled_spec_decode_tokens.pop(victim.req_id, None)
         if n:
             out.total_num_scheduled_tokens -= n
             out.scheduled_cached_reqs = [
@@ -338,6 +378,7 @@ class Scheduler:
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         """Give `req`'s device blocks back (swap or recompute) and requeue it; the
         preemption counts against `req`'s SLA class."""
+        req.spec_token_ids = []
         out.blocks_to_swap_out.extend(self.preemptor.preempt(req))
         self.sla_preemptions[req.sla_class] += 1
         self.finished_req_ids.add(req.req_id)
@@ -348,17 +389,23 @@ class Scheduler:
     def update_from_output(
         self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput  # noqa: F821
     ) -> list[EngineCoreOutput]:
-        """Commit a step that returned: register the blocks its computed tokens filled,
-        append each request's sampled tokens with stop checks per token (a stop discards
-        the tokens after it), free the requests that finished."""
+        """Commit a step that returned: take back the rejected draft tokens, register the
+        blocks its computed tokens filled, append each request's sampled tokens with stop
+        checks per token (a stop discards the tokens after it), store the next drafts,
+        free the requests that finished."""
         outputs: list[EngineCoreOutput] = []
         now = time.monotonic()
+        draft_token_ids = runner_out.draft_token_ids
         for req_id in sched_out.num_scheduled_tokens:
             req = self.requests.get(req_id)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue
-            self.kv.cache_blocks(req)
             token_ids = runner_out.sampled_token_ids.get(req_id)
+            drafts = sched_out.scheduled_spec_decode_tokens.get(req_id)
+            if drafts:
+                self._reject_drafts(req, len(drafts), len(token_ids))
+            self.kv.cache_blocks(req)
+            req.spec_token_ids = draft_token_ids.get(req_id, [])
             prompt_lps = runner_out.prompt_logprobs.get(req_id)
             if not token_ids:
                 if prompt_lps is not None:
@@ -383,6 +430,15 @@ class Scheduler:
                 self.running.remove(req)
                 self._free(req, status)
         return outputs
+
+    def _reject_drafts(self, req: Request, num_drafts: int, num_tokens: int) -> None:
+        """`req` verified `num_drafts` drafts and got `num_tokens` tokens back (the
+        accepted drafts plus one): its rejected drafts were not computed after all, and
+        blocks only they used go back to the pool."""
+        num_accepted = num_tokens - 1
+        req.num_computed_tokens -= num_drafts - num_accepted
+        self.kv.free_uncomputed_tail(req)
+        self.draft_length_policy.observe(num_drafts, num_accepted)
 
     def _append_tokens(
         self, req: Request, token_ids: list[int]
@@ -430,6 +486,7 @@ class Scheduler:
         """Free all `req` holds, device and host: it waits to be computed again."""
         self.preemptor.free(req)
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
         req.status = RequestStatus.PREEMPTED
 
     def _observe_ttft(self, req: Request, now: float) -> None:
@@ -456,6 +513,7 @@ class Scheduler:
 
     # ---- introspection ---------------------------------------------------------------
     def get_stats(self) -> SchedulerStats:
+        spec = self.draft_length_policy.counters if self.draft_length_policy else None
         return SchedulerStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
@@ -471,6 +529,11 @@ class Scheduler:
             sla_first_tokens=dict(self.sla_first_tokens),
             sla_ttft_misses=dict(self.sla_ttft_misses),
             sla_preemptions=dict(self.sla_preemptions),
+            spec_decode_num_drafts=spec.num_drafts if spec else 0,
+            spec_decode_num_draft_tokens=spec.num_draft_tokens if spec else 0,
+            spec_decode_num_accepted_tokens=spec.num_accepted_tokens if spec else 0,
+            spec_decode_num_accepted_tokens_per_pos=(
+                list(spec.num_accepted_tokens_per_pos) if spec else []),
         )
 
     def check_integrity(self) -> None:

@@ -32,6 +32,10 @@ class CachedRequestData:
     req_id: str
     new_block_ids: tuple[list[int], ...]  # per KV cache group, as many in each
     num_computed_tokens: int
+    # The table's length once new_block_ids are appended; None: nothing was freed since
+    # the last step. Shorter than the runner's table plus new_block_ids when blocks that
+    # only rejected draft tokens used were freed: the runner cuts its table first.
+    num_blocks: int | None = None
 
 
 @dataclass
@@ -56,6 +60,11 @@ class SchedulerOutput:
     # Copy-on-write within the device cache (src block, dst block): a forked sample's copy
     # of the partly filled block it shared; done after the device -> host copies.
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    # Speculative decoding: the draft tokens this step verifies per request (their count
+    # is part of num_scheduled_tokens: 1 + k), and how many the proposer should guess for
+    # the next step (0: none).
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    num_spec_tokens: int = 0
 
     @property
     def is_empty(self) -> bool:
@@ -97,3 +106,9 @@ class SchedulerStats:
     sla_ttft_misses: dict[str, int] = field(default_factory=dict)
     # Per SLA class: preemptions of requests of that class (sums to num_preemptions).
     sla_preemptions: dict[str, int] = field(default_factory=dict)
+    # Speculative decoding (vLLM's counters): verification rows with drafts, draft tokens
+    # verified, drafts accepted, and accepted drafts by their position in the draft.
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)

@@ -32,6 +32,7 @@ from pagoda.models.loader import load_checkpoint
 from pagoda.omp_env import apply_openmp_defaults
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
+from pagoda.spec_decode.adaptive import DraftLengthPolicy
 from pagoda.worker.executor import get_executor_class
 from pagoda.worker.kv_compress import host_bytes_per_block
 
@@ -106,6 +107,8 @@ class LLMEngine:
             aging_interval_s=s.aging_interval_s,
             sla_ttft_targets_s=s.sla_ttft_targets_s,
             stop_at_max_model_len=not self.streaming,
+            draft_length_policy=None if config.speculative is None else DraftLengthPolicy(
+                config.speculative.num_speculative_tokens, config.speculative.adaptive),
         )
         swap_pool = self.scheduler.preemptor.host_pool
         host_tier = self.kv_cache_manager.host_tier

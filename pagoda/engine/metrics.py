@@ -43,6 +43,11 @@ the HTTP layer counts error responses. Counting rules, exact so that tests can a
 |                                     | type (see `error_type`; counted by request_log.py)     |
 | tenant_requests_total{tenant},      | per API-key name (never the key): requests, and the    |
 | tenant_{prompt,generation}_tokens   | usage tokens of their answers                          |
+| spec_decode_num_drafts,             | speculative decoding, the scheduler's counters         |
+| spec_decode_num_draft_tokens,       | mirrored: verifications with drafts, drafts verified,  |
+| spec_decode_num_accepted_tokens,    | drafts accepted, and accepted drafts by position in    |
+| spec_decode_num_accepted_tokens_    | the draft (0-based; a series per position once one     |
+|   per_pos{position}                 | was verified)                                          |
 
 Resource gauges (busy fraction, CPU, RSS, GPU) are in resource_metrics.py.
 The per-class series are pagoda's own (vLLM has no SLA classes); every class's series
@@ -140,6 +145,7 @@ class EngineMetrics:
         self._init_vllm_series()
         self._init_sla_series()
         self._init_pagoda_series(window_s)
+        self._init_spec_decode_series()
         self.resources = ResourceMetrics(self.registry, model_name, device, window_s)
         self._tenant_families: tuple[Counter, ...] | None = None
         self._tenant_counters: dict[str, tuple[Counter, ...]] = {}
@@ -254,6 +260,34 @@ class EngineMetrics:
             gauge(name, f"{doc} (sliding window of {window_s:g} s)").set_function(
                 self._windows[key].rate)
 
+    def _init_spec_decode_series(self) -> None:
+        """vLLM's speculative-decoding counters."""
+        counter = self._counter
+        self.spec_decode_counters = {
+            "spec_decode_num_drafts": counter("spec_decode_num_drafts",
+                                              "Verifications of draft tokens."),
+            "spec_decode_num_draft_tokens": counter("spec_decode_num_draft_tokens",
+                                                    "Draft tokens verified."),
+            "spec_decode_num_accepted_tokens": counter("spec_decode_num_accepted_tokens",
+                                                       "Draft tokens accepted."),
+        }
+        self.spec_decode_accepted_per_pos = Counter(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by position in the draft.", ["model_name", "position"],
+            registry=self.registry)
+
+    def _observe_spec_decode(self, stats: SchedulerStats, last: SchedulerStats | None) -> None:
+        for name, counter in self.spec_decode_counters.items():
+            delta = getattr(stats, name) - (getattr(last, name) if last else 0)
+            if delta > 0:
+                counter.inc(delta)
+        before = last.spec_decode_num_accepted_tokens_per_pos if last else []
+        for pos, count in enumerate(stats.spec_decode_num_accepted_tokens_per_pos):
+            series = self.spec_decode_accepted_per_pos.labels(self.model_name, str(pos))
+            delta = count - (before[pos] if pos < len(before) else 0)
+            if delta > 0:
+                series.inc(delta)
+
     # ---- engine thread -----------------------------------------------------------------
     def observe_outputs(self, outputs: Iterable[RequestOutput], now: float | None = None) -> None:
         """Per-request latencies and token counts from one step's DELTA outputs."""
@@ -323,6 +357,7 @@ class EngineMetrics:
                 delta = count - before.get(sla_class, 0)
                 if delta > 0:
                     counter.labels(self.model_name, sla_class).inc(delta)
+        self._observe_spec_decode(stats, last)
         self._last_stats = stats
 
     def observe_queues(self, queues: QueueSnapshot) -> None:

@@ -253,23 +253,36 @@ class Sampler:
         raw_logprobs = None
         if md.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits.float(), dim=-1)
-        if md.needs_processing:
-            logits = logits.to(torch.float32, copy=True)
-            apply_logit_bias_and_bans(logits, md)
-            apply_penalties(logits, md)
-        sampled = self._sample(logits, md)
+        greedy_ids, probs = self.process(logits, md)
+        if probs is None:
+            sampled = greedy_ids
+        else:
+            sampled = random_sample(probs, md.generators)
+            if greedy_ids is not None:
+                sampled = torch.where(md.greedy_mask, greedy_ids, sampled)
         if raw_logprobs is None:
             return SamplerOutput(sampled.cpu(), None, None, None)
         ids, lps, ranks = _gather_topk(raw_logprobs, sampled, md.max_num_logprobs)
         return SamplerOutput(sampled.cpu(), ids.cpu(), lps.cpu(), ranks.cpu())
 
     @staticmethod
-    def _sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    def process(
+        logits: torch.Tensor, md: SamplingMetadata
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The processed distributions every row is sampled from: (argmax ids [B] of the
+        greedy rows' processed logits, None when no row is greedy; probabilities [B, V]
+        float32 after every stage, None when all rows are greedy). Rows of the other kind
+        hold neutral values. The rejection sampler verifies drafts against these.
+        """
+        if md.needs_processing:
+            logits = logits.to(torch.float32, copy=True)
+            apply_logit_bias_and_bans(logits, md)
+            apply_penalties(logits, md)
         # NOTE: argmax over bf16 is 5x slower than a float32 cast plus argmax on CPU; the
         # cast is exact, so the chosen ids (ties included) are the same.
         greedy_ids = None if md.all_random else logits.float().argmax(dim=-1)
         if md.all_greedy:
-            return greedy_ids
+            return greedy_ids, None
         if not md.needs_processing:
             # NOTE: still the caller's tensor; the stages below work in place.
             logits = logits.to(torch.float32, copy=True)
@@ -277,10 +290,7 @@ class Sampler:
         if md.min_p is not None:
             apply_min_p(logits, md.min_p)
         logits = apply_top_k_top_p(logits, md.top_k, md.top_p, md.max_top_k)
-        random_ids = random_sample(logits.softmax(dim=-1), md.generators)
-        if greedy_ids is None:
-            return random_ids
-        return torch.where(md.greedy_mask, greedy_ids, random_ids)
+        return greedy_ids, logits.softmax(dim=-1)
 
 
 def apply_logit_bias_and_bans(logits: torch.Tensor, md: SamplingMetadata) -> None:

@@ -131,6 +131,22 @@ class InputBatch:
             table[slot, start:end] = ids
         self.num_blocks[slot] = end
 
+    def truncate_block_ids(self, slot: int, num_blocks: int) -> None:
+        """Keep the slot's first `num_blocks` block ids (the scheduler freed the rest)."""
+        self.num_blocks[slot] = min(int(self.num_blocks[slot]), num_blocks)
+
+    def write_drafts(self, slot: int, token_ids: list[int]) -> None:
+        """Put draft tokens right after the slot's tokens, without counting them: the
+        step reads them as inputs, and only the accepted ones are appended after it."""
+        start = int(self.num_tokens[slot])
+        self.token_ids[slot, start : start + len(token_ids)] = token_ids
+
+    def extend_tokens(self, slot: int, token_ids: list[int]) -> None:
+        """Append several tokens to one slot (accepted drafts and the token after them)."""
+        start = int(self.num_tokens[slot])
+        self.token_ids[slot, start : start + len(token_ids)] = token_ids
+        self.num_tokens[slot] = start + len(token_ids)
+
     def append_tokens(self, slots: np.ndarray, token_ids: np.ndarray) -> None:
         """One new token per slot in `slots` (distinct), vectorised."""
         if self.growable and len(slots) and self.num_tokens[slots].max() >= self.token_ids.shape[1]:

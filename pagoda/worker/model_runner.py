@@ -6,6 +6,12 @@ kept across a preemption so a seeded request resumes its stream). A step gathers
 positions and the slot mapping into buffers sized once, with numpy fancy indexing (no
 per-token Python loops); the attention backend builds its metadata from those arrays;
 logits are computed only where something is sampled (or prompt logprobs are wanted).
+
+Speculative decoding: a request's draft tokens (`SchedulerOutput.scheduled_spec_decode_tokens`)
+are written after its tokens and read as inputs, so it is one row with query length k + 1 in
+the same flat batch; logits at all k + 1 positions go to the rejection sampler, and the
+accepted drafts plus one token are appended. After sampling, the proposer guesses the next
+drafts of every request that sampled (`ModelRunnerOutput.draft_token_ids`).
 """
 
 from __future__ import annotations
@@ -20,7 +26,9 @@ from torch import nn
 from pagoda.attention.backend import AttentionBackend, AttentionMetadata, CommonAttentionMetadata
 from pagoda.core.kv_cache_spec import KVRetention
 from pagoda.core.scheduler_output import SchedulerOutput
+from pagoda.layers.rejection_sampler import RejectionSampler
 from pagoda.layers.sampler import Sampler, SamplingMetadata, compute_topk_logprobs
+from pagoda.spec_decode.proposer import Proposer
 from pagoda.worker.block_copies import LayerCaches
 from pagoda.worker.input_batch import InputBatch
 
@@ -36,6 +44,8 @@ class ModelRunnerOutput:
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     # req_id -> (first position, ids [N][K+1], logprobs [N][K+1], ranks [N])
     prompt_logprobs: dict[str, tuple] = field(default_factory=dict)
+    # req_id -> the proposer's draft tokens to follow its tokens (absent: none).
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -48,6 +58,7 @@ class StepBatch:
     starts: np.ndarray  # [B] first new position (num_computed_tokens before the step)
     query_start_loc: np.ndarray  # [B + 1]
     sample_rows: np.ndarray  # rows whose step reaches their last known token
+    num_drafts: np.ndarray  # [B] draft tokens among each row's query (0: none)
 
 
 class ModelRunner:
@@ -66,6 +77,7 @@ class ModelRunner:
         max_num_batched_tokens: int,
         kv_groups: Sequence[tuple[KVRetention, Sequence[int]]] = (),
         streaming: bool = False,
+        proposer: Proposer | None = None,
     ) -> None:
         """`kv_groups`: per KV cache group its retention and layer ids, in the scheduler's
         group order (empty: one full-attention group of every layer). `streaming`: attention
@@ -91,6 +103,8 @@ class ModelRunner:
         self.input_batch = InputBatch(max_num_reqs, max_model_len, -(-max_model_len // block_size),
                                       num_groups=len(self.retentions),
                                       growable=streaming)
+        self.rejection_sampler = RejectionSampler()
+        self.proposer = proposer
         self.generators: dict[str, torch.Generator] = {}
         # Per-token buffers, sized once; a step uses their first T entries.
         self._input_ids = torch.zeros(max_num_batched_tokens, dtype=torch.int64)
@@ -106,6 +120,8 @@ class ModelRunner:
             batch.remove_request(req_id)
             if req_id not in out.preempted_req_ids:
                 self.generators.pop(req_id, None)
+        if self.proposer is not None and out.finished_req_ids:
+            self.proposer.remove_requests(out.finished_req_ids)
         for new in out.scheduled_new_reqs:
             seed = new.sampling_params.seed
             if seed is not None and new.req_id not in self.generators:
@@ -116,9 +132,13 @@ class ModelRunner:
             batch.num_computed_tokens[slot] = new.num_computed_tokens
         for cached in out.scheduled_cached_reqs:
             slot = batch.req_id_to_slot[cached.req_id]
+            if cached.num_blocks is not None:
+                batch.truncate_block_ids(slot, cached.num_blocks - len(cached.new_block_ids))
             if cached.new_block_ids:
                 batch.append_block_ids(slot, cached.new_block_ids)
             batch.num_computed_tokens[slot] = cached.num_computed_tokens
+        for req_id, drafts in out.scheduled_spec_decode_tokens.items():
+            batch.write_drafts(batch.req_id_to_slot[req_id], drafts)
 
     # ---- one step --------------------------------------------------------------------
     @torch.inference_mode()
@@ -136,7 +156,13 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, self.kv_caches, md)
         self._prompt_logprobs(step, hidden, result)
         if len(step.sample_rows):
-            self._sample(step, hidden, result)
+            speculating = step.num_drafts[step.sample_rows] > 0
+            if not speculating.all():
+                self._sample(step, step.sample_rows[~speculating], hidden, result)
+            if speculating.any():
+                self._verify(step, step.sample_rows[speculating], hidden, result)
+            if self.proposer is not None and out.num_spec_tokens > 0:
+                self._propose(step, out.num_spec_tokens, result)
         return result
 
     def _step_batch(self, out: SchedulerOutput) -> StepBatch:
@@ -149,8 +175,11 @@ class ModelRunner:
         starts = batch.num_computed_tokens[slots]
         query_start_loc = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(query_lens, out=query_start_loc[1:])
-        sample_rows = np.flatnonzero(starts + query_lens == batch.num_tokens[slots])
-        return StepBatch(req_ids, slots, query_lens, starts, query_start_loc, sample_rows)
+        spec = out.scheduled_spec_decode_tokens
+        num_drafts = np.fromiter((len(spec.get(r, ())) for r in req_ids), np.int64, n)
+        sample_rows = np.flatnonzero(starts + query_lens == batch.num_tokens[slots] + num_drafts)
+        return StepBatch(req_ids, slots, query_lens, starts, query_start_loc, sample_rows,
+                         num_drafts)
 
     def _prepare_inputs(
         self, step: StepBatch
@@ -227,8 +256,9 @@ class ModelRunner:
                                f"{self.input_batch.num_blocks[step.slots[row]]}")
         return int(needed.max())
 
-    def _sample(self, step: StepBatch, hidden: torch.Tensor, result: ModelRunnerOutput) -> None:
-        batch, rows = self.input_batch, step.sample_rows
+    def _sample(self, step: StepBatch, rows: np.ndarray, hidden: torch.Tensor,
+                result: ModelRunnerOutput) -> None:
+        batch = self.input_batch
         idx = torch.from_numpy(step.query_start_loc[rows + 1] - 1).to(hidden.device)
         logits = self.model.compute_logits(hidden[idx])
         slots = step.slots[rows]
@@ -256,6 +286,57 @@ class ModelRunner:
                     sampled.logprobs[j, : k + 1].tolist(),
                     int(sampled.sampled_token_ranks[j]),
                 )]
+
+    def _verify(self, step: StepBatch, rows: np.ndarray, hidden: torch.Tensor,
+                result: ModelRunnerOutput) -> None:
+        """Rows with drafts: the target's logits at each draft and after the last one
+        (virtual rows, each with its history extended by the drafts before it), the
+        rejection sampler's verdict, the accepted tokens appended."""
+        batch = self.input_batch
+        slots, num_drafts = step.slots[rows], step.num_drafts[rows]
+        counts = num_drafts + 1
+        firsts = np.repeat(step.query_start_loc[rows + 1] - counts, counts)
+        bases = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(counts, out=bases[1:])
+        offsets = self._arange[: int(bases[-1])] - np.repeat(bases[:-1], counts)
+        idx = torch.from_numpy(firsts + offsets).to(hidden.device)
+        logits = self.model.compute_logits(hidden[idx])
+        states = [batch.slots[s] for s in slots]
+        params, prompts, histories = [], [], []
+        for s, state, k in zip(slots.tolist(), states, num_drafts.tolist()):
+            start, end = int(batch.num_prompt_tokens[s]), int(batch.num_tokens[s])
+            for j in range(k + 1):
+                params.append(state.sampling_params)
+                prompts.append(batch.prompt_view(s))
+                # NOTE: a view reaching into the drafts: position j's history.
+                histories.append(batch.token_ids[s, start : end + j])
+        md = SamplingMetadata.build(params, prompts, histories, [None] * len(params),
+                                    self.eos_token_ids, self.vocab_size, logits.device)
+        drafts = [batch.token_ids[s, batch.num_tokens[s] : batch.num_tokens[s] + k].tolist()
+                  for s, k in zip(slots.tolist(), num_drafts.tolist())]
+        verdict = self.rejection_sampler(logits, md, drafts,
+                                         [self.generators.get(s.req_id) for s in states])
+        for r, (s, state, token_ids) in enumerate(zip(slots.tolist(), states,
+                                                      verdict.token_ids)):
+            batch.extend_tokens(s, token_ids)
+            result.sampled_token_ids[state.req_id] = token_ids
+            k = state.sampling_params.logprobs
+            if k is not None and verdict.logprobs is not None:
+                base = int(bases[r])
+                result.logprobs[state.req_id] = [(
+                    verdict.logprob_token_ids[base + j, : k + 1].tolist(),
+                    verdict.logprobs[base + j, : k + 1].tolist(),
+                    int(verdict.sampled_token_ranks[base + j]),
+                ) for j in range(len(token_ids))]
+
+    def _propose(self, step: StepBatch, num_tokens: int, result: ModelRunnerOutput) -> None:
+        """The proposer's next drafts for every request that sampled this step."""
+        slots = step.slots[step.sample_rows]
+        drafts = self.proposer.propose(self.input_batch, slots, num_tokens)
+        batch = self.input_batch
+        for slot, tokens in zip(slots.tolist(), drafts):
+            if tokens:
+                result.draft_token_ids[batch.slots[slot].req_id] = tokens
 
     def _prompt_logprobs(
         self, step: StepBatch, hidden: torch.Tensor, result: ModelRunnerOutput

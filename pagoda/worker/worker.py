@@ -33,6 +33,7 @@ from pagoda.models.factory import build_model
 from pagoda.models.loader import Checkpoint
 from pagoda.ops import registry as ops_registry
 from pagoda.ops.cpu_kernels import load_extension
+from pagoda.spec_decode.proposer import ProposerContext, create_proposer
 from pagoda.worker.block_copies import LayerCaches, swap_blocks
 from pagoda.worker.kv_compress import host_layer_tensors, pool_format
 from pagoda.worker.model_runner import ModelRunner, ModelRunnerOutput
@@ -114,19 +115,25 @@ class Worker:
         specs = self.kv_cache_specs()
         compression = self.config.cache.kv_host_compression
         self.kv_formats = (pool_format(specs[0]), pool_format(specs[0], compression))
-        self.kv_caches = _allocate(specs, num_blocks, self.device, pin=False, zero=True)
+        self.kv_caches = allocate_kv_caches(specs, num_blocks, self.device, pin=False, zero=True)
         pin = self.device.type == "cuda"
         # NOTE: torch.empty for the host buffers: a block is written by a swap-out
         # (offload) before it is read, and untouched pages of a large pool are never
         # committed on the CPU.
         if num_swap_blocks is not None:
-            self.host_kv_caches = _allocate(specs, num_swap_blocks, None, pin, zero=False,
-                                            compression=compression)
+            self.host_kv_caches = allocate_kv_caches(specs, num_swap_blocks, None, pin,
+                                                     zero=False, compression=compression)
         if num_host_tier_blocks is not None:
-            self.host_tier_kv_caches = _allocate(specs, num_host_tier_blocks, None, pin,
-                                                 zero=False, compression=compression)
+            self.host_tier_kv_caches = allocate_kv_caches(specs, num_host_tier_blocks, None,
+                                                          pin, zero=False, compression=compression)
         s, c = self.config.scheduler, self.config.cache
         retentions = retentions_for(specs, c.attention_sinks, c.streaming_window)
+        proposer = None
+        if self.config.speculative is not None:
+            proposer = create_proposer(self.config.speculative, ProposerContext(
+                vocab_size=self.model.spec.vocab_size, device=self.device, dtype=self.dtype,
+                max_model_len=self.max_model_len, max_num_seqs=s.max_num_seqs,
+                block_size=self.config.cache.block_size))
         self.runner = ModelRunner(
             self.model, self.kv_caches, get_backend(self.config.model.attn_backend),
             self.config.cache.block_size, self.model.spec.vocab_size, self.eos_token_ids,
@@ -134,6 +141,7 @@ class Worker:
             max_model_len=self.max_model_len, max_num_batched_tokens=s.max_num_batched_tokens,
             kv_groups=[(r, spec.layer_ids) for r, spec in zip(retentions, specs, strict=True)],
             streaming=c.streaming_window is not None,
+            proposer=proposer,
         )
 
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
@@ -143,7 +151,7 @@ class Worker:
         return self.runner.execute_model(out)
 
 
-def _allocate(
+def allocate_kv_caches(
     specs: list[KVCacheSpec], num_blocks: int, device: torch.device | None, pin: bool,
     zero: bool,
     compression: str = "none",

@@ -73,3 +73,23 @@ def test_mixed_sla_priority_serves_interactive_first(tiny) -> None:
     assert fcfs["batch_output_tokens"] == prio["batch_output_tokens"] == 6 * 24
     assert prio["interactive_ttft_s"]["p99"] > 0 and fcfs["batch_output_tokens_per_s"] > 0
     assert report["comparison"]["ttft_p99_fcfs_over_priority_steps"] > 5
+
+
+def test_bench_spec_reports_every_config_and_same_greedy_output(tiny, tmp_path) -> None:
+    """float32 greedy: every configuration's output equals speculation off's; acceptance
+    and mean accepted length where drafts were verified."""
+    from pagoda.benchmarks.spec_decode import run_spec_decode
+
+    args = argparse.Namespace(model=str(tiny), draft_model=str(tiny), dtype="float32",
+                              num_speculative_tokens=3, max_tokens=8, concurrency=[1, 2],
+                              workloads=["grounded"], seed=0,
+                              output_json=str(tmp_path / "spec.json"))
+    report = run_spec_decode(args)
+    runs = report["runs"]
+    assert {r["config"] for r in runs} == {"off", "ngram", "ngram fixed k", "draft_model"}
+    assert all(r["same_output"] for r in runs)
+    (draft,) = [r for r in runs if r["config"] == "draft_model" and r["concurrency"] == 1]
+    # The target as its own draft: all accepted; 8 tokens = 1 (prefill) + 4 (k = 3) + 3
+    # (k cut to 2 by max_tokens): 3.5 tokens per verification.
+    assert draft["acceptance"] == 1.0 and draft["mean_accepted_len"] == pytest.approx(3.5)
+    assert (tmp_path / "spec.json").exists()

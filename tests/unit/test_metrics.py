@@ -201,3 +201,19 @@ def test_timeouts_errors_windows_and_per_class_itl() -> None:
     assert value(m, "pagoda:sla_num_requests_running", sla_class="interactive") == 1
     assert value(m, "pagoda:num_tokens_running") == 10
     assert value(m, "pagoda:num_tokens_waiting") == 10
+
+
+def test_spec_decode_counters_follow_the_scheduler() -> None:
+    m = EngineMetrics("m")
+    for drafts, tokens, accepted, per_pos in ((0, 0, 0, [0, 0]), (2, 7, 5, [2, 2]),
+                                              (3, 9, 6, [3, 2]), (3, 9, 6, [3, 2])):
+        m.observe_stats(SchedulerStats(
+            num_running=0, num_waiting=0, kv_cache_usage=0.0, num_preemptions=0,
+            prefix_cache_queries=0, prefix_cache_hits=0, spec_decode_num_drafts=drafts,
+            spec_decode_num_draft_tokens=tokens, spec_decode_num_accepted_tokens=accepted,
+            spec_decode_num_accepted_tokens_per_pos=per_pos))
+    assert value(m, "pagoda:spec_decode_num_drafts_total") == 3
+    assert value(m, "pagoda:spec_decode_num_draft_tokens_total") == 9
+    assert value(m, "pagoda:spec_decode_num_accepted_tokens_total") == 6
+    assert value(m, "pagoda:spec_decode_num_accepted_tokens_per_pos_total", position="0") == 3
+    assert value(m, "pagoda:spec_decode_num_accepted_tokens_per_pos_total", position="1") == 2

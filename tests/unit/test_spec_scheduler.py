@@ -1,0 +1,212 @@
+"""Speculative decoding in the scheduler (fake runner, real KVCacheManager): drafts are more
+tokens in the one budget, cut to the budget and the request's limits; the commit takes back
+rejected drafts exactly (computed tokens, blocks, prefix-cache entries); check_integrity
+after every step. Also the adaptive draft-length rule."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagoda.core.hashing import update_block_hashes
+from pagoda.core.kv_cache_manager import KVCacheManager
+from pagoda.core.request import Request, RequestStatus
+from pagoda.core.scheduler import Scheduler, SchedulerOutput
+from pagoda.sampling_params import SamplingParams
+from pagoda.spec_decode.adaptive import DraftLengthPolicy, best_num_drafts, expected_tokens
+from pagoda.worker.model_runner import ModelRunnerOutput
+
+BLOCK_SIZE = 4
+EOS = 2
+TOKEN = 7
+
+
+def make_scheduler(k: int = 4, num_blocks: int = 32, max_num_batched_tokens: int = 64,
+                   max_model_len: int = 64, enable_caching: bool = True) -> Scheduler:
+    kv = KVCacheManager(num_blocks, BLOCK_SIZE, enable_caching=enable_caching)
+    return Scheduler(kv, 8, max_num_batched_tokens, max_model_len,
+                     draft_length_policy=DraftLengthPolicy(k, adaptive=False))
+
+
+def make_request(req_id: str, num_prompt_tokens: int, max_tokens: int = 20) -> Request:
+    return Request(req_id=req_id, prompt_token_ids=list(range(10, 10 + num_prompt_tokens)),
+                   sampling_params=SamplingParams(max_tokens=max_tokens), eos_token_id=EOS)
+
+
+def commit(sched: Scheduler, out: SchedulerOutput, accept: dict[str, int] | None = None,
+           final: int = TOKEN, drafts: dict[str, list[int]] | None = None) -> None:
+    """Fake runner: each request accepts `accept[req_id]` drafts (default all) and gets
+    `final` after them; `drafts` are the proposer's next guesses."""
+    result = ModelRunnerOutput(draft_token_ids=drafts or {})
+    for req_id in out.num_scheduled_tokens:
+        req = sched.requests[req_id]
+        spec = out.scheduled_spec_decode_tokens.get(req_id, [])
+        if req.num_computed_tokens == req.num_tokens + len(spec):
+            n = len(spec) if accept is None else accept.get(req_id, len(spec))
+            result.sampled_token_ids[req_id] = spec[:n] + [final]
+    sched.check_integrity()
+    sched.update_from_output(out, result)
+    sched.check_integrity()
+
+
+def decode_ready(sched: Scheduler, req: Request, drafts: list[int]) -> None:
+    """Prefill `req` and leave it in decode with `drafts` proposed."""
+    sched.add_request(req)
+    while not req.num_output_tokens:
+        commit(sched, sched.schedule(), drafts={req.req_id: drafts})
+    assert req.num_computed_tokens == req.num_tokens - 1
+
+
+def test_drafts_are_scheduled_as_more_tokens_with_slots() -> None:
+    sched = make_scheduler()
+    req = make_request("a", 7)
+    decode_ready(sched, req, [20, 21, 22, 23])
+    out = sched.schedule()
+    assert out.num_scheduled_tokens == {"a": 5}
+    assert out.scheduled_spec_decode_tokens == {"a": [20, 21, 22, 23]}
+    # positions 7..11: a third block for positions 8..11
+    assert len(sched.kv.get_block_ids("a")) == 3
+    assert req.num_computed_tokens == 8 + 4
+    commit(sched, out)
+    assert req.output_token_ids == [TOKEN, 20, 21, 22, 23, TOKEN]
+    assert req.num_computed_tokens == req.num_tokens - 1 == 12
+
+
+def test_rejection_rolls_back_tokens_and_blocks_exactly() -> None:
+    sched = make_scheduler()
+    req = make_request("a", 7)
+    decode_ready(sched, req, [20, 21, 22, 23])
+    blocks_before = list(sched.kv.get_block_ids("a"))
+    free_before = sched.kv.num_free_blocks
+    out = sched.schedule()
+    (new_block,) = out.scheduled_cached_reqs[0].new_block_ids
+    commit(sched, out, accept={"a": 0}, final=30, drafts={"a": [40, 41]})
+    assert req.output_token_ids == [TOKEN, 30]
+    assert req.num_computed_tokens == 8 == req.num_tokens - 1
+    # The block for positions 8..11 held only rejected drafts: back in the pool, unhashed.
+    assert sched.kv.get_block_ids("a") == blocks_before
+    assert sched.kv.num_free_blocks == free_before
+    assert sched.kv.block_pool.blocks[new_block].block_hash is None
+    assert req.spec_token_ids == [40, 41]
+    # The runner is told to cut its table before appending the next step's blocks.
+    out = sched.schedule()
+    cached = out.scheduled_cached_reqs[0]
+    assert cached.num_blocks == len(sched.kv.get_block_ids("a"))
+    assert cached.num_blocks - len(cached.new_block_ids) == len(blocks_before)
+    commit(sched, out, accept={"a": 1})
+
+
+def test_partial_acceptance_keeps_the_accepted_blocks() -> None:
+    sched = make_scheduler()
+    req = make_request("a", 3)
+    decode_ready(sched, req, [20, 21, 22, 23])  # 4 tokens, 3 computed
+    out = sched.schedule()  # positions 3..7: 2 blocks
+    commit(sched, out, accept={"a": 2}, final=31)
+    assert req.output_token_ids == [TOKEN, 20, 21, 31]
+    assert req.num_computed_tokens == 6
+    assert len(sched.kv.get_block_ids("a")) == 2
+
+
+def test_no_prefix_cache_entry_covers_a_rejected_token() -> None:
+    sched = make_scheduler()
+    req = make_request("a", 3)
+    decode_ready(sched, req, [20, 21, 22, 23, 24])
+    out = sched.schedule()  # positions 3..7 filled with [TOKEN, 20, 21, 22, 23]
+    commit(sched, out, accept={"a": 0}, final=31)
+    commit(sched, sched.schedule())  # a plain step: blocks whose tokens are accepted register
+    cached = sched.kv.block_pool.cached_block_hash_to_block
+    hashes = req.block_hashes
+    assert len(hashes) == 1  # tokens [10, 11, 12, TOKEN]; 31 and on fill block 1
+    assert set(cached) <= set(hashes)
+    # A request with the rejected continuation finds nothing past the shared first block.
+    other = Request("b", [10, 11, 12, TOKEN, 20, 21, 22, 23, 1],
+                    SamplingParams(max_tokens=1), eos_token_id=EOS)
+    update_block_hashes(other, BLOCK_SIZE)
+    _, num_hit = sched.kv.get_computed_blocks(other)
+    assert num_hit == BLOCK_SIZE
+
+
+@pytest.mark.parametrize(("limit", "expected_k"), [
+    ({"max_num_batched_tokens": 3}, 2),   # budget: 1 + 2
+    ({"max_tokens": 4}, 2),               # 1 output so far: 3 more at most = 2 drafts + 1
+    ({"max_model_len": 11}, 2),           # 8 tokens: up to 10 after drafts, 11 with the last
+])
+def test_k_is_cut_to_the_budget_and_the_request_limits(limit: dict, expected_k: int) -> None:
+    sched = make_scheduler(max_num_batched_tokens=limit.get("max_num_batched_tokens", 64),
+                           max_model_len=limit.get("max_model_len", 64))
+    req = make_request("a", 7, max_tokens=limit.get("max_tokens", 20))
+    decode_ready(sched, req, [20, 21, 22, 23])
+    out = sched.schedule()
+    assert out.scheduled_spec_decode_tokens.get("a", []) == [20, 21, 22, 23][:expected_k]
+    assert out.num_scheduled_tokens["a"] == 1 + expected_k
+    commit(sched, out)
+    assert req.is_finished or req.num_computed_tokens == req.num_tokens - 1
+
+
+def test_a_stop_token_inside_the_accepted_run_ends_the_request() -> None:
+    sched = make_scheduler()
+    req = make_request("a", 7)
+    decode_ready(sched, req, [20, EOS, 22, 23])
+    commit(sched, sched.schedule())
+    assert req.status == RequestStatus.FINISHED_STOPPED
+    assert req.output_token_ids == [TOKEN, 20, EOS]
+    assert sched.kv.usage == 0.0
+
+
+def test_drafts_give_way_before_anyone_is_preempted() -> None:
+    # 4 usable blocks: a holds 2 (7 tokens + 1), b holds 2; a's drafts would need a third.
+    sched = make_scheduler(num_blocks=5, enable_caching=False)
+    a, b = make_request("a", 7), make_request("b", 7)
+    sched.add_request(a)
+    sched.add_request(b)
+    commit(sched, sched.schedule(), drafts={"a": [20, 21, 22, 23]})
+    out = sched.schedule()
+    assert out.num_scheduled_tokens == {"a": 1, "b": 1}
+    assert not out.scheduled_spec_decode_tokens
+    assert sched.num_preemptions == 0
+    commit(sched, out)
+
+
+def test_preemption_and_rollback_drop_the_drafts() -> None:
+    sched = make_scheduler()
+    req = make_request("a", 7)
+    decode_ready(sched, req, [20, 21])
+    out = sched.schedule()
+    sched.rollback_step(out)
+    assert req.spec_token_ids == [] and req.num_computed_tokens == 0
+    sched.check_integrity()
+
+
+def test_counters_follow_the_verifications() -> None:
+    sched = make_scheduler()
+    req = make_request("a", 7)
+    decode_ready(sched, req, [20, 21, 22, 23])
+    commit(sched, sched.schedule(), accept={"a": 2}, drafts={"a": [1, 3, 4]})
+    commit(sched, sched.schedule(), accept={"a": 3})
+    stats = sched.get_stats()
+    assert stats.spec_decode_num_drafts == 2
+    assert stats.spec_decode_num_draft_tokens == 7
+    assert stats.spec_decode_num_accepted_tokens == 5
+    assert stats.spec_decode_num_accepted_tokens_per_pos == [2, 2, 1, 0]
+
+
+def test_adaptive_rule_speculates_alone_and_stops_under_load() -> None:
+    assert expected_tokens(0.5, 0) == 1.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+    assert best_num_drafts(0.8, 1, 4) == 4
+    assert best_num_drafts(0.8, 256, 4) == 0
+    assert best_num_drafts(0.0, 1, 4) == 0
+    ks = [best_num_drafts(0.6, b, 4) for b in (1, 4, 16, 64, 256)]
+    assert ks == sorted(ks, reverse=True)
+
+
+def test_adaptive_policy_learns_the_acceptance_rate_and_probes() -> None:
+    policy = DraftLengthPolicy(4)
+    assert policy.num_drafts_for_step(1) > 0
+    for _ in range(100):
+        policy.observe(4, 0)
+    assert policy.acceptance < 0.01
+    ks = [policy.num_drafts_for_step(1) for _ in range(32)]
+    assert ks.count(1) == 2 and ks.count(0) == 30  # one probe step in 16
+    for _ in range(100):
+        policy.observe(4, 4)
+    assert policy.num_drafts_for_step(1) == 4
