@@ -188,6 +188,10 @@ class EngineConfig:
             # NOTE: the sink attention path reads the cache without scales.
             raise ValueError(f"attention sinks (streaming_window) need an unquantized KV "
                              f"cache, got kv_cache_dtype {c.kv_cache_dtype!r}")
+        if c.streaming_window is not None and self.speculative is not None:
+            # NOTE: drafts are written past a row's tokens, which a growing stream lacks.
+            raise ValueError("attention sinks (streaming_window) and speculative_config "
+                             "cannot be combined yet")
         self._validate_preemption_and_policy()
 
     def _validate_quantization(self) -> None:

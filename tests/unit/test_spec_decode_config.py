@@ -69,8 +69,8 @@ def test_ngram_min_length_is_respected() -> None:
 def test_ngram_proposer_reads_each_slot_history() -> None:
     batch = InputBatch(4, 32, 4)
     params = None
-    batch.add_request("a", [1, 2, 3, 1, 2], 5, [], params, False)
-    batch.add_request("b", [4, 5, 6], 3, [], params, False)
+    batch.add_request("a", [1, 2, 3, 1, 2], 5, [[]], params, False)
+    batch.add_request("b", [4, 5, 6], 3, [[]], params, False)
     context = ProposerContext(100, torch.device("cpu"), torch.float32, 32, 4, 16)
     proposer = NgramProposer(SpeculativeConfig.parse(NGRAM), context)
     assert proposer.propose(batch, np.array([0, 1]), 4) == [[3, 1, 2], []]

@@ -78,7 +78,7 @@ def test_rejection_rolls_back_tokens_and_blocks_exactly() -> None:
     blocks_before = list(sched.kv.get_block_ids("a"))
     free_before = sched.kv.num_free_blocks
     out = sched.schedule()
-    (new_block,) = out.scheduled_cached_reqs[0].new_block_ids
+    ((new_block,),) = out.scheduled_cached_reqs[0].new_block_ids  # one group
     commit(sched, out, accept={"a": 0}, final=30, drafts={"a": [40, 41]})
     assert req.output_token_ids == [TOKEN, 30]
     assert req.num_computed_tokens == 8 == req.num_tokens - 1
@@ -91,7 +91,7 @@ def test_rejection_rolls_back_tokens_and_blocks_exactly() -> None:
     out = sched.schedule()
     cached = out.scheduled_cached_reqs[0]
     assert cached.num_blocks == len(sched.kv.get_block_ids("a"))
-    assert cached.num_blocks - len(cached.new_block_ids) == len(blocks_before)
+    assert cached.num_blocks - len(cached.new_block_ids[0]) == len(blocks_before)
     commit(sched, out, accept={"a": 1})
 
 
