@@ -7,9 +7,11 @@ un-permutation move whole rows) and compute through `wquant.gguf_linear`. Everyt
 (norms, the token embedding, other types, a packed layer whose parts differ in type, e.g.
 Q4_K_M's Q6_K v_proj beside Q4_K q/k) is dequantized at load as before.
 
-"auto" turns this on where the device has a gguf_linear kernel for the model's dtype; the
-reference (which dequantizes the whole weight on every call) is there for exactness, not
-speed. In float32 the reference computes exactly what the dequantized path does.
+"auto" turns this on where the device has a gguf_linear kernel for the model's dtype, in
+bfloat16/float16 only: float32 is the dtype that must match transformers token for token,
+and the kernels quantize activations to int8 (a different product). The reference (which
+dequantizes the whole weight on every call) is there for exactness, not speed; in float32
+it computes exactly what the dequantized path does.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ def native_enabled(mode: str, device: torch.device, dtype: torch.dtype) -> bool:
         raise ValueError(f"gguf_native must be one of {list(GGUF_NATIVE_MODES)}, got {mode!r}")
     if mode != "auto":
         return mode == "on"
+    if dtype == torch.float32:
+        return False
     probe = torch.empty(0, dtype=dtype, device=device)
     return wquant.gguf_linear.kernel_for(probe) is not None
 

@@ -133,8 +133,9 @@ class ModelRunner:
         for cached in out.scheduled_cached_reqs:
             slot = batch.req_id_to_slot[cached.req_id]
             if cached.num_blocks is not None:
-                batch.truncate_block_ids(slot, cached.num_blocks - len(cached.new_block_ids))
-            if cached.new_block_ids:
+                # NOTE: every group's table has the same length (freed entries are nulled).
+                batch.truncate_block_ids(slot, cached.num_blocks - len(cached.new_block_ids[0]))
+            if cached.new_block_ids[0]:
                 batch.append_block_ids(slot, cached.new_block_ids)
             batch.num_computed_tokens[slot] = cached.num_computed_tokens
         for req_id, drafts in out.scheduled_spec_decode_tokens.items():

@@ -32,7 +32,10 @@ def greedy(model: str | None, prompts: list[str], max_tokens: int, **kwargs):
              [next(iter(d.values())).logprob for d in o.outputs[0].logprobs]) for o in outs]
 
 
-def test_embedded_smollm2_q4_1_native_equals_the_dequantized_path():
+def test_embedded_smollm2_q4_1_native_equals_the_dequantized_path(monkeypatch):
+    # NOTE: the reference of gguf_linear (the CPU kernels quantize activations to int8,
+    # another product: tests/unit/test_quant_kernels.py compares them with their reference).
+    monkeypatch.setenv("PAGODA_DISABLE_CPU_KERNELS", "1")
     prompts = ["The capital of France is", "def fib(n):"]
     assert greedy(None, prompts, 4, gguf_native="on") == greedy(None, prompts, 4,
                                                                  gguf_native="off")
@@ -71,7 +74,8 @@ def mixed_gguf(tiny_model, tmp_path_factory) -> Path:
     return write_llama_gguf(hf_dir, out, qtypes=MIXED_TYPES)
 
 
-def test_every_native_type_equals_the_dequantized_path(mixed_gguf):
+def test_every_native_type_equals_the_dequantized_path(mixed_gguf, monkeypatch):
+    monkeypatch.setenv("PAGODA_DISABLE_CPU_KERNELS", "1")  # the reference, as above
     prompts = ["Hello there", "Once upon a time, in a land"]
     assert greedy(str(mixed_gguf), prompts, 6, gguf_native="on") == \
         greedy(str(mixed_gguf), prompts, 6, gguf_native="off")
@@ -104,6 +108,11 @@ def test_auto_is_native_exactly_where_a_kernel_is(monkeypatch):
                   frozenset({torch.bfloat16}), resolve=lambda: True)
     monkeypatch.setitem(wquant.gguf_linear._kernels, "cpu", [fake])
     assert native_enabled("auto", CPU, torch.bfloat16)
+    assert not native_enabled("auto", CPU, torch.float32)
+    # float32 (the dtype exact against transformers) stays dequantized even with a kernel.
+    fake32 = Kernel("fake", lambda handle, x, w, bias=None: None,
+                    frozenset({torch.float32}), resolve=lambda: True)
+    monkeypatch.setitem(wquant.gguf_linear._kernels, "cpu", [fake32])
     assert not native_enabled("auto", CPU, torch.float32)
     with pytest.raises(ValueError, match="gguf_native must be one of"):
         native_enabled("sometimes", CPU, torch.float32)
