@@ -81,12 +81,13 @@ def start_server(args: argparse.Namespace, log_path: Path) -> tuple[subprocess.P
     sys.exit(f"server did not start; see {log_path}")
 
 
-def random_body(rng: random.Random, max_prompt_words: int) -> tuple[str, dict]:
+def random_body(rng: random.Random, max_prompt_words: int,
+                max_output_tokens: int) -> tuple[str, dict]:
     """One random request: (path, body)."""
     text = " ".join(rng.choices(WORDS, k=rng.randint(1, max_prompt_words)))
     if rng.random() < 0.3:
         text = rng.choice(PREFIXES) + " " + text
-    body: dict = {"model": "soak", "max_tokens": rng.randint(1, 96), "ignore_eos": True,
+    body: dict = {"model": "soak", "max_tokens": rng.randint(1, max_output_tokens), "ignore_eos": True,
                   "n": rng.choice((1, 1, 1, 2, 3)), "stream": rng.random() < 0.5,
                   "temperature": rng.choice((0.0, 0.8))}
     if rng.random() < 0.2:
@@ -99,8 +100,8 @@ def random_body(rng: random.Random, max_prompt_words: int) -> tuple[str, dict]:
 
 
 async def one_request(client: httpx.AsyncClient, rng: random.Random, tally: Tally,
-                      max_prompt_words: int) -> None:
-    path, body = random_body(rng, max_prompt_words)
+                      args: argparse.Namespace) -> None:
+    path, body = random_body(rng, args.max_prompt_words, args.max_output_tokens)
     abandon_after = rng.randint(0, 8) if rng.random() < 0.2 else None
     try:
         if body["stream"]:
@@ -150,7 +151,7 @@ async def run_load(url: str, args: argparse.Namespace, tally: Tally, until: floa
 
         async def worker() -> None:
             while time.monotonic() < until:
-                await one_request(client, rng, tally, args.max_prompt_words)
+                await one_request(client, rng, tally, args)
 
         await asyncio.gather(*(worker() for _ in range(args.concurrency)))
 
@@ -212,6 +213,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--max-prompt-words", type=int, default=400)
+    p.add_argument("--max-output-tokens", type=int, default=96)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log", type=Path, default=Path("soak_server.log"))
     p.add_argument("--json-out", type=Path, default=None)
@@ -233,12 +235,16 @@ def main(argv: list[str] | None = None) -> int:
         proc.terminate()
         proc.wait(timeout=60)
     slope, overall = growth_per_1000(samples)
+    # NOTE: the first minutes fill the capped caches; the second half says whether RSS
+    # is still rising.
+    late_slope, _ = growth_per_1000(samples[len(samples) // 2:])
     py_slope, _ = growth_per_1000(samples, "num_py_objects", unit=1)
     print(f"requests: {tally.done} ({tally.ok} ok, {tally.abandoned} abandoned, "
           f"{tally.failed} failed) in {args.minutes:g} min after {args.warmup_minutes:g} "
           f"min warm-up, concurrency {args.concurrency}")
     print(f"RSS growth per 1,000 requests: {slope:+.1f} MiB (least squares), "
-          f"{overall:+.1f} MiB (last - first); Python objects {py_slope:+.0f} "
+          f"{overall:+.1f} MiB (last - first), {late_slope:+.1f} MiB over the second half "
+          f"(least squares); Python objects {py_slope:+.0f} "
           f"per 1,000; RSS after malloc_trim at the end "
           f"{trimmed['rss_after_trim_bytes'] / 2**20:.1f} MiB "
           f"(before {trimmed['rss_bytes'] / 2**20:.1f})")
@@ -251,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json_out.write_text(json.dumps(
             {"samples": samples, "tally": vars(tally), "integrity": report, "clean": clean,
              "growth_mib_per_1000": slope, "growth_last_first": overall,
+             "growth_second_half": late_slope,
              "trimmed": trimmed, "start": first}, indent=1))
     return 0 if clean and tally.failed == 0 else 1
 
