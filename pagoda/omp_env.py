@@ -16,6 +16,8 @@ from __future__ import annotations
 import os
 import sys
 
+from pagoda.memory_env import apply_memory_defaults
+
 GOMP_SPINCOUNT = "3000"
 
 
@@ -25,4 +27,6 @@ def apply_openmp_defaults() -> bool:
     torch was not loaded yet (child processes see it either way)."""
     if "OMP_WAIT_POLICY" not in os.environ:
         os.environ.setdefault("GOMP_SPINCOUNT", GOMP_SPINCOUNT)
+    # NOTE: the GEMM caches' caps, read like this one before first use (pagoda/memory_env.py).
+    apply_memory_defaults()
     return "torch" not in sys.modules

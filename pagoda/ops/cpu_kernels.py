@@ -21,13 +21,14 @@ import importlib.util
 import logging
 import os
 import shutil
-import sys
 import threading
 import time
 from pathlib import Path
 from types import ModuleType
 
 import torch
+
+from pagoda.ops.build_progress import build_notice
 
 logger = logging.getLogger(__name__)
 
@@ -172,16 +173,15 @@ def load_extension() -> ModuleType | None:
                 build_dir.mkdir(parents=True, exist_ok=True)
                 _remove_stale_lock(build_dir)
                 _ensure_ninja_on_path()
-                print("pagoda: building CPU kernels, once, ~40 s ...", file=sys.stderr,
-                      flush=True)
-                _module = load(
-                    name=name,
-                    sources=[str(p) for p in _SOURCES],
-                    extra_cflags=_CFLAGS,
-                    extra_ldflags=_LDFLAGS,
-                    build_directory=str(build_dir),
-                    verbose=False,
-                )
+                with build_notice("CPU kernels", expected_s=40):
+                    _module = load(
+                        name=name,
+                        sources=[str(p) for p in _SOURCES],
+                        extra_cflags=_CFLAGS,
+                        extra_ldflags=_LDFLAGS,
+                        build_directory=str(build_dir),
+                        verbose=False,
+                    )
         except Exception as exc:  # noqa: BLE001 - any build failure means "use the reference"
             _load_failed = True
             logger.warning("pagoda CPU kernels unavailable, using the PyTorch path: %s", exc)

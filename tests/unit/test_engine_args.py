@@ -21,6 +21,7 @@ from pagoda import llm as llm_module
 from pagoda.config import EngineArgs, EngineConfig
 from pagoda.entrypoints import cli
 from pagoda.entrypoints.openai import server
+from pagoda.memory_env import CACHE_CAPACITY_VARS
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -82,7 +83,7 @@ def test_llm_rejects_an_unknown_engine_arg() -> None:
 
 def _probe(code: str, **env: str) -> dict:
     clean = {k: v for k, v in os.environ.items()
-             if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+             if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY", *CACHE_CAPACITY_VARS)}
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, env={**clean, **env}, check=True,
         capture_output=True, text=True,
@@ -130,5 +131,5 @@ def test_entrypoints_set_openmp_before_torch_loads() -> None:
     assert _probe(code) == [True, False]
     # An explicit choice in the environment wins.
     got = _probe("import os; before = dict(os.environ); import pagoda.llm; " + _REPORT,
-                 OMP_WAIT_POLICY="PASSIVE")
+                 OMP_WAIT_POLICY="PASSIVE", **dict.fromkeys(CACHE_CAPACITY_VARS, "7"))
     assert got == {"same": True, "spin": None, "torch": True}

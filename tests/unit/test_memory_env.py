@@ -1,0 +1,62 @@
+"""pagoda/memory_env.py: the GEMM primitive caches capped (unless the environment chose)
+and glibc's mmap threshold fixed, so it no longer follows the largest freed block up."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pagoda.memory_env import CACHE_CAPACITY_VARS, GEMM_CACHE_CAPACITY
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# NOTE: mallinfo2().hblks counts the chunks glibc has mmapped. A freed 16 MiB mmapped chunk
+# raises glibc's default threshold to 16 MiB, so the 6 MiB block then comes from the heap;
+# under a fixed 4 MiB threshold it is mmapped.
+_PROBE = """
+import ctypes, json, os, sys
+import pagoda.omp_env as o
+from pagoda.memory_env import CACHE_CAPACITY_VARS
+class Info(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks",
+                "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = Info
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+if sys.argv[1] == "apply":
+    o.apply_openmp_defaults()
+libc.free(libc.malloc(16 << 20))
+before = libc.mallinfo2().hblks
+block = libc.malloc(6 << 20)
+mmapped = libc.mallinfo2().hblks - before
+libc.free(block)
+print(json.dumps({"mmapped": mmapped, "caps": [os.environ.get(v) for v in CACHE_CAPACITY_VARS]}))
+"""
+
+
+def _probe(mode: str, **env: str) -> dict:
+    clean = {k: v for k, v in os.environ.items()
+             if k not in (*CACHE_CAPACITY_VARS, "MALLOC_MMAP_THRESHOLD_", "GLIBC_TUNABLES")}
+    out = subprocess.run([sys.executable, "-c", _PROBE, mode], cwd=ROOT,
+                         env={**clean, **env}, check=True, capture_output=True, text=True)
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_entrypoint_defaults_cap_the_caches_and_fix_the_mmap_threshold() -> None:
+    assert _probe("none") == {"mmapped": 0, "caps": [None, None]}  # glibc's own behaviour
+    cap = GEMM_CACHE_CAPACITY
+    assert _probe("apply") == {"mmapped": 1, "caps": [cap, cap]}
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_an_explicit_environment_wins() -> None:
+    got = _probe("apply", MALLOC_MMAP_THRESHOLD_=str(32 << 20),
+                 **dict.fromkeys(CACHE_CAPACITY_VARS, "9"))
+    assert got == {"mmapped": 0, "caps": ["9", "9"]}
