@@ -13,6 +13,9 @@ with a plain PyTorch reference (reference.py) that runs on any device.
 The cache ops take a quantized cache's scales (k_scale, v_scale) as trailing arguments
 (kv_quant.py: int8 / fp8 codes, a float32 scale per token and kv head).
 
+The quantized-weight linears (wq_linear, int8_linear, fp8_linear, gguf_linear) and their
+weight objects are in wquant.py.
+
 Kernels per device: CPU -> the C++ kernels (cpu.py) where built and the dtype allows;
 CUDA -> the reference for now.
 """
@@ -24,7 +27,7 @@ from types import ModuleType
 
 import torch
 
-from pagoda.ops import cpu, reference
+from pagoda.ops import cpu, reference, wquant
 from pagoda.ops.reference import apply_rotary, gather_blocks, gather_kv
 from pagoda.ops.registry import OPS, Kernel, Op, define_op
 
@@ -57,5 +60,6 @@ __all__ = [
     "rms_norm",
     "rotary_and_cache",
     "silu_and_mul",
+    "wquant",
     "write_kv",
 ]
