@@ -59,6 +59,19 @@ def test_paged_backend_runs_on_meta(window: int | None, dtype: torch.dtype) -> N
     assert out.device == META and out.shape == (t, 2 * HK * D)
 
 
+@pytest.mark.parametrize("codes", [torch.int8, torch.uint8])
+def test_paged_backend_runs_on_meta_with_a_quantized_cache(codes: torch.dtype) -> None:
+    """The quantizing write and the dequantizing reads (int8, fp8 bits) make nothing on
+    the host either."""
+    md = _metadata([7, 30], [(6, 6), (5, 21)])
+    t = 2 + 6 + 5
+    q, k, v = _meta(t, 2 * HK, D), _meta(t, HK, D), _meta(t, HK, D)
+    cache = (*(_meta(NUM_BLOCKS, BLOCK_SIZE, HK, D, dtype=codes),) * 2,
+             *(_meta(NUM_BLOCKS, BLOCK_SIZE, HK),) * 2)
+    out = TorchPagedAttention(2 * HK, HK, D).forward(q, k, v, cache, md)
+    assert out.device == META and out.shape == (t, 2 * HK * D)
+
+
 def test_reference_ops_run_on_meta() -> None:
     x, w = _meta(3, 32), _meta(32)
     assert ops.reference.rms_norm(x, w, 1e-6).device == META
