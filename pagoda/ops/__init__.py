@@ -25,7 +25,7 @@ from types import ModuleType
 
 import torch
 
-from pagoda.ops import cpu, reference, wquant
+from pagoda.ops import cpu, quant_cpu, reference, wquant
 from pagoda.ops.reference import apply_rotary, gather_blocks
 from pagoda.ops.registry import OPS, Kernel, Op, define_op
 
@@ -36,6 +36,7 @@ rotary_and_cache = define_op("rotary_and_cache", reference.rotary_and_cache)
 write_kv = define_op("write_kv", reference.write_kv)
 paged_attention = define_op("paged_attention", reference.paged_attention)
 cpu.register()
+quant_cpu.register()
 
 
 def fused_ops_for(x: torch.Tensor) -> ModuleType | None:

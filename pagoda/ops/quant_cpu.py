@@ -1,0 +1,187 @@
+"""CPU kernels of the quantized-weight ops (wquant.py), from csrc/quant_cpu.cpp.
+
+Which calls they take (anything else runs the reference):
+  gguf_linear  Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K;
+  wq_linear    4- and 8-bit codes whose group size is a multiple of 32 (or covers K);
+  int8_linear  any shape (W8A8, bit-identical to the reference);
+with x float32 or bfloat16, on a CPU whose flags hold what the extension was compiled for
+(AVX-512 F/BW/VL at least; VNNI is used where compiled), when the weight went through
+`wquant.prepare(op, w, "cpu")` (its layout is in `w.kernel_data["cpp"]`).
+`PAGODA_DISABLE_CPU_KERNELS=1` forces the reference.
+
+Rounding: gguf_linear and wq_linear quantize the activations to int8 per block of 32 (16
+for Q6_K) before the integer dot products (llama.cpp's scheme); below GEMM_MIN_ROWS rows.
+From GEMM_MIN_ROWS rows on, the weight is dequantized to x's dtype and multiplied densely
+(the bf16 GEMM is faster there; float32 then matches the reference to summation order).
+
+The extension is a second module beside cpu_kernels' (whose sources belong to other ops):
+the same build rules (named by CPU flags and sources, built once under a lock, a failed
+build never retried in the process).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import sys
+import threading
+import time
+from pathlib import Path
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+
+from pagoda.ops import cpu_kernels, quant_layouts, wquant
+from pagoda.ops.quant_layouts import BlockLayout
+from pagoda.ops.registry import OPS, Kernel
+
+logger = logging.getLogger(__name__)
+
+NAME = "cpp"  # the key of this kernel's layout in w.kernel_data
+DTYPES = frozenset({torch.float32, torch.bfloat16})
+REQUIRED_ISA = ("avx512f", "avx512bw", "avx512vl")
+# From this many activation rows on, dequantize + dense GEMM beats the int8 dot products.
+GEMM_MIN_ROWS = 64
+_SOURCES = [Path(__file__).parent / "csrc" / "quant_cpu.cpp"]
+_CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+_LDFLAGS = ["-fopenmp"]
+_lock = threading.Lock()
+_module: ModuleType | None = None
+_load_failed = False
+_allowed: bool | None = None
+
+
+def extension_name() -> str:
+    digest = hashlib.sha256()
+    for path in _SOURCES:
+        digest.update(path.read_bytes())
+    digest.update(" ".join([*_CFLAGS, *_LDFLAGS, torch.__version__]).encode())
+    return f"pagoda_quant_cpu_{cpu_kernels._cpu_flags_tag()}_{digest.hexdigest()[:8]}"
+
+
+def load_extension() -> ModuleType | None:
+    """Build (or import the finished build of) the quant extension; None if it cannot."""
+    global _module, _load_failed
+    if _module is not None or _load_failed or cpu_kernels.kernels_disabled():
+        return _module
+    with _lock:
+        if _module is not None or _load_failed:
+            return _module
+        start = time.perf_counter()
+        try:
+            from torch.utils.cpp_extension import load
+
+            name = extension_name()
+            build_dir = cpu_kernels.build_directory(name)
+            _module = cpu_kernels._import_built(name, build_dir)
+            if _module is None:
+                build_dir.mkdir(parents=True, exist_ok=True)
+                cpu_kernels._remove_stale_lock(build_dir)
+                cpu_kernels._ensure_ninja_on_path()
+                print("pagoda: building quantized CPU kernels, once, ~40 s ...",
+                      file=sys.stderr, flush=True)
+                _module = load(name=name, sources=[str(p) for p in _SOURCES],
+                               extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS,
+                               build_directory=str(build_dir), verbose=False)
+        except Exception as exc:  # noqa: BLE001 - any build failure means "use the reference"
+            _load_failed = True
+            logger.warning("pagoda quant CPU kernels unavailable, using the reference: %s", exc)
+            return None
+        logger.info("pagoda quant CPU kernels loaded in %.1f s", time.perf_counter() - start)
+        return _module
+
+
+def isa_allows(compiled: list[str] | tuple[str, ...], flags: frozenset[str]) -> bool:
+    """Every compiled subset present on the CPU (no SIGILL) and the required ones compiled."""
+    return all(f in flags for f in compiled) and all(f in compiled for f in REQUIRED_ISA)
+
+
+def resolve() -> ModuleType | None:
+    """The extension when its kernels may run here, else None (the reference runs)."""
+    global _allowed
+    if cpu_kernels.kernels_disabled():
+        return None
+    ext = _module if _module is not None else load_extension()
+    if ext is None:
+        return None
+    if _allowed is None:
+        compiled = ext.kernel_isa()["quant"]
+        _allowed = isa_allows(compiled, cpu_kernels.cpu_flags())
+        if not _allowed:
+            logger.warning("pagoda quant CPU kernels not used here: compiled for %s, CPU lacks "
+                           "some of %s", compiled or "scalar code only", list(REQUIRED_ISA))
+    return ext if _allowed else None
+
+
+# ---- preparers: the layout, built once per weight object --------------------------------
+def _prepare_gguf(w: wquant.GGUFWeight) -> None:
+    if w.qtype in quant_layouts.GGUF_BLOCK and resolve() is not None:
+        w.kernel_data[NAME] = quant_layouts.from_gguf(w.raw, w.qtype, tuple(w.shape))
+
+
+def wq_supported(w: wquant.GroupQuantWeight) -> bool:
+    return w.bits in (4, 8) and (w.group_size % 32 == 0 or w.group_size >= w.shape[1])
+
+
+def _prepare_wq(w: wquant.GroupQuantWeight) -> None:
+    if wq_supported(w) and resolve() is not None:
+        w.kernel_data[NAME] = quant_layouts.from_group_quant(
+            w.qweight, w.scales, w.zeros, w.bits, w.group_size)
+
+
+def _prepare_int8(w: wquant.Int8Weight) -> None:
+    if resolve() is not None:
+        w.kernel_data[NAME] = quant_layouts.int8_codes(w.qweight)
+
+
+# ---- kernels -------------------------------------------------------------------------------
+def block_linear(ext: ModuleType, x: torch.Tensor, lay: BlockLayout,
+                 bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., K] @ w.T (+ bias) for a block layout: int8 dot products for few rows, a dense
+    GEMM on the dequantized weight for many."""
+    n, k = lay.shape
+    x2 = x.reshape(-1, k)
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    if x2.shape[0] >= GEMM_MIN_ROWS:
+        w = ext.q_dequantize(lay.codes, lay.scales, lay.offsets, lay.bits, lay.block, k, x.dtype)
+        y = F.linear(x2, w, None if bias is None else bias.to(x.dtype))
+    else:
+        y = ext.q_linear(x2, lay.codes, lay.scales, lay.offsets, lay.bits, lay.block, bias)
+    return y.view(*x.shape[:-1], n)
+
+
+def _gguf_linear(ext, x, w, bias=None):
+    return block_linear(ext, x, w.kernel_data[NAME], bias)
+
+
+def _wq_linear(ext, x, w, bias=None):
+    if w.perm is not None:
+        x = x.index_select(-1, w.perm)
+    return block_linear(ext, x, w.kernel_data[NAME], bias)
+
+
+def _int8_linear(ext, x, w, bias=None):
+    k = w.qweight.shape[1]
+    x2 = x.reshape(-1, k)
+    y = ext.i8_linear(x2.contiguous(), w.kernel_data[NAME], w.scales, bias)
+    return y.view(*x.shape[:-1], w.qweight.shape[0])
+
+
+def _has_layout(x, w, bias=None) -> bool:
+    return NAME in w.kernel_data and x.shape[-1] == w.shape[1] and x.device.type == "cpu"
+
+
+def _int8_has_layout(x, w, bias=None) -> bool:
+    return NAME in w.kernel_data and x.shape[-1] == w.qweight.shape[1]
+
+
+def register() -> None:
+    for op, fn, prep, supports in (
+        ("gguf_linear", _gguf_linear, _prepare_gguf, _has_layout),
+        ("wq_linear", _wq_linear, _prepare_wq, _has_layout),
+        ("int8_linear", _int8_linear, _prepare_int8, _int8_has_layout),
+    ):
+        OPS[op].register("cpu", Kernel(NAME, fn, DTYPES, resolve, supports))
+        wquant.register_preparer(op, "cpu", prep)
