@@ -154,6 +154,8 @@ _BENCHES = {
                                 "throughput under fcfs and priority scheduling")),
     "multi-turn": ("multi_turn", ("multi-turn conversations evicted by other traffic: the "
                                   "prefix cache's host tier off/on")),
+    "kernels": ("quant_kernels", ("quantized-linear CPU kernels per call vs bf16 and torch's "
+                                  "int4 ops; --decode: SmolLM2 native GGUF decode ms/token")),
 }
 
 
