@@ -132,28 +132,38 @@ struct LaneBlocks {
   }
 };
 
-// One output: sum over blocks of s * d * dot + m * d * sum(q_x), for one weight row.
-template <int BITS, int BLOCK, typename S>
-inline float dot_row(const uint8_t* w, const S* sc, const S* off, const int8_t* xq,
-                     const float* d, const float* dsum, int64_t nb, const LaneBlocks<BLOCK>& lb) {
+// R outputs of one weight row (R activation rows at stride kp): per block, s * d * dot +
+// m * d * sum(q_x); each register of codes is decoded once for the R rows.
+template <int BITS, int BLOCK, typename S, int R>
+inline void dot_rows(const uint8_t* w, const S* sc, const S* off, const int8_t* xq,
+                     const float* d, const float* dsum, int64_t nb, int64_t kp,
+                     const LaneBlocks<BLOCK>& lb, float* y) {
   constexpr int kRegBlocks = 64 / BLOCK;
   constexpr int kRegBytes = 8 * BITS;
-  __m512 acc = _mm512_setzero_ps(), acc_off = _mm512_setzero_ps();
+  __m512 acc[R], acc_off[R], sd[R];
+  for (int i = 0; i < R; ++i) acc[i] = acc_off[i] = _mm512_setzero_ps();
   for (int64_t b0 = 0; b0 < nb; b0 += 16) {
     const int cnt = static_cast<int>(std::min<int64_t>(16, nb - b0));
     const __mmask16 mask = static_cast<__mmask16>((1u << cnt) - 1);
-    const __m512 sd = _mm512_mul_ps(load_scales(sc + b0, mask), _mm512_maskz_loadu_ps(mask, d + b0));
-    acc_off = _mm512_fmadd_ps(load_scales(off + b0, mask), _mm512_maskz_loadu_ps(mask, dsum + b0),
-                              acc_off);
+    const __m512 sv = load_scales(sc + b0, mask), ov = load_scales(off + b0, mask);
+    for (int i = 0; i < R; ++i) {
+      sd[i] = _mm512_mul_ps(sv, _mm512_maskz_loadu_ps(mask, d + i * nb + b0));
+      acc_off[i] = _mm512_fmadd_ps(ov, _mm512_maskz_loadu_ps(mask, dsum + i * nb + b0), acc_off[i]);
+    }
     const uint8_t* wp = w + (b0 / kRegBlocks) * kRegBytes;
     const int8_t* xp = xq + b0 * BLOCK;
     for (int r = 0; r < cnt / kRegBlocks; ++r) {
-      const __m512i dot = dot_u8s8(load_codes<BITS>(wp + r * kRegBytes), _mm512_loadu_si512(xp + r * 64));
-      acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(lb.idx[r], sd), acc);
+      const __m512i codes = load_codes<BITS>(wp + r * kRegBytes);
+      for (int i = 0; i < R; ++i) {
+        const __m512i dot = dot_u8s8(codes, _mm512_loadu_si512(xp + i * kp + r * 64));
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(lb.idx[r], sd[i]), acc[i]);
+      }
     }
   }
-  return _mm512_reduce_add_ps(_mm512_add_ps(acc, acc_off));
+  for (int i = 0; i < R; ++i) y[i] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i], acc_off[i]));
 }
+
+constexpr int kRowTile = 4;  // activation rows sharing one decode of the weight codes
 
 template <int BITS, int BLOCK, typename S, typename T>
 void q_linear_impl(const QuantActs& a, int64_t m, const uint8_t* codes, const S* sc, const S* off,
@@ -164,15 +174,25 @@ void q_linear_impl(const QuantActs& a, int64_t m, const uint8_t* codes, const S*
 #pragma omp parallel for schedule(static)
   for (int64_t t = 0; t < tasks; ++t) {
     const int64_t n0 = t * kRowsPerTask, n1 = std::min(n, n0 + kRowsPerTask);
-    for (int64_t r = 0; r < m; ++r) {
+    for (int64_t r = 0; r < m; r += kRowTile) {
+      const int rows = static_cast<int>(std::min<int64_t>(kRowTile, m - r));
       const int8_t* xq = a.q.data() + r * kp;
       const float* d = a.d.data() + r * nb;
       const float* dsum = a.dsum.data() + r * nb;
       for (int64_t j = n0; j < n1; ++j) {
-        float y = dot_row<BITS, BLOCK, S>(codes + j * row_bytes, sc + j * nb, off + j * nb, xq, d,
-                                          dsum, nb, lb);
-        if (bias != nullptr) y += bias[j];
-        out[r * n + j] = static_cast<T>(y);
+        float y[kRowTile];
+        const uint8_t* w = codes + j * row_bytes;
+        if (rows == kRowTile) {
+          dot_rows<BITS, BLOCK, S, kRowTile>(w, sc + j * nb, off + j * nb, xq, d, dsum, nb, kp, lb, y);
+        } else {
+          for (int i = 0; i < rows; ++i) {
+            dot_rows<BITS, BLOCK, S, 1>(w, sc + j * nb, off + j * nb, xq + i * kp, d + i * nb,
+                                        dsum + i * nb, nb, kp, lb, y + i);
+          }
+        }
+        for (int i = 0; i < rows; ++i) {
+          out[(r + i) * n + j] = static_cast<T>(bias != nullptr ? y[i] + bias[j] : y[i]);
+        }
       }
     }
   }
@@ -248,32 +268,64 @@ at::Tensor q_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tens
   return out;
 }
 
-// The weight [N, K] in `dtype` (float32 or bfloat16): w = s * q + m (the GEMM path).
-at::Tensor q_dequantize(const at::Tensor& codes, const at::Tensor& sc, const at::Tensor& off,
-                        int64_t bits, int64_t block, int64_t k, at::ScalarType dtype) {
-  const at::Tensor scf = sc.to(at::kFloat).contiguous(), offf = off.to(at::kFloat).contiguous();
-  const int64_t n = codes.size(0), kp = codes.size(1) * 8 / bits, nb = kp / block;
-  TORCH_CHECK(k <= kp && scf.size(1) == nb, "layout does not cover K = ", k);
-  at::Tensor w = at::empty({n, k}, codes.options().dtype(at::kFloat));
-  const uint8_t* cp = codes.data_ptr<uint8_t>();
-  const float *sp = scf.data_ptr<float>(), *op = offf.data_ptr<float>();
-  float* wp = w.data_ptr<float>();
+#if defined(PAGODA_Q_AVX512)
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+
+inline void store16(at::BFloat16* p, __m512 v) {
+#if defined(__AVX512BF16__)
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+#else
+  // Round to nearest even (finite values: the weights are finite).
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb)), 16);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+#endif
+}
+
+// Rows of the dense weight, padded to kp columns: each 64-column register decoded once.
+template <int BITS, int BLOCK, typename T>
+void dequantize_rows(const uint8_t* codes, const float* sc, const float* off, int64_t n,
+                     int64_t kp, T* out) {
+  const int64_t nb = kp / BLOCK, row_bytes = kp * BITS / 8;
 #pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < n; ++r) {
-    const uint8_t* row = cp + r * codes.size(1);
-    for (int64_t c = 0; c < k; ++c) {
-      int32_t q;
-      if (bits == 8) {
-        q = row[c];
-      } else {  // 64 columns per 32 bytes; the second block of the pair in the high nibble
-        const uint8_t byte = row[(c / 64) * 32 + (c % 32)];
-        q = (c % 64) < 32 ? (byte & 0x0F) : (byte >> 4);
+    for (int64_t c = 0; c < kp; c += 64) {
+      const __m512i q = load_codes<BITS>(codes + r * row_bytes + c * BITS / 8);
+      for (int i = 0; i < 4; ++i) {
+        const int64_t g = r * nb + (c + 16 * i) / BLOCK;
+        const __m512 qf = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(q, i)));
+        store16(out + r * kp + c + 16 * i,
+                _mm512_fmadd_ps(_mm512_set1_ps(sc[g]), qf, _mm512_set1_ps(off[g])));
       }
-      const int64_t g = r * nb + c / block;
-      wp[r * k + c] = sp[g] * static_cast<float>(q) + op[g];
     }
   }
-  return dtype == at::kFloat ? w : w.to(dtype);
+}
+#endif
+
+// The weight [N, K] in `dtype` (float32 or bfloat16): w = s * q + m (the GEMM path); a
+// view of a [N, padded K] buffer when K is not a multiple of 64.
+at::Tensor q_dequantize(const at::Tensor& codes, const at::Tensor& sc, const at::Tensor& off,
+                        int64_t bits, int64_t block, int64_t k, at::ScalarType dtype) {
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "dtype must be float32 or bfloat16");
+  const at::Tensor scf = sc.to(at::kFloat).contiguous(), offf = off.to(at::kFloat).contiguous();
+  const int64_t n = codes.size(0), kp = codes.size(1) * 8 / bits;
+  TORCH_CHECK(kp % 64 == 0 && k <= kp && scf.size(1) == kp / block, "layout does not cover K = ", k);
+  at::Tensor w = at::empty({n, kp}, codes.options().dtype(dtype));
+#if defined(PAGODA_Q_AVX512)
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const float *sp = scf.data_ptr<float>(), *op = offf.data_ptr<float>();
+  auto run = [&](auto* out) {
+    if (bits == 4) dequantize_rows<4, 32>(cp, sp, op, n, kp, out);
+    else if (block == 32) dequantize_rows<8, 32>(cp, sp, op, n, kp, out);
+    else dequantize_rows<8, 16>(cp, sp, op, n, kp, out);
+  };
+  if (dtype == at::kFloat) run(w.data_ptr<float>());
+  else run(w.data_ptr<at::BFloat16>());
+#else
+  TORCH_CHECK(false, "pagoda quant kernels were built without AVX-512");
+#endif
+  return k == kp ? w : w.narrow(1, 0, k);
 }
 
 // W8A8: codes = int8 weight + 128 as uint8 [N, kp]; per-token scale s_t = max|x| / 127 (in
