@@ -10,6 +10,7 @@ shards' rows (GGUF rows are independent blocks), q / k rows un-permuted like the
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import subprocess
 import time
@@ -31,9 +32,18 @@ class NativeGGUFLinear:
     """A linear's method that runs gguf_linear on the layer's GGUF blocks (embedding
     lookups, for a tied LM head, stay with the method it replaces)."""
 
-    def __init__(self, weight: wquant.GGUFWeight, previous: object) -> None:
+    def __init__(self, weight: wquant.GGUFWeight, layer: nn.Module) -> None:
         self.weight = weight
-        self.previous = previous
+        self.previous = layer.quant_method
+        self.previous_bound = getattr(layer, "bound_apply", None)
+
+    def install(self, layer: nn.Module, native: bool) -> None:
+        """Make `layer` run this method (native) or the one it replaced."""
+        layer.quant_method = self if native else self.previous
+        if hasattr(layer, "bound_apply"):  # linears call their bound product when set
+            layer.bound_apply = (
+                functools.partial(self.apply, layer, bias=getattr(layer, "bias", None))
+                if native else self.previous_bound)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None):
         return wquant.gguf_linear(x, self.weight, bias)
@@ -77,7 +87,8 @@ def native_gguf_linears(model: nn.Module, path: Path) -> dict[nn.Module, NativeG
         shape = (sum(s.shape[0] for s in shards), shards[0].shape[1])
         w = wquant.GGUFWeight(rows, int(shards[0].ggml_type), shape)
         wquant.prepare("gguf_linear", w, "cpu")
-        module.quant_method = swapped[module] = NativeGGUFLinear(w, module.quant_method)
+        swapped[module] = method = NativeGGUFLinear(w, module)
+        method.install(module, native=True)
     return swapped
 
 
@@ -138,7 +149,7 @@ def decode_table(args: argparse.Namespace) -> dict[str, float]:
     for _ in range(args.repeats):
         for name, native in ((dense_name, False), (native_name, True)):
             for module, method in swapped.items():
-                module.quant_method = method if native else method.previous
+                method.install(module, native)
             result[name] = min(result[name], pagoda_decode_ms(llm, args.tokens))
     if args.llama_python:
         result["llama.cpp"] = llama_cpp_decode_ms(args.llama_python, path, args.tokens,
