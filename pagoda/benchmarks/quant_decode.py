@@ -10,6 +10,7 @@ shards' rows (GGUF rows are independent blocks), q / k rows un-permuted like the
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import subprocess
 import time
@@ -31,9 +32,18 @@ class NativeGGUFLinear:
     """A linear's method that runs gguf_linear on the layer's GGUF blocks (embedding
     lookups, for a tied LM head, stay with the method it replaces)."""
 
-    def __init__(self, weight: wquant.GGUFWeight, previous: object) -> None:
+    def __init__(self, weight: wquant.GGUFWeight, layer: nn.Module) -> None:
         self.weight = weight
-        self.previous = previous
+        self.previous = layer.quant_method
+        self.previous_bound = getattr(layer, "bound_apply", None)
+
+    def install(self, layer: nn.Module, native: bool) -> None:
+        """Make `layer` run this method (native) or the one it replaced."""
+        layer.quant_method = self if native else self.previous
+        if hasattr(layer, "bound_apply"):  # linears call their bound product when set
+            layer.bound_apply = (
+                functools.partial(self.apply, layer, bias=getattr(layer, "bias", None))
+                if native else self.previous_bound)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None):
         return wquant.gguf_linear(x, self.weight, bias)
@@ -51,14 +61,15 @@ def _raw_rows(raw: gguf_model.GGUFRawTensor) -> torch.Tensor:
     return rows
 
 
-def native_gguf_linears(model: nn.Module, path: Path) -> int:
+def native_gguf_linears(model: nn.Module, path: Path) -> dict[nn.Module, NativeGGUFLinear]:
     """Swap every linear of `model` whose shards are all kernel-supported GGUF types for
-    gguf_linear; returns how many were swapped."""
+    gguf_linear; returns the swapped modules and their new methods (the old one is each
+    method's `previous`)."""
     reader = gguf_model.open_gguf(path)
     config = gguf_model.gguf_hf_config(reader, path)
     raws = {r.name: r for r in gguf_model.iter_gguf_raw_tensors(reader, config)}
     modules = dict(model.named_modules())
-    swapped = 0
+    swapped: dict[nn.Module, NativeGGUFLinear] = {}
     for name, module in modules.items():
         leaf = name.rsplit(".", 1)[-1]
         if leaf in _FUSED:
@@ -76,26 +87,23 @@ def native_gguf_linears(model: nn.Module, path: Path) -> int:
         shape = (sum(s.shape[0] for s in shards), shards[0].shape[1])
         w = wquant.GGUFWeight(rows, int(shards[0].ggml_type), shape)
         wquant.prepare("gguf_linear", w, "cpu")
-        module.quant_method = NativeGGUFLinear(w, module.quant_method)
-        swapped += 1
+        swapped[module] = method = NativeGGUFLinear(w, module)
+        method.install(module, native=True)
     return swapped
 
 
-def pagoda_decode_ms(llm, tokens: int, repeats: int) -> float:
-    """Fastest of `repeats` runs: (time of 1 + tokens greedy tokens - time of 1) / tokens."""
+def pagoda_decode_ms(llm, tokens: int) -> float:
+    """One run: (time of 1 + tokens greedy tokens - time of 1 token) / tokens."""
     from pagoda.sampling_params import SamplingParams
 
     first = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     full = SamplingParams(max_tokens=tokens + 1, temperature=0.0, ignore_eos=True)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        llm.generate([PROMPT], first, use_tqdm=False)
-        t1 = time.perf_counter()
-        llm.generate([PROMPT], full, use_tqdm=False)
-        t2 = time.perf_counter()
-        best = min(best, ((t2 - t1) - (t1 - t0)) / tokens)
-    return best * 1e3
+    t0 = time.perf_counter()
+    llm.generate([PROMPT], first, use_tqdm=False)
+    t1 = time.perf_counter()
+    llm.generate([PROMPT], full, use_tqdm=False)
+    t2 = time.perf_counter()
+    return ((t2 - t1) - (t1 - t0)) / tokens * 1e3
 
 
 _LLAMA_SCRIPT = """
@@ -128,16 +136,21 @@ def llama_cpp_decode_ms(python: str, path: Path, tokens: int, repeats: int) -> f
 
 
 def decode_table(args: argparse.Namespace) -> dict[str, float]:
+    """The fastest of `repeats` runs of each path; the two pagoda paths alternate run by run
+    (one model, its methods swapped), so a load change on the machine hits both alike."""
     from pagoda.llm import LLM
     from pagoda.models.loader import default_model_path
 
     path = Path(args.model) if args.model else default_model_path()
     llm = LLM(model=str(path), max_model_len=1024)
-    result = {"bf16 (dequantized at load)": pagoda_decode_ms(llm, args.tokens, args.repeats)}
-    model = llm.llm_engine.executor.worker.model
-    swapped = native_gguf_linears(model, path)
-    result[f"native GGUF blocks ({swapped} linears)"] = pagoda_decode_ms(
-        llm, args.tokens, args.repeats)
+    swapped = native_gguf_linears(llm.llm_engine.executor.worker.model, path)
+    dense_name, native_name = "bf16 (dequantized at load)", f"native GGUF ({len(swapped)} linears)"
+    result = {dense_name: float("inf"), native_name: float("inf")}
+    for _ in range(args.repeats):
+        for name, native in ((dense_name, False), (native_name, True)):
+            for module, method in swapped.items():
+                method.install(module, native)
+            result[name] = min(result[name], pagoda_decode_ms(llm, args.tokens))
     if args.llama_python:
         result["llama.cpp"] = llama_cpp_decode_ms(args.llama_python, path, args.tokens,
                                                   args.repeats)

@@ -226,3 +226,13 @@ def test_unsupported_weights_run_the_reference(qext) -> None:
 def test_layout_rejects_a_wrong_raw_shape() -> None:
     with pytest.raises(ValueError, match="does not hold"):
         quant_layouts.from_gguf(torch.zeros(4, 19, dtype=torch.uint8), quant_layouts.Q4_0, (4, 32))
+
+
+def test_failed_build_falls_back(qext, monkeypatch) -> None:
+    w = _gguf_weight(quant_layouts.Q4_1, 8, 64, seed=8)
+    monkeypatch.setattr(quant_cpu, "_module", None)
+    monkeypatch.setattr(quant_cpu, "_load_failed", True)
+    assert quant_cpu.resolve() is None
+    x = torch.randn(3, 64)
+    assert _runs_reference(wquant.gguf_linear, x, w)
+    assert torch.equal(wquant.gguf_linear(x, w), wquant.gguf_linear_reference(x, w))
