@@ -7,11 +7,14 @@ un-permutation move whole rows) and compute through `wquant.gguf_linear`. Everyt
 (norms, the token embedding, other types, a packed layer whose parts differ in type, e.g.
 Q4_K_M's Q6_K v_proj beside Q4_K q/k) is dequantized at load as before.
 
-"auto" turns this on where the device has a gguf_linear kernel for the model's dtype, in
-bfloat16/float16 only: float32 is the dtype that must match transformers token for token,
-and the kernels quantize activations to int8 (a different product). The reference (which
-dequantizes the whole weight on every call) is there for exactness, not speed; in float32
-it computes exactly what the dequantized path does.
+"auto" (the default) dequantizes today: the CPU kernels (ops/quant_cpu.py) are faster
+than the dense bf16 GEMM only for a single row (single-stream decode, 0.83x the time),
+2-3x slower from 16 rows on, and they quantize activations to int8, a different product
+than transformers' (on the embedded SmolLM2 it flips the thin greedy margin of the README's
+France question). `on` runs the native path: the kernels where built, else the reference
+(which dequantizes the whole weight on every call: exactness, not speed; in float32 it
+computes exactly what the dequantized path does). Revisit "auto" once a kernel wins at
+every batch size.
 """
 
 from __future__ import annotations
@@ -40,12 +43,8 @@ def native_enabled(mode: str, device: torch.device, dtype: torch.dtype) -> bool:
     """Whether a GGUF file's linears run from their blocks under `--gguf-native mode`."""
     if mode not in GGUF_NATIVE_MODES:
         raise ValueError(f"gguf_native must be one of {list(GGUF_NATIVE_MODES)}, got {mode!r}")
-    if mode != "auto":
-        return mode == "on"
-    if dtype == torch.float32:
-        return False
-    probe = torch.empty(0, dtype=dtype, device=device)
-    return wquant.gguf_linear.kernel_for(probe) is not None
+    # NOTE: "auto" is "off" until a kernel beats the dense path at every batch size (above).
+    return mode == "on"
 
 
 @register_quantization_config("gguf")

@@ -99,20 +99,12 @@ def test_which_layers_run_natively(mixed_gguf):
     assert mixed.weight.dtype == torch.float32
 
 
-def test_auto_is_native_exactly_where_a_kernel_is(monkeypatch):
-    monkeypatch.setitem(wquant.gguf_linear._kernels, "cpu", [])
-    assert not native_enabled("auto", CPU, torch.bfloat16)
-    assert native_enabled("on", CPU, torch.bfloat16) and not native_enabled("off", CPU,
-                                                                              torch.float32)
+def test_auto_dequantizes_even_where_a_kernel_is(monkeypatch):
     fake = Kernel("fake", lambda handle, x, w, bias=None: None,
-                  frozenset({torch.bfloat16}), resolve=lambda: True)
+                  frozenset({torch.bfloat16, torch.float32}), resolve=lambda: True)
     monkeypatch.setitem(wquant.gguf_linear._kernels, "cpu", [fake])
-    assert native_enabled("auto", CPU, torch.bfloat16)
-    assert not native_enabled("auto", CPU, torch.float32)
-    # float32 (the dtype exact against transformers) stays dequantized even with a kernel.
-    fake32 = Kernel("fake", lambda handle, x, w, bias=None: None,
-                    frozenset({torch.float32}), resolve=lambda: True)
-    monkeypatch.setitem(wquant.gguf_linear._kernels, "cpu", [fake32])
-    assert not native_enabled("auto", CPU, torch.float32)
+    for dtype in (torch.bfloat16, torch.float32):
+        assert not native_enabled("auto", CPU, dtype)
+        assert native_enabled("on", CPU, dtype) and not native_enabled("off", CPU, dtype)
     with pytest.raises(ValueError, match="gguf_native must be one of"):
         native_enabled("sometimes", CPU, torch.float32)
