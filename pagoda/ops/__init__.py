@@ -11,6 +11,9 @@ with a plain PyTorch reference (reference.py) that runs on any device.
   paged_attention(q, k_cache, v_cache, block_tables, seq_lens, scale,
                   sliding_window=None, max_seq_len=None) -> [B, H, D]
 
+The quantized-weight linears (wq_linear, int8_linear, fp8_linear, gguf_linear) and their
+weight objects are in wquant.py.
+
 Kernels per device: CPU -> the C++ kernels (cpu.py) where built and the dtype allows;
 CUDA -> the reference for now.
 """
@@ -22,7 +25,7 @@ from types import ModuleType
 
 import torch
 
-from pagoda.ops import cpu, reference
+from pagoda.ops import cpu, reference, wquant
 from pagoda.ops.reference import apply_rotary, gather_blocks
 from pagoda.ops.registry import OPS, Kernel, Op, define_op
 
@@ -54,5 +57,6 @@ __all__ = [
     "rms_norm",
     "rotary_and_cache",
     "silu_and_mul",
+    "wquant",
     "write_kv",
 ]
