@@ -102,3 +102,32 @@ def test_max_blocks_held_bounds_the_window() -> None:
     sinks = KVRetention(8, num_sink_tokens=5)  # two sink blocks kept
     assert max_blocks_held(sinks, 1000, 4, BS) == 6
     assert sinks.num_kept_blocks(40, BS) == 2 + 2  # sinks, then positions 33..39 in 8-9
+
+
+def test_paged_attention_reads_nothing_of_freed_entries() -> None:
+    """The reference and the CPU kernel, decoding with a window over a table whose entries
+    before the window are the null block (zeros): the same output as with the original
+    blocks. Stale ids of reused blocks (NaN here) would poison the reference's masked
+    product, which is why the runner nulls the entries the manager freed."""
+    import torch
+
+    from pagoda.ops import paged_attention, reference
+
+    torch.manual_seed(0)
+    num_blocks, bs, hk, d = 12, 4, 2, 16
+    k_cache, v_cache = torch.randn(2, num_blocks, bs, hk, d).unbind(0)
+    k_cache[0], v_cache[0] = 0.0, 0.0
+    q = torch.randn(1, 4, d)
+    table = torch.tensor([[3, 5, 7, 9, 11, 2, 4]])  # 27 tokens; window 8 reads 19..26
+    lens = torch.tensor([27])
+    want = reference.paged_attention(q, k_cache, v_cache, table, lens, d**-0.5, 8)
+    freed = table.clone()
+    freed[0, :4] = 0  # blocks 0-3 hold positions 0..15: all before the window
+    for b in (3, 5, 7, 9):
+        k_cache[b], v_cache[b] = float("nan"), float("nan")
+    got_ref = reference.paged_attention(q, k_cache, v_cache, freed, lens, d**-0.5, 8)
+    got = paged_attention(q, k_cache, v_cache, freed, lens, d**-0.5, 8)
+    torch.testing.assert_close(got_ref, want)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    stale = reference.paged_attention(q, k_cache, v_cache, table, lens, d**-0.5, 8)
+    assert stale.isnan().all()
