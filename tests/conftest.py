@@ -52,3 +52,14 @@ def tiny_model(
         return cache[key]
 
     return build
+
+
+@pytest.fixture(autouse=True)
+def _fresh_ops_dispatch():
+    """Each test resolves the ops' kernels afresh, as each engine start does: a test that
+    mocks CPU flags or the environment must not leave its resolution to the next one."""
+    from pagoda.ops import registry
+
+    registry.refresh()
+    yield
+    registry.refresh()

@@ -118,6 +118,9 @@ class LinearBase(QuantizableLayer):
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bound = self.bound_apply
+        if bound is not None:
+            return bound(x)
         return self.quant_method.apply(self, x, self.bias)
 
     def extra_repr(self) -> str:
@@ -299,4 +302,7 @@ class RowParallelLinear(LinearBase):
                 f"{self.prefix}: tp_size {self.tp_size} needs an all-reduce over the "
                 "tensor-parallel group, which pagoda does not have yet"
             )
+        bound = self.bound_apply
+        if bound is not None:
+            return bound(x)
         return self.quant_method.apply(self, x, self.bias)

@@ -32,17 +32,29 @@ class Kernel:
 
 
 class Op:
-    """A dispatched op: `op(*args)` runs the selected kernel or the reference."""
+    """A dispatched op: `op(*args)` runs the selected kernel or the reference.
 
-    __slots__ = ("_kernels", "name", "reference")
+    A call resolves its kernels once per (device type, dtype) and keeps them until
+    `refresh()` (the engine calls it at start): `resolve()` reads the environment and loads
+    extensions, too slow for the several calls per layer per step. `kernel_for` and
+    `select` resolve afresh every time (tests and diagnostics).
+    """
+
+    __slots__ = ("_kernels", "_resolved", "name", "reference")
 
     def __init__(self, name: str, reference: Callable[..., Any]) -> None:
         self.name = name
         self.reference = reference
         self._kernels: dict[str, list[Kernel]] = {}
+        self._resolved: dict[tuple[str, torch.dtype], tuple[tuple[Kernel, Any], ...]] = {}
 
     def register(self, device_type: str, kernel: Kernel) -> None:
         self._kernels.setdefault(device_type, []).append(kernel)
+        self._resolved.clear()
+
+    def refresh(self) -> None:
+        """Forget the resolved kernels (after the environment or the extensions changed)."""
+        self._resolved.clear()
 
     def kernel_for(self, x: torch.Tensor) -> Kernel | None:
         """The kernel that could take a call whose first tensor is `x` (before `supports`)."""
@@ -60,14 +72,24 @@ class Op:
                     return functools.partial(k.fn, handle)
         return self.reference
 
+    def _resolve(self, key: tuple[str, torch.dtype]) -> tuple[tuple[Kernel, Any], ...]:
+        device_type, dtype = key
+        found = []
+        for k in self._kernels.get(device_type, ()):
+            if dtype in k.dtypes and (handle := k.resolve()) is not None:
+                found.append((k, handle))
+        self._resolved[key] = resolved = tuple(found)
+        return resolved
+
     def __call__(self, *args: Any) -> Any:
-        # NOTE: select's loop written out: this runs several times per layer per step.
         x = args[0]
-        for k in self._kernels.get(x.device.type, ()):
-            if x.dtype in k.dtypes:
-                handle = k.resolve()
-                if handle is not None and k.supports(*args):
-                    return k.fn(handle, *args)
+        key = (x.device.type, x.dtype)
+        candidates = self._resolved.get(key)
+        if candidates is None:
+            candidates = self._resolve(key)
+        for k, handle in candidates:
+            if k.supports(*args):
+                return k.fn(handle, *args)
         return self.reference(*args)
 
 
@@ -80,3 +102,10 @@ def define_op(name: str, reference: Callable[..., Any]) -> Op:
         raise ValueError(f"op {name!r} is already defined")
     OPS[name] = op = Op(name, reference)
     return op
+
+
+def refresh() -> None:
+    """Re-resolve every op's kernels at its next call (the engine's start calls this, so
+    PAGODA_DISABLE_CPU_KERNELS and a rebuilt extension take effect per engine)."""
+    for op in OPS.values():
+        op.refresh()

@@ -17,6 +17,7 @@ A checkpoint's quantization (HF `quantization_config.quant_method`) names a regi
 
 from __future__ import annotations
 
+import functools
 import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -53,6 +54,12 @@ class QuantizeMethodBase(ABC):
     ) -> torch.Tensor:
         """x [..., input_size_per_partition] -> [..., output_size_per_partition]."""
 
+    def bind(self, layer: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+        """`layer`'s product as one callable x -> apply(layer, x, layer.bias), made once its
+        weights are processed (and again after `.to()`), so a call skips the attribute
+        lookups. A method may return a closure over its prepared tensors instead."""
+        return functools.partial(self.apply, layer, bias=getattr(layer, "bias", None))
+
     def restore_loaded_layout(self, layer: nn.Module) -> None:
         """Put the parameters back in the layout the loaders wrote (before a conversion,
         after which `process_weights_after_loading` runs again)."""
@@ -85,7 +92,8 @@ class QuantizableLayer(nn.Module):
     `.to()` / `.cuda()` / `to_empty()` (any `_apply`) first restore the loaded layout, then
     convert, then (once weights were processed) let the method prepare its layout again
     for the new dtype/device; the parameters keep their loader attributes. `state_dict()`
-    returns loaded-layout values.
+    returns loaded-layout values. `bound_apply` is the method's `bind` of the processed
+    weights (None before processing, and while `_apply` converts).
     """
 
     quant_method: QuantizeMethodBase
@@ -93,13 +101,16 @@ class QuantizableLayer(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.weights_processed = False
+        self.bound_apply: Callable[[torch.Tensor], torch.Tensor] | None = None
         self._register_state_dict_hook(_loaded_layout_state_dict)
 
     def process_weights_after_loading(self) -> None:
         self.quant_method.process_weights_after_loading(self)
         self.weights_processed = True
+        self.bound_apply = self.quant_method.bind(self)
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True):
+        self.bound_apply = None
         self.quant_method.restore_loaded_layout(self)
         # NOTE: nn.Module._apply creates new Parameter objects when the tensor type
         # changes (meta -> cpu, cpu -> cuda), which drops their attributes.
@@ -110,7 +121,7 @@ class QuantizableLayer(nn.Module):
                 for key, value in attrs.get(name, {}).items():
                     setattr(param, key, value)
         if self.weights_processed:
-            self.quant_method.process_weights_after_loading(self)
+            self.process_weights_after_loading()
         return self
 
 

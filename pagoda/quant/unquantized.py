@@ -17,7 +17,9 @@ float32 is the dtype in which pagoda must match transformers token for token.
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -100,6 +102,12 @@ class UnquantizedLinearMethod(QuantizeMethodBase):
         if is_packed(layer.weight):
             return packed_linear(x, layer.weight, bias)
         return F.linear(x, layer.weight, bias)
+
+    def bind(self, layer: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+        weight, bias = layer.weight, getattr(layer, "bias", None)
+        if is_packed(weight):
+            return functools.partial(packed_linear, packed=weight, bias=bias)
+        return functools.partial(F.linear, weight=weight, bias=bias)
 
     def restore_loaded_layout(self, layer: nn.Module) -> None:
         weight = layer.weight

@@ -25,6 +25,7 @@ from pagoda.core.kv_cache_spec import KVCacheSpec, bytes_per_block, group_layers
 from pagoda.core.scheduler_output import SchedulerOutput
 from pagoda.models.factory import build_model
 from pagoda.models.loader import Checkpoint
+from pagoda.ops import registry as ops_registry
 from pagoda.ops.cpu_kernels import load_extension
 from pagoda.worker.block_copies import LayerCaches, swap_blocks
 from pagoda.worker.model_runner import ModelRunner, ModelRunnerOutput
@@ -53,6 +54,9 @@ class Worker:
             # NOTE: build (or load the cached build of) the C++ kernels now, so the first
             # request does not pay the compile time.
             load_extension()
+        # NOTE: ops resolve their kernels once per engine (the environment may have changed
+        # since an earlier engine in this process: PAGODA_DISABLE_CPU_KERNELS in tests).
+        ops_registry.refresh()
         self.model = build_model(
             ckpt, self.dtype, self.device, max_model_len, config.model.attn_backend,
             config.model.quantization, config.model.gguf_native,

@@ -13,7 +13,7 @@ import torch
 from pagoda import ops
 from pagoda.attention.torch_paged import TorchPagedAttention
 from pagoda.layers.norm import RMSNorm
-from pagoda.ops import cpu_kernels, reference
+from pagoda.ops import cpu_kernels, reference, registry
 from tests.unit.test_cpu_paged_attention import _kernel, _make_case, _metadata, _naive
 
 
@@ -94,6 +94,7 @@ def _mock_flags(monkeypatch: pytest.MonkeyPatch, drop: set[str]) -> None:
     flags = cpu_kernels.cpu_flags() - drop
     monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: flags)
     monkeypatch.setattr(cpu_kernels, "_allowed", {})
+    registry.refresh()  # as an engine start on such a CPU would
 
 
 def _spy_on(ext, monkeypatch: pytest.MonkeyPatch) -> list[str]:

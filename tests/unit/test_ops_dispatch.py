@@ -34,6 +34,7 @@ def test_first_accepting_kernel_runs_else_the_reference() -> None:
     assert op(x)[0] == "contig"
     assert op(x.t())[0] == "any"  # the first kernel declines this call
     flags["available"] = False
+    op.refresh()  # calls keep their resolution until then (the engine start)
     assert op(x)[0] == "any" and op.kernel_for(x).name == "any"
     assert op(x.float())[0] == "reference"  # no kernel for the dtype
     assert op(x.to("meta"))[0] == "reference"  # nor for the device
@@ -43,7 +44,7 @@ def test_first_accepting_kernel_runs_else_the_reference() -> None:
 def test_every_op_has_a_reference_and_no_cuda_kernel_yet() -> None:
     assert set(ops.OPS) == {
         "rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_and_cache", "write_kv",
-        "paged_attention",
+        "paged_attention", "wq_linear", "int8_linear", "fp8_linear", "gguf_linear",
     }
     for op in ops.OPS.values():
         assert callable(op.reference)
@@ -78,3 +79,25 @@ def test_layers_and_backends_import_ops_not_kernels(area: str) -> None:
     for path in sorted((ROOT / area).glob("*.py")):
         bad = {n for n in _imports(path) if "cpu_kernels" in n or n.startswith("pagoda.ops.cpu")}
         assert not bad, f"{path.name} imports {sorted(bad)}"
+
+
+def test_a_call_keeps_its_resolved_kernel_until_refresh(monkeypatch) -> None:
+    from pagoda.ops import registry
+
+    calls: list[str] = []
+    op = Op("probe_op", lambda x: "reference")
+    handle = {"value": "ext"}
+    op.register(
+        "cpu",
+        Kernel("k", lambda h, x: h, frozenset({torch.float32}),
+               lambda: calls.append("resolve") or handle["value"]),
+    )
+    x = torch.zeros(2)
+    assert op(x) == "ext" and op(x) == "ext"
+    assert calls == ["resolve"]  # resolved once, not per call
+    handle["value"] = None  # the kernel becomes unavailable (e.g. disabled by the env)
+    assert op(x) == "ext"  # still the cached resolution ...
+    monkeypatch.setitem(registry.OPS, "probe_op", op)
+    registry.refresh()
+    assert op(x) == "reference"  # ... until the engine start re-resolves
+    assert op(torch.zeros(2, dtype=torch.bfloat16)) == "reference"  # no kernel for the dtype
