@@ -1,5 +1,5 @@
 """GGUF linears run from their blocks (--gguf-native): float32 greedy output equals the
-dequantized path token for token and logprob for logprob (the reference computes the same
+dequantized path token for token, logprobs to 1e-5 (the reference computes the same
 arithmetic), for the embedded SmolLM2 Q4_1 and for a tiny file holding every native type;
 no dequantized copy of a native weight is kept; "auto" follows the kernels."""
 
@@ -32,13 +32,21 @@ def greedy(model: str | None, prompts: list[str], max_tokens: int, **kwargs):
              [next(iter(d.values())).logprob for d in o.outputs[0].logprobs]) for o in outs]
 
 
+def assert_same_greedy(native, dequantized) -> None:
+    """Same tokens; logprobs equal but for the float32 summation order a multithreaded
+    matmul may pick per call (the weights and the arithmetic are the same)."""
+    for (ids, lps), (ref_ids, ref_lps) in zip(native, dequantized, strict=True):
+        assert ids == ref_ids
+        assert lps == pytest.approx(ref_lps, abs=1e-5)
+
+
 def test_embedded_smollm2_q4_1_native_equals_the_dequantized_path(monkeypatch):
     # NOTE: the reference of gguf_linear (the CPU kernels quantize activations to int8,
     # another product: tests/unit/test_quant_kernels.py compares them with their reference).
     monkeypatch.setenv("PAGODA_DISABLE_CPU_KERNELS", "1")
     prompts = ["The capital of France is", "def fib(n):"]
-    assert greedy(None, prompts, 4, gguf_native="on") == greedy(None, prompts, 4,
-                                                                 gguf_native="off")
+    assert_same_greedy(greedy(None, prompts, 4, gguf_native="on"),
+                       greedy(None, prompts, 4, gguf_native="off"))
 
 
 def test_native_layers_hold_only_their_blocks():
@@ -77,8 +85,8 @@ def mixed_gguf(tiny_model, tmp_path_factory) -> Path:
 def test_every_native_type_equals_the_dequantized_path(mixed_gguf, monkeypatch):
     monkeypatch.setenv("PAGODA_DISABLE_CPU_KERNELS", "1")  # the reference, as above
     prompts = ["Hello there", "Once upon a time, in a land"]
-    assert greedy(str(mixed_gguf), prompts, 6, gguf_native="on") == \
-        greedy(str(mixed_gguf), prompts, 6, gguf_native="off")
+    assert_same_greedy(greedy(str(mixed_gguf), prompts, 6, gguf_native="on"),
+                       greedy(str(mixed_gguf), prompts, 6, gguf_native="off"))
 
 
 def test_which_layers_run_natively(mixed_gguf):
