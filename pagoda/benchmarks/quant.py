@@ -86,9 +86,14 @@ def weight_bytes(model: Any) -> int:
 
     def add(t: Any) -> None:
         nonlocal total
-        if isinstance(t, torch.Tensor) and id(t) not in seen:
-            seen.add(id(t))
-            total += t.numel() * t.element_size()
+        if isinstance(t, torch.Tensor):
+            # NOTE: by storage, so a view sharing a parameter's bytes (a method's codes) counts
+            # once; opaque (mkldnn) tensors have no storage and count by object.
+            strided = t.layout == torch.strided and not t.is_mkldnn
+            key = t.untyped_storage().data_ptr() if strided else id(t)
+            if key not in seen:
+                seen.add(key)
+                total += t.untyped_storage().nbytes() if strided else t.numel() * t.element_size()
         elif isinstance(t, dict):
             for v in t.values():
                 add(v)

@@ -4,7 +4,7 @@ Which calls they take (anything else runs the reference):
   gguf_linear  Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K;
   wq_linear    4- and 8-bit codes whose group size is a multiple of 32 (or covers K);
   int8_linear  any shape (W8A8, bit-identical to the reference);
-with x float32 or bfloat16, on a CPU whose flags hold what the extension was compiled for
+with x bfloat16 (int8_linear also float32: it is exact), on a CPU whose flags hold what the extension was compiled for
 (AVX-512 F/BW/VL at least; VNNI is used where compiled), when the weight went through
 `wquant.prepare(op, w, "cpu")` (its layout is in `w.kernel_data["cpp"]`).
 `PAGODA_DISABLE_CPU_KERNELS=1` forces the reference.
@@ -39,7 +39,10 @@ from pagoda.ops.registry import OPS, Kernel
 logger = logging.getLogger(__name__)
 
 NAME = "cpp"  # the key of this kernel's layout in w.kernel_data
-DTYPES = frozenset({torch.float32, torch.bfloat16})
+# NOTE: gguf_linear and wq_linear quantize activations to int8, another product than the
+# dequantized weight's: float32, the dtype exact against transformers, keeps the reference.
+DTYPES = frozenset({torch.bfloat16})
+EXACT_DTYPES = frozenset({torch.float32, torch.bfloat16})
 REQUIRED_ISA = ("avx512f", "avx512bw", "avx512vl")
 # From this many activation rows on, dequantize + dense GEMM beats the int8 dot products.
 GEMM_MIN_ROWS = 64
@@ -178,10 +181,10 @@ def _int8_has_layout(x, w, bias=None) -> bool:
 
 
 def register() -> None:
-    for op, fn, prep, supports in (
-        ("gguf_linear", _gguf_linear, _prepare_gguf, _has_layout),
-        ("wq_linear", _wq_linear, _prepare_wq, _has_layout),
-        ("int8_linear", _int8_linear, _prepare_int8, _int8_has_layout),
+    for op, fn, prep, supports, dtypes in (
+        ("gguf_linear", _gguf_linear, _prepare_gguf, _has_layout, DTYPES),
+        ("wq_linear", _wq_linear, _prepare_wq, _has_layout, DTYPES),
+        ("int8_linear", _int8_linear, _prepare_int8, _int8_has_layout, EXACT_DTYPES),
     ):
-        OPS[op].register("cpu", Kernel(NAME, fn, DTYPES, resolve, supports))
+        OPS[op].register("cpu", Kernel(NAME, fn, dtypes, resolve, supports))
         wquant.register_preparer(op, "cpu", prep)
