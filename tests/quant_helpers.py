@@ -107,14 +107,16 @@ def random_prompts(n: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(3, 49152) for _ in range(rng.randint(3, 40))] for _ in range(n)]
 
 
-def hf_greedy(path: Path, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
+def hf_greedy(path: Path, prompts: list[list[int]], max_tokens: int = MAX_TOKENS
+              ) -> list[tuple[list[int], list[float]]]:
+    """transformers' greedy tokens and their logprobs, float32, exactly max_tokens each."""
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     results = []
     for p in prompts:
         with torch.no_grad():
             out = model.generate(
                 torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False,
+                max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
                 return_dict_in_generate=True, output_logits=True, pad_token_id=0,
             )
         ids = out.sequences[0, len(p):].tolist()

@@ -20,6 +20,7 @@ from pagoda.layers.rotary import build_cos_sin
 from pagoda.models.factory import build_model
 from pagoda.models.loader import load_checkpoint
 from tests.gguf_helpers import llama3_rope_factors, write_llama_gguf
+from tests.quant_helpers import hf_greedy
 
 # NOTE: head_dim 16 gives 8 frequencies; with these bounds two fall in the smoothed band,
 # two are kept and four are divided by the full factor.
@@ -59,28 +60,12 @@ def test_frequencies_are_llama3s(scaled: tuple[Path, Path]) -> None:
     assert (default_cos - model.rotary.cos).abs().max() > 0.5
 
 
-def _hf_greedy(path: Path, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    results = []
-    for p in prompts:
-        with torch.no_grad():
-            out = model.generate(
-                torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False,
-                return_dict_in_generate=True, output_logits=True, pad_token_id=0,
-            )
-        ids = out.sequences[0, len(p):].tolist()
-        lps = [torch.log_softmax(lg[0].float(), -1)[t].item() for lg, t in zip(out.logits, ids)]
-        results.append((ids, lps))
-    return results
-
-
 def test_greedy_matches_transformers_llama3(scaled: tuple[Path, Path]) -> None:
     hf_dir, gguf_path = scaled
     rng = random.Random(7)
     # NOTE: prompts past original_max_position_embeddings (256), where scaling matters most.
     prompts = [[rng.randrange(3, 49152) for _ in range(n)] for n in (5, 90, 300)]
-    expected = _hf_greedy(hf_dir, prompts)
+    expected = hf_greedy(hf_dir, prompts, MAX_TOKENS)
     llm = LLM(str(gguf_path), dtype="float32", max_model_len=512)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
