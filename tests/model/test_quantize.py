@@ -4,6 +4,7 @@ in-memory quantized model's weights."""
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -11,15 +12,19 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from pagoda.quant.calibrate import awq
+from pagoda.quant.calibrate import awq, runner
 from pagoda.quant.calibrate.command import quantize_to_dir
-from pagoda.quant.calibrate.rtn import QuantSpec
+from pagoda.quant.calibrate.gptq import HessianAccumulator
+from pagoda.quant.calibrate.rtn import QuantSpec, quantize_rtn
 from pagoda.quant.calibrate.runner import (
     LINEARS,
+    SHARED_INPUTS,
+    CalibrationConfig,
     LayerRunner,
     _awq_scales,
     _capture,
     _Features,
+    _gptq_layer,
 )
 from pagoda.quant.packing import unpack_awq, unpack_gptq
 from tests.model.test_perplexity import TEXT
@@ -177,3 +182,102 @@ def test_round_trip_pagoda_loads_the_in_memory_quantized_model(tiny_model, tmp_p
             for token, lp in entry.items():
                 assert lp.logprob == pytest.approx(want[token].item(), abs=1e-4)
         assert out_.outputs[0].token_ids == [int(expected[row, -1].argmax())]
+
+
+def _hessian_of(layer, layer_runner, hidden, name):
+    acc = HessianAccumulator(layer.get_submodule(name).in_features)
+    hooks = _capture(layer, (name,), lambda _n, x: acc.add(x))
+    layer_runner.run(layer, hidden)
+    for h in hooks:
+        h.remove()
+    return acc.hessian
+
+
+def test_gptq_calibrates_each_sublayer_after_the_ones_before_it(tiny_model, monkeypatch):
+    # "True sequential": o_proj's Hessian comes from the layer with q/k/v already quantized,
+    # gate/up's with o too, down's with gate/up too.
+    path = tiny_model("LlamaForCausalLM")
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    hidden = model.model.embed_tokens(random_ids(4, 32)).detach()
+    layer_runner = LayerRunner(model, hidden, batch_size=3)
+    layer = model.model.layers[0]
+    float_layer = copy.deepcopy(layer)
+    hessians = []
+    gptq_quantize = runner.gptq_quantize
+
+    def recording(weight, hessian, spec, **kwargs):
+        hessians.append(hessian.clone())
+        return gptq_quantize(weight, hessian, spec, **kwargs)
+
+    monkeypatch.setattr(runner, "gptq_quantize", recording)
+    result = _gptq_layer(layer, layer_runner, hidden,
+                         CalibrationConfig("gptq", QuantSpec(4, GROUP, False)))
+    assert len(hessians) == len(SHARED_INPUTS)
+    for g, names in enumerate(SHARED_INPUTS):
+        replay = copy.deepcopy(float_layer)
+        with torch.no_grad():
+            for earlier in SHARED_INPUTS[:g]:
+                for name in earlier:
+                    replay.get_submodule(name).weight.copy_(result[name].dequantize())
+        want = _hessian_of(replay, layer_runner, hidden, names[0])
+        torch.testing.assert_close(hessians[g], want, rtol=1e-9, atol=1e-12)
+        if g:
+            floats = _hessian_of(float_layer, layer_runner, hidden, names[0])
+            assert not torch.allclose(hessians[g], floats, rtol=1e-6, atol=1e-9)
+    for name in LINEARS:
+        assert torch.equal(layer.get_submodule(name).weight, result[name].dequantize())
+
+
+def test_gptq_layer_output_closer_than_rtn(tiny_model):
+    path = tiny_model("LlamaForCausalLM")
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    g = torch.Generator().manual_seed(7)
+    width = model.config.hidden_size
+    # Correlated hidden states (low rank plus noise), as real activations are.
+    hidden = torch.randn(8, 48, 6, generator=g) @ torch.randn(6, width, generator=g) + \
+        0.1 * torch.randn(8, 48, width, generator=g)
+    layer_runner = LayerRunner(model, hidden, batch_size=4)
+    layer = model.model.layers[0]
+    spec = QuantSpec(4, GROUP, False)
+    reference = layer_runner.run(layer, hidden)
+    rtn_layer = copy.deepcopy(layer)
+    with torch.no_grad():
+        for name in LINEARS:
+            weight = rtn_layer.get_submodule(name).weight
+            weight.copy_(quantize_rtn(weight, spec).dequantize())
+    _gptq_layer(layer, layer_runner, hidden, CalibrationConfig("gptq", spec))
+
+    def error(quantized_layer):
+        return (layer_runner.run(quantized_layer, hidden) - reference).pow(2).mean().item()
+
+    assert error(layer) < 0.5 * error(rtn_layer)
+
+
+def test_gptq_v1_checkpoint_keeps_a_grid_without_negative_weights(tiny_model, tmp_path,
+                                                                   calib_file):
+    # GPTQ v1 stores zero - 1: an asymmetric grid of zero 0 (a group with no negative weight)
+    # would read back as zero 16. The writer gives such a group zero 1 instead.
+    tiny = tiny_model("LlamaForCausalLM")
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight[:, :GROUP].abs_()
+    src = tmp_path / "src"
+    model.save_pretrained(src)
+    for item in tiny.iterdir():
+        if not (src / item.name).exists():
+            (src / item.name).write_bytes(item.read_bytes())
+    prefix = "model.layers.0.mlp.down_proj"
+    for method in ("rtn", "gptq"):
+        out = tmp_path / method
+        model_q, quantized = quantize_to_dir(str(src), out, method, 4, GROUP, False, False,
+                                             calib_file, num_samples=8, seq_len=64)
+        assert bool((quantized[prefix].zeros[:, 0] == 1).any())
+        tensors = load_file(str(out / "model.safetensors"))
+        state = model_q.state_dict()
+        for name in quantized:
+            assert torch.equal(_decoded_gptq(tensors, name), state[f"{name}.weight"])
+        if method == "rtn":
+            # The refitted grid still spans the group: at most half a step of rounding error.
+            qt, w = quantized[prefix], model.model.layers[0].mlp.down_proj.weight[:, :GROUP]
+            err = (qt.dequantize()[:, :GROUP] - w).abs()
+            assert bool((err <= 0.5 * qt.scales[:, :1] + 1e-6).all())

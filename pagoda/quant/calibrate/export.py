@@ -65,7 +65,8 @@ def quantization_config(cfg: CalibrationConfig) -> dict[str, Any]:
                 "zero_point": True, "version": "gemm"}
     return {"quant_method": "gptq", "bits": spec.bits, "group_size": spec.group_size,
             "desc_act": cfg.act_order, "sym": spec.sym, "checkpoint_format": "gptq",
-            "damp_percent": 0.01, "true_sequential": False, "static_groups": False}
+            "damp_percent": cfg.damp_percent, "true_sequential": cfg.method == "gptq",
+            "static_groups": False}
 
 
 def _packed(qt: QuantizedTensor, method: str) -> dict[str, torch.Tensor]:

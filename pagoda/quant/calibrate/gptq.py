@@ -68,6 +68,18 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, spec: QuantSpec, 
         return _gptq(weight, hessian, spec, act_order, percdamp, block_size)
 
 
+def _current_group(w: torch.Tensor, wb: torch.Tensor, errors: torch.Tensor,
+                   hinv: torch.Tensor, b0: int, b1: int, col: int, gl: int) -> torch.Tensor:
+    """Columns [col, col + gl) as they stand when column `col` (in block [b0, b1)) is
+    next: every update so far applied, including the current block's, which the columns
+    past b1 receive only lazily at the block's end."""
+    i, end = col - b0, min(col + gl, w.shape[1])
+    if end <= b1:
+        return wb[:, i : i + gl]
+    pending = errors[:, :i] @ hinv[b0:col, b1:end]
+    return torch.cat([wb[:, i:], w[:, b1:end] - pending], dim=1)
+
+
 def _gptq(weight: torch.Tensor, hessian: torch.Tensor, spec: QuantSpec, act_order: bool,
           percdamp: float, block_size: int) -> QuantizedTensor:
     n, k = weight.shape
@@ -96,8 +108,7 @@ def _gptq(weight: torch.Tensor, hessian: torch.Tensor, spec: QuantSpec, act_orde
         for i in range(b1 - b0):
             col = b0 + i
             if col % gl == 0:
-                # The group's columns as they stand now, updates of this block included.
-                group = torch.cat([wb[:, i:], w[:, b1:]], dim=1)[:, :gl]
+                group = _current_group(w, wb, errors, hinv, b0, b1, col, gl)
                 scale, zero = fit_params(group.to(torch.float32), spec)
                 scales[:, col // gl], zeros[:, col // gl] = scale, zero
             q = quantize_codes(wb[:, i : i + 1].to(torch.float32), scale, zero, spec.maxq)

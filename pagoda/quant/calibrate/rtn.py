@@ -22,6 +22,9 @@ class QuantSpec:
     bits: int = 4
     group_size: int = 128  # -1: one group per row
     sym: bool = True
+    # The smallest zero the checkpoint format stores. GPTQ v1 writes zero - 1 in `bits` bits,
+    # so a zero of 0 would read back as 2**bits: its asymmetric grids start at zero 1.
+    min_zero: int = 0
 
     @property
     def maxq(self) -> int:
@@ -78,8 +81,14 @@ def fit_params(w: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Te
     scale = scale.clamp(min=float(torch.finfo(torch.float16).tiny))
     if spec.sym:
         zero = torch.full_like(scale, (spec.maxq + 1) // 2, dtype=torch.int64)
-    else:
-        zero = torch.round(-lo / scale).clamp(0, spec.maxq).to(torch.int64)
+        return scale, zero
+    if spec.min_zero:
+        # NOTE: a grid whose zero rounds below min_zero (hardly any negative weights) gives
+        # the min_zero lowest codes to negatives and spans [0, hi] with the rest.
+        low = torch.round(-lo / scale) < spec.min_zero
+        refit = (hi / (spec.maxq - spec.min_zero)).to(torch.float16).to(torch.float32)
+        scale = torch.where(low, refit, scale).clamp(min=float(torch.finfo(torch.float16).tiny))
+    zero = torch.round(-lo / scale).clamp(spec.min_zero, spec.maxq).to(torch.int64)
     return scale, zero
 
 

@@ -5,7 +5,8 @@ the decoder layers have self_attn.{q,k,v,o}_proj, mlp.{gate,up,down}_proj and th
 RMSNorms). The calibration batch is embedded once; then each decoder layer in turn sees the
 hidden states the layers before it produce *after* their quantization, is calibrated and
 quantized, and runs the batch once more to give the next layer its input. Only one layer's
-activations (and Hessians) are alive at a time. Quantized weights are written back into the
+activations (and Hessians) are alive at a time. GPTQ goes the same way inside a layer (see
+`_gptq_layer`): each linear is calibrated on what the layer's already-quantized parts feed it. Quantized weights are written back into the
 model as their dequantized values, so the model is afterwards the in-memory quantized model
 the checkpoint describes.
 """
@@ -35,6 +36,7 @@ class CalibrationConfig:
     spec: QuantSpec
     act_order: bool = False
     batch_size: int = 8  # calibration samples per forward
+    damp_percent: float = 0.01  # gptq: dampening, this fraction of mean(diag(H))
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -43,6 +45,8 @@ class CalibrationConfig:
             raise ValueError(f"bits must be 2, 4 or 8 (the int32 packings), got {self.spec.bits}")
         if self.act_order and self.method != "gptq":
             raise ValueError("act_order is a GPTQ option")
+        if not 0 < self.damp_percent <= 1:
+            raise ValueError(f"damp_percent must lie in (0, 1], got {self.damp_percent}")
         if self.method == "awq" and (self.spec.bits != 4 or self.spec.sym):
             raise ValueError("awq writes AutoAWQ's GEMM layout: 4 bits with a zero point "
                              "(--no-sym)")
@@ -61,6 +65,10 @@ def progress(iterable: list, desc: str) -> Iterator:
     return iter(tqdm(iterable, desc=desc))
 
 
+class _StopForward(Exception):
+    """Raised by `feed_until`'s hook once the submodule it waits for has its input."""
+
+
 class LayerRunner:
     """Runs one decoder layer over the calibration batch (causal, positions 0..L-1)."""
 
@@ -77,16 +85,35 @@ class LayerRunner:
                 config=model.config, inputs_embeds=hidden[:b], attention_mask=None,
                 cache=None, position_ids=self.position_ids)
 
+    def _forward(self, layer: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
+        out = layer(h, attention_mask=self.masks[h.shape[0]], position_ids=self.position_ids,
+                    position_embeddings=self.position_embeddings)
+        return out[0] if isinstance(out, tuple) else out
+
     def run(self, layer: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-        outputs = []
+        """The layer's output for every calibration sample."""
         with torch.no_grad():
-            for b0 in range(0, hidden.shape[0], self.batch_size):
-                h = hidden[b0 : b0 + self.batch_size]
-                out = layer(h, attention_mask=self.masks[h.shape[0]],
-                            position_ids=self.position_ids,
-                            position_embeddings=self.position_embeddings)
-                outputs.append(out[0] if isinstance(out, tuple) else out)
-        return torch.cat(outputs)
+            return torch.cat([self._forward(layer, hidden[b0 : b0 + self.batch_size])
+                              for b0 in range(0, hidden.shape[0], self.batch_size)])
+
+    def feed_until(self, layer: torch.nn.Module, hidden: torch.Tensor, name: str,
+                   sink: Callable[[torch.Tensor], None]) -> None:
+        """Run the layer over the batch only as far as its submodule `name`, handing each
+        batch's input of that submodule to `sink` (the rest of the forward is not run)."""
+        def stop(_module: torch.nn.Module, inputs: tuple) -> None:
+            sink(inputs[0].detach())
+            raise _StopForward
+
+        handle = layer.get_submodule(name).register_forward_pre_hook(stop)
+        try:
+            with torch.no_grad():
+                for b0 in range(0, hidden.shape[0], self.batch_size):
+                    try:
+                        self._forward(layer, hidden[b0 : b0 + self.batch_size])
+                    except _StopForward:
+                        pass
+        finally:
+            handle.remove()
 
 
 def _capture(layer: torch.nn.Module, names: tuple[str, ...],
@@ -103,25 +130,23 @@ def _set_quantized(layer: torch.nn.Module, name: str, qt: QuantizedTensor) -> No
 
 
 # Linears that read one input share its Hessian: GPTQ quantizes them stacked, in one pass.
+# In this order each group's input depends only on the groups before it.
 SHARED_INPUTS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
                  ("self_attn.o_proj",), ("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",))
 
 
 def _gptq_layer(layer: torch.nn.Module, runner: LayerRunner, hidden: torch.Tensor,
                 cfg: CalibrationConfig) -> dict[str, QuantizedTensor]:
-    firsts = tuple(names[0] for names in SHARED_INPUTS)
-    accs = {n: HessianAccumulator(layer.get_submodule(n).in_features) for n in firsts}
-    hooks = _capture(layer, firsts, lambda n, x: accs[n].add(x))
-    try:
-        runner.run(layer, hidden)
-    finally:
-        for h in hooks:
-            h.remove()
+    """GPTQ "true sequential": each group of SHARED_INPUTS is calibrated on the inputs that
+    the layer, with the groups before it already quantized, gives it; the error q/k/v leave
+    is then part of what o compensates, and so on down to down_proj."""
     result = {}
     for names in SHARED_INPUTS:
+        acc = HessianAccumulator(layer.get_submodule(names[0]).in_features)
+        runner.feed_until(layer, hidden, names[0], acc.add)
         weights = [layer.get_submodule(n).weight.detach() for n in names]
-        stacked = gptq_quantize(torch.cat(weights), accs[names[0]].hessian, cfg.spec,
-                                act_order=cfg.act_order)
+        stacked = gptq_quantize(torch.cat(weights), acc.hessian, cfg.spec,
+                                act_order=cfg.act_order, percdamp=cfg.damp_percent)
         row = 0
         for name, w in zip(names, weights):
             result[name] = stacked.rows(row, row + w.shape[0])
