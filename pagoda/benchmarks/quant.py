@@ -61,6 +61,10 @@ def add_quant_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--calib-data", default="calib")
     p.add_argument("--calib-samples", type=int, default=128)
     p.add_argument("--calib-seq-len", type=int, default=512)
+    p.add_argument("--gptq-act-order", action="store_true",
+                   help="the GPTQ row quantizes with act_order (desc_act)")
+    p.add_argument("--gptq-damp-percent", type=float, default=0.01,
+                   help="the GPTQ row's dampening (fraction of the Hessian's mean diagonal)")
     p.add_argument("--seq-len", type=int, default=512, help="perplexity window")
     p.add_argument("--stride", type=int, default=256)
     p.add_argument("--max-eval-tokens", type=int, default=8192)
@@ -123,6 +127,10 @@ def _quantized_dir(row: Row, args: argparse.Namespace) -> Path:
     name = f"{method}-{'sym' if sym else 'asym'}-g{GROUP_SIZE}"
     if method != "rtn":
         name += f"-n{args.calib_samples}-l{args.calib_seq_len}"
+    act_order = method == "gptq" and args.gptq_act_order
+    damp = args.gptq_damp_percent
+    if method == "gptq":
+        name += f"-damp{damp:g}" + ("-act" if act_order else "")
     out = Path(args.work_dir) / name
     if (out / "config.json").is_file():
         print(f"  reusing {out}", flush=True)
@@ -131,8 +139,8 @@ def _quantized_dir(row: Row, args: argparse.Namespace) -> Path:
         _FLOAT_MODEL.append(load_float_model(None))
     hf_model, tokenizer, source_dir = _FLOAT_MODEL[0]
     start = time.perf_counter()
-    quantize_to_dir(None, out, method, 4, GROUP_SIZE, False, sym, args.calib_data,
-                    args.calib_samples, args.calib_seq_len,
+    quantize_to_dir(None, out, method, 4, GROUP_SIZE, act_order, sym, args.calib_data,
+                    args.calib_samples, args.calib_seq_len, damp_percent=damp,
                     loaded=(copy.deepcopy(hf_model), tokenizer, source_dir))
     print(f"  quantized into {out} in {time.perf_counter() - start:.0f} s", flush=True)
     return out
@@ -304,6 +312,7 @@ def run_quant(args: argparse.Namespace) -> dict[str, Any]:
           f"({BUILTIN_CORPORA.get(args.eval_data, 'file')}), {len(eval_ids)} tokens, "
           f"windows {args.seq_len} / stride {args.stride}; calibration: {args.calib_data}, "
           f"{args.calib_samples} x {args.calib_seq_len} tokens; group size {GROUP_SIZE}; "
+          f"gptq damp {args.gptq_damp_percent:g}, act_order {args.gptq_act_order}; "
           f"decode: {args.decode_tokens} tokens after a 32-token prompt; throughput: "
           f"{QUICK_NUM_REQUESTS} requests, in {QUICK_INPUT_LEN}, out {QUICK_OUTPUT_LEN}, "
           "seed 0", flush=True)
