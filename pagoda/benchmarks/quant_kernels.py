@@ -1,16 +1,17 @@
 """`pagoda bench kernels`: the quantized-linear CPU kernels per call, and SmolLM2 decode.
 
 Part 1, per SmolLM2 shape (in -> out) and rows M: ms per call of the bf16 packed GEMM
-(oneDNN, the unquantized path), torch's own int4 ops (`_weight_int4pack_mm_for_cpu` in bf16,
+(oneDNN, the unquantized path: also the floor of any dequantize-then-GEMM path, which adds
+the dequantization to it), torch's own int4 ops (`_weight_int4pack_mm_for_cpu` in bf16,
 `_dyn_quant_matmul_4bit` in float32), and the wquant ops as dispatched here (GGUF Q4_1 /
-Q8_0 / Q4_K / Q6_K, group-wise int4 g64, W8A8 int8), plus Q4_1's two paths forced (int8
-dot products; dequantize + bf16 GEMM) to place quant_cpu.GEMM_MIN_ROWS.
+Q8_0 / Q4_K / Q6_K, group-wise int4 g64, W8A8 int8), each also as its time over the bf16
+GEMM's in the same run (`x bf16`).
 
 Part 2 (`--decode`): single-stream greedy decode ms/token of the embedded SmolLM2 GGUF in
 bf16 (its weights dequantized at load) and with its Q4_1 / Q8_0 blocks run natively
-(the linears' methods swapped for gguf_linear on GGUFWeight objects built from the file's
-raw tensors), and llama.cpp on the same file when `--llama-python` names a Python with
-llama-cpp-python installed. Each figure is the fastest of `--repeats` runs (the machine
+(`--gguf-native on`), a group-wise int4 directory (`--wq-model`), and llama.cpp on the same
+file when `--llama-python` names a Python with llama-cpp-python installed
+(scripts/setup_llamacpp_peer.sh). Each figure is the fastest of `--repeats` runs (the machine
 is shared; the minimum is the least disturbed).
 """
 
@@ -25,9 +26,10 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from pagoda.ops import quant_cpu, quant_layouts, wquant
+from pagoda.ops import quant_layouts, wquant
 
-SMOLLM2_SHAPES = [(576, 1536), (1536, 576), (576, 576), (576, 192), (576, 49152)]
+SMOLLM2_SHAPES = [(576, 576), (576, 1536), (1536, 576), (576, 192), (576, 49152)]
+RATIO_OF = ("gguf Q4_1", "wq int4 g64")  # the rows' `x bf16` columns
 
 
 def _time_ms(fn: Callable[[], object], budget_s: float = 0.3, max_calls: int = 400) -> float:
@@ -94,13 +96,6 @@ def _kernels(k: int, n: int) -> dict[str, Callable[[torch.Tensor], object]]:
         "bf16 packed": lambda x: packed_linear(x, packed)}
     fns.update(_torch_int4(k, n, 64))
     q41 = _gguf(quant_layouts.Q4_1, n, k, rng)
-    lay = q41.kernel_data.get(quant_cpu.NAME)
-    ext = quant_cpu.resolve()
-    if lay is not None and ext is not None:
-        fns["Q4_1 int8-dot"] = lambda x: ext.q_linear(
-            x, lay.codes, lay.scales, lay.offsets, lay.bits, lay.block, None)
-        fns["Q4_1 deq+gemm"] = lambda x: torch.nn.functional.linear(x, ext.q_dequantize(
-            lay.codes, lay.scales, lay.offsets, lay.bits, lay.block, k, x.dtype))
     for name, qtype in (("Q4_1", quant_layouts.Q4_1), ("Q8_0", quant_layouts.Q8_0),
                         ("Q4_K", quant_layouts.Q4_K), ("Q6_K", quant_layouts.Q6_K)):
         if k % quant_layouts.GGUF_BLOCK[qtype][0]:
@@ -129,6 +124,9 @@ def kernel_table(shapes: list[tuple[int, int]], ms: list[int]) -> list[dict]:
             row = {"shape": f"{k}->{n}", "M": m}
             for name, fn in fns.items():
                 row[name] = round(_time_ms(lambda fn=fn, x=x: fn(x)), 4)
+            for name in RATIO_OF:
+                if name in row:
+                    row[f"{name} x bf16"] = round(row[name] / row["bf16 packed"], 3)
             rows.append(row)
             print(json.dumps(row), flush=True)
     return rows
@@ -144,12 +142,17 @@ def print_markdown(rows: list[dict]) -> None:
 
 
 def add_quant_kernels_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--m", type=int, nargs="+", default=[1, 16, 256], help="activation rows")
+    p.add_argument("--m", type=int, nargs="+", default=[1, 4, 16, 32, 64, 256],
+                   help="activation rows")
+    p.add_argument("--shapes", nargs="+", default=None, metavar="KxN",
+                   help="in x out shapes (default: SmolLM2's, with the 576x49152 head)")
     p.add_argument("--no-kernels", action="store_true", help="skip the per-call table")
     p.add_argument("--decode", action="store_true", help="SmolLM2 single-stream decode too")
     p.add_argument("--model", default=None, help="GGUF file (default: the embedded SmolLM2)")
     p.add_argument("--tokens", type=int, default=128, help="decode tokens per run")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--wq-model", default=None,
+                   help="a GPTQ / AWQ / RTN int4 directory to decode too (`pagoda quantize`)")
     p.add_argument("--llama-python", default=None,
                    help="a Python with llama-cpp-python, to measure llama.cpp in the same run")
     p.add_argument("--json", default=None, help="write the results here")
@@ -160,7 +163,9 @@ def run_quant_kernels(args: argparse.Namespace) -> dict:
 
     result: dict = {"cpu": _cpu_model(), "threads": torch.get_num_threads()}
     if not args.no_kernels:
-        result["kernels"] = kernel_table(SMOLLM2_SHAPES, args.m)
+        shapes = SMOLLM2_SHAPES if args.shapes is None else [
+            tuple(int(v) for v in s.lower().split("x")) for s in args.shapes]
+        result["kernels"] = kernel_table(shapes, args.m)
         print_markdown(result["kernels"])
     if args.decode:
         result["decode"] = quant_decode.decode_table(args)

@@ -22,10 +22,12 @@ class VocabParallelEmbedding(QuantizableLayer):
     """Token ids [...] -> rows [..., embedding_dim]; `compute_logits` when it is a tied head."""
 
     def __init__(
-        self, num_embeddings: int, embedding_dim: int, *, prefix: str = "",
+        self, num_embeddings: int, embedding_dim: int, *,
+        quant_config: QuantizationConfig | None = None, prefix: str = "",
         params_dtype: torch.dtype | None = None, tp_rank: int = 0, tp_size: int = 1,
     ) -> None:
         super().__init__()
+        self._quant_config = quant_config
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.prefix, self.tp_rank, self.tp_size = prefix, tp_rank, tp_size
         self.num_embeddings_per_partition = divide(num_embeddings, tp_size)
@@ -41,8 +43,11 @@ class VocabParallelEmbedding(QuantizableLayer):
         )
 
     def _make_quant_method(self) -> QuantizeMethodBase:
-        # NOTE: lookups need `embedding()`, which only the unquantized table method has.
-        return UnquantizedEmbeddingMethod()
+        # NOTE: lookups need `embedding()`: the unquantized table method's, or the one of a
+        # config's `get_embedding_method`.
+        config = self._quant_config
+        method = config.get_embedding_method(self, self.prefix) if config else None
+        return method or UnquantizedEmbeddingMethod()
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         """Copy this rank's vocabulary rows along the parameter's `output_dim` (a quantized
@@ -87,10 +92,9 @@ class ParallelLMHead(VocabParallelEmbedding):
         quant_config: QuantizationConfig | None = None, prefix: str = "",
         params_dtype: torch.dtype | None = None, tp_rank: int = 0, tp_size: int = 1,
     ) -> None:
-        self._quant_config = quant_config
         super().__init__(
-            num_embeddings, embedding_dim, prefix=prefix, params_dtype=params_dtype,
-            tp_rank=tp_rank, tp_size=tp_size,
+            num_embeddings, embedding_dim, quant_config=quant_config, prefix=prefix,
+            params_dtype=params_dtype, tp_rank=tp_rank, tp_size=tp_size,
         )
 
     def _make_quant_method(self) -> QuantizeMethodBase:

@@ -231,7 +231,8 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.prefix = prefix
         self.embed_tokens = VocabParallelEmbedding(
-            spec.vocab_size, spec.hidden_size, prefix=f"{prefix}.embed_tokens"
+            spec.vocab_size, spec.hidden_size, quant_config=quant_config,
+            prefix=f"{prefix}.embed_tokens",
         )
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(spec, i, backend, quant_config, prefix=f"{prefix}.layers.{i}")

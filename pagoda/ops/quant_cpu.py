@@ -2,17 +2,18 @@
 
 Which calls they take (anything else runs the reference):
   gguf_linear  Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K;
-  wq_linear    4- and 8-bit codes whose group size is a multiple of 32 (or covers K);
+  wq_linear    codes of up to 8 bits whose group size is a multiple of 32 (or covers K);
   int8_linear  any shape (W8A8, bit-identical to the reference);
-with x bfloat16 (int8_linear also float32: it is exact), on a CPU whose flags hold what the extension was compiled for
-(AVX-512 F/BW/VL at least; VNNI is used where compiled), when the weight went through
-`wquant.prepare(op, w, "cpu")` (its layout is in `w.kernel_data["cpp"]`).
+with x bfloat16 (int8_linear also float32: it is exact), on a CPU whose flags hold what the
+extension was compiled for (AVX-512 F/BW/VL at least; VNNI is used where compiled), when the
+weight went through `wquant.prepare(op, w, "cpu", dtype)` with a dtype the kernel takes (or
+None): the preparers build nothing for other dtypes (a float32 model never runs them).
 `PAGODA_DISABLE_CPU_KERNELS=1` forces the reference.
 
 Rounding: gguf_linear and wq_linear quantize the activations to int8 per block of 32 (16
-for Q6_K) before the integer dot products (llama.cpp's scheme); below GEMM_MIN_ROWS rows.
-From GEMM_MIN_ROWS rows on, the weight is dequantized to x's dtype and multiplied densely
-(the bf16 GEMM is faster there; float32 then matches the reference to summation order).
+for Q6_K) before the integer dot products (llama.cpp's scheme), at every row count: the
+panel kernel (csrc/quant_cpu.cpp) beats dequantize + the dense bf16 GEMM from one row to
+hundreds (`pagoda bench kernels`), so there is no second path.
 
 The extension is a second module beside cpu_kernels' (whose sources belong to other ops):
 the same build rules (named by CPU flags and sources, built once under a lock, a failed
@@ -30,7 +31,6 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
-import torch.nn.functional as F
 
 from pagoda.ops import cpu_kernels, quant_layouts, wquant
 from pagoda.ops.quant_layouts import BlockLayout
@@ -44,8 +44,6 @@ NAME = "cpp"  # the key of this kernel's layout in w.kernel_data
 DTYPES = frozenset({torch.bfloat16})
 EXACT_DTYPES = frozenset({torch.float32, torch.bfloat16})
 REQUIRED_ISA = ("avx512f", "avx512bw", "avx512vl")
-# From this many activation rows on, dequantize + dense GEMM beats the int8 dot products.
-GEMM_MIN_ROWS = 64
 _SOURCES = [Path(__file__).parent / "csrc" / "quant_cpu.cpp"]
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 _LDFLAGS = ["-fopenmp"]
@@ -118,40 +116,41 @@ def resolve() -> ModuleType | None:
 
 
 # ---- preparers: the layout, built once per weight object --------------------------------
-def _prepare_gguf(w: wquant.GGUFWeight) -> None:
-    if w.qtype in quant_layouts.GGUF_BLOCK and resolve() is not None:
+def _takes(dtype: torch.dtype | None, dtypes: frozenset[torch.dtype]) -> bool:
+    return (dtype is None or dtype in dtypes) and resolve() is not None
+
+
+def _prepare_gguf(w: wquant.GGUFWeight, dtype: torch.dtype | None) -> None:
+    if w.qtype in quant_layouts.GGUF_BLOCK and _takes(dtype, DTYPES):
         w.kernel_data[NAME] = quant_layouts.from_gguf(w.raw, w.qtype, tuple(w.shape))
 
 
 def wq_supported(w: wquant.GroupQuantWeight) -> bool:
-    return w.bits in (4, 8) and (w.group_size % 32 == 0 or w.group_size >= w.shape[1])
+    lay = w.layout
+    return lay.group % lay.block == 0 or lay.group >= lay.shape[1]
 
 
-def _prepare_wq(w: wquant.GroupQuantWeight) -> None:
-    if wq_supported(w) and resolve() is not None:
-        w.kernel_data[NAME] = quant_layouts.from_group_quant(
-            w.qweight, w.scales, w.zeros, w.bits, w.group_size)
+def _prepare_wq(w: wquant.GroupQuantWeight, dtype: torch.dtype | None) -> None:
+    # NOTE: the weight's own storage is the kernel's layout: nothing is built or copied.
+    if wq_supported(w) and w.layout.codes.device.type == "cpu" and _takes(dtype, DTYPES):
+        w.kernel_data[NAME] = w.layout
 
 
-def _prepare_int8(w: wquant.Int8Weight) -> None:
-    if resolve() is not None:
+def _prepare_int8(w: wquant.Int8Weight, dtype: torch.dtype | None) -> None:
+    if _takes(dtype, EXACT_DTYPES):
         w.kernel_data[NAME] = quant_layouts.int8_codes(w.qweight)
 
 
 # ---- kernels -------------------------------------------------------------------------------
 def block_linear(ext: ModuleType, x: torch.Tensor, lay: BlockLayout,
                  bias: torch.Tensor | None) -> torch.Tensor:
-    """x [..., K] @ w.T (+ bias) for a block layout: int8 dot products for few rows, a dense
-    GEMM on the dequantized weight for many."""
+    """x [..., K] @ w.T (+ bias) for a panel layout, activations quantized to int8 per block."""
     n, k = lay.shape
     x2 = x.reshape(-1, k)
     if not x2.is_contiguous():
         x2 = x2.contiguous()
-    if x2.shape[0] >= GEMM_MIN_ROWS:
-        w = ext.q_dequantize(lay.codes, lay.scales, lay.offsets, lay.bits, lay.block, k, x.dtype)
-        y = F.linear(x2, w, None if bias is None else bias.to(x.dtype))
-    else:
-        y = ext.q_linear(x2, lay.codes, lay.scales, lay.offsets, lay.bits, lay.block, bias)
+    y = ext.q_linear(x2, lay.codes, lay.scales, lay.offsets, lay.bits, lay.block, lay.group,
+                     lay.zero_form, n, bias)
     return y.view(*x.shape[:-1], n)
 
 

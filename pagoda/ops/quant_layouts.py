@@ -1,12 +1,15 @@
-"""The block layout of the CPU quantized-linear kernels (csrc/quant_cpu.cpp), built from
-each weight format once at load.
+"""The panel layout of the CPU quantized-linear kernels (csrc/quant_cpu.cpp), built from
+each weight format once at load, and read back by the references (any device).
 
-Every format becomes unsigned codes q (4 or 8 bits) in blocks of `block` input columns with
-one scale s and one offset m per (row, block): w = s * q + m. Rows are padded to a
-multiple of 64 columns (codes 0, s = m = 0: padded columns add nothing). 4-bit codes of the
-two blocks of each 64-column register share bytes: byte j = code(b, j) | code(b + 1, j) << 4.
-s and m are stored as float16 when that is exact for every element (the GGUF types whose
-block scales are float16: half the scale bytes), else float32.
+Every format becomes unsigned codes q (4 or 8 bits) with one scale s and one offset per
+(row, group of `group` input columns): w = s * (q - z) (`zero_form`: GPTQ/AWQ/RTN, Q4_0,
+Q8_0, Q6_K) or w = s * q + m (Q4_1, Q4_K, Q5_K). Codes are held in panels of 16 rows (N
+padded to a multiple of 16, K to a multiple of 64, with code 0 and scale 0): per panel and
+per 8 input columns c..c+7, 16 * bits bytes, byte 4 * r + j holding row r's code of column
+c + j (8-bit: the first 64 bytes; column c + 4 + j in the next 64) or, 4-bit,
+code(c + j) | code(c + 4 + j) << 4: half a byte a 4-bit code. Scales and offsets are
+[G, padded N] (a panel's 16 rows side by side): float16 where that is exact for every
+element, else float32; integer zeros in [0, 255] as uint8.
 """
 
 from __future__ import annotations
@@ -19,41 +22,96 @@ import torch
 # gguf.GGMLQuantizationType values (not imported: gguf is needed only to load a GGUF file).
 Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 8, 12, 13, 14
 QK_K = 256
+PANEL = 16  # output rows per panel (one int32 lane each in the kernel)
 
 
 @dataclass(frozen=True)
 class BlockLayout:
-    codes: torch.Tensor  # uint8 [N, padded K * bits / 8]
-    scales: torch.Tensor  # float16 or float32 [N, padded K / block]
-    offsets: torch.Tensor  # same dtype and shape as scales
-    bits: int
-    block: int
+    codes: torch.Tensor  # uint8 [padded N / 16, padded K * 2 * bits]
+    scales: torch.Tensor  # float16 or float32 [G, padded N]
+    offsets: torch.Tensor  # [G, padded N]: zeros z (zero_form; also uint8) or offsets m
+    bits: int  # 4 or 8: the stored width (fewer-bit codes are held as 4-bit)
+    group: int  # input columns per scale (G == 1: the whole row)
+    zero_form: bool
     shape: tuple[int, int]  # the logical [N, K]
+    block: int = 32  # the kernel's activation block (16 for Q6_K)
+
+    def unpack_codes(self) -> torch.Tensor:
+        """uint8 [N, K]."""
+        n, k = self.shape
+        panels, kp = self.codes.shape[0], self.codes.shape[1] // (2 * self.bits)
+        if self.bits == 8:
+            c = self.codes.view(panels, kp // 4, PANEL, 4).permute(0, 2, 1, 3)
+        else:
+            v = self.codes.view(panels, kp // 8, 1, PANEL, 4)
+            c = torch.cat([v & 0x0F, v >> 4], dim=2).permute(0, 3, 1, 2, 4)
+        return c.reshape(panels * PANEL, kp)[:n, :k]
+
+    def scale_rows(self) -> torch.Tensor:
+        """float32 [N, G]."""
+        return self.scales[:, : self.shape[0]].T.float()
+
+    def offset_rows(self) -> torch.Tensor:
+        """float32 [N, G]: the zeros (zero_form) or the offsets m."""
+        return self.offsets[:, : self.shape[0]].T.float()
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight [N, K] (float32 arithmetic, as the formats define it)."""
+        k = self.shape[1]
+        g = torch.arange(k, device=self.codes.device) // self.group
+        q = self.unpack_codes().to(torch.float32)
+        s, o = self.scale_rows()[:, g], self.offset_rows()[:, g]
+        return (q - o) * s if self.zero_form else s * q + o
 
 
-def _fits_half(t: torch.Tensor) -> bool:
-    h = t.to(torch.float16)
-    return bool(torch.isfinite(h).all()) and torch.equal(h.to(torch.float32), t)
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 codes [N, K] (values < 2**bits) -> the panel bytes [padded N / 16, ...]."""
+    n, k = codes.shape
+    np_, kp = -(-n // PANEL) * PANEL, -(-k // 64) * 64
+    c = torch.zeros(np_, kp, dtype=torch.uint8, device=codes.device)
+    c[:n, :k] = codes
+    if bits == 8:
+        out = c.view(np_ // PANEL, PANEL, kp // 4, 4).permute(0, 2, 1, 3)
+    else:
+        v = c.view(np_ // PANEL, PANEL, kp // 8, 2, 4).permute(0, 2, 3, 1, 4)
+        out = v[:, :, 0] | (v[:, :, 1] << 4)
+    return out.reshape(np_ // PANEL, -1).contiguous()
+
+
+def _exact_in(t: torch.Tensor, dtype: torch.dtype) -> bool:
+    if t.device.type == "meta":
+        return False  # NOTE: no values to check: keep the wider type
+    c = t.to(dtype)
+    return bool(torch.isfinite(c.float()).all()) and torch.equal(c.to(t.dtype), t)
+
+
+def _columns(t: torch.Tensor, np_: int, zeros: bool) -> torch.Tensor:
+    """[N, G] per-row values -> [G, padded N], in the narrowest exact dtype; a contiguous
+    [G, N] float32/float16 tensor seen transposed (GPTQ/AWQ scales) is kept, not copied."""
+    n = t.shape[0]
+    if n == np_ and t.T.is_contiguous() and t.dtype in (torch.float32, torch.float16):
+        return t.T
+    t = t.float()
+    dtype = torch.float32
+    if zeros and _exact_in(t, torch.uint8):
+        dtype = torch.uint8
+    elif _exact_in(t, torch.float16):
+        dtype = torch.float16
+    out = torch.zeros(t.shape[1], np_, dtype=dtype, device=t.device)
+    out[:, :n] = t.T.to(dtype)
+    return out
 
 
 def pack(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, bits: int,
-         block: int) -> BlockLayout:
-    """codes uint8 [N, K] (values < 2**bits), scales/offsets float32 [N, ceil(K / block)]."""
+         group: int, zero_form: bool, block: int = 32) -> BlockLayout:
+    """codes uint8 [N, K] (values < 2**bits), scales / offsets [N, G] per group of `group`
+    columns (G = ceil(K / group))."""
     n, k = codes.shape
-    kp = -(-k // 64) * 64
-    nbp = kp // block
-    c = torch.zeros(n, kp, dtype=torch.uint8)
-    c[:, :k] = codes
-    s = torch.zeros(n, nbp, dtype=torch.float32)
-    m = torch.zeros(n, nbp, dtype=torch.float32)
-    s[:, : scales.shape[1]] = scales
-    m[:, : offsets.shape[1]] = offsets
-    if bits == 4:
-        pairs = c.view(n, kp // 64, 2, 32)
-        c = (pairs[:, :, 0, :] | (pairs[:, :, 1, :] << 4)).reshape(n, kp // 2)
-    if _fits_half(s) and _fits_half(m):
-        s, m = s.to(torch.float16), m.to(torch.float16)
-    return BlockLayout(c.contiguous(), s.contiguous(), m.contiguous(), bits, block, (n, k))
+    np_ = -(-n // PANEL) * PANEL
+    stored = 4 if bits <= 4 else 8
+    return BlockLayout(pack_codes(codes, stored), _columns(scales, np_, zeros=False),
+                       _columns(offsets, np_, zeros=zero_form), stored, group, zero_form,
+                       (n, k), block)
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
@@ -74,16 +132,17 @@ def _kquant_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _decode(raw: np.ndarray, qtype: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, int]:
-    """Blocks [nb, bytes] -> (codes [nb, values], s, m [nb, sub-blocks], bits, block)."""
+    """Blocks [nb, bytes] -> (codes [nb, values], s, offset [nb, sub-blocks], bits, block):
+    the offset is a zero z (w = s * (q - z)) for Q4_0 / Q8_0 / Q6_K (ZERO_FORM), else m."""
     if qtype == Q4_0:
         d = _f16(raw[:, 0:2])
-        return _nibbles(raw[:, 2:18]), d, -8.0 * d, 4, 32
+        return _nibbles(raw[:, 2:18]), d, np.full_like(d, 8.0), 4, 32
     if qtype == Q4_1:
         return _nibbles(raw[:, 4:20]), _f16(raw[:, 0:2]), _f16(raw[:, 2:4]), 4, 32
     if qtype == Q8_0:
         d = _f16(raw[:, 0:2])
         codes = (raw[:, 2:34].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
-        return codes, d, -128.0 * d, 8, 32
+        return codes, d, np.full_like(d, 128.0), 8, 32
     if qtype in (Q4_K, Q5_K):
         d, dmin = _f16(raw[:, 0:2]), _f16(raw[:, 2:4])
         sc, mn = _kquant_scale_min(raw[:, 4:16])
@@ -104,11 +163,11 @@ def _decode(raw: np.ndarray, qtype: int) -> tuple[np.ndarray, np.ndarray, np.nda
         low = np.concatenate([ql & 0x0F, ql >> 4], axis=2).reshape(-1, 2, 4, 32)
         high = (qh >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3
         codes = (low | (high << 4)).reshape(-1, QK_K)  # q + 32, in [0, 64)
-        s = d * sc
-        return codes, s, -32.0 * s, 8, 16
+        return codes, d * sc, np.full((len(raw), 16), 32.0, dtype=np.float32), 8, 16
     raise ValueError(f"no CPU kernel layout for GGUF quant type {qtype}")
 
 
+ZERO_FORM = frozenset({Q4_0, Q8_0, Q6_K})
 GGUF_BLOCK = {Q4_0: (32, 18), Q4_1: (32, 20), Q8_0: (32, 34), Q4_K: (QK_K, 144),
               Q5_K: (QK_K, 176), Q6_K: (QK_K, 210)}
 
@@ -120,22 +179,11 @@ def from_gguf(raw: torch.Tensor, qtype: int, shape: tuple[int, int]) -> BlockLay
     if k % values or tuple(raw.shape) != (n, k // values * nbytes):
         raise ValueError(f"GGUF type {qtype}: raw {list(raw.shape)} does not hold [{n}, {k}]")
     blocks = raw.cpu().numpy().reshape(-1, nbytes)
-    codes, s, m, bits, block = _decode(blocks, qtype)
+    codes, s, offset, bits, block = _decode(blocks, qtype)
     return pack(torch.from_numpy(np.ascontiguousarray(codes).reshape(n, k)),
                 torch.from_numpy(np.ascontiguousarray(s, dtype=np.float32).reshape(n, -1)),
-                torch.from_numpy(np.ascontiguousarray(m, dtype=np.float32).reshape(n, -1)),
-                bits, block)
-
-
-def from_group_quant(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                     bits: int, group_size: int) -> BlockLayout:
-    """Group-wise codes (w = (q - zero) * scale per group of group_size, a multiple of 32
-    or at least K) as blocks of 32: s = scale, m = -zero * scale of the block's group."""
-    k = qweight.shape[1]
-    group_of_block = torch.arange(-(-k // 32)) * 32 // group_size
-    s = scales.float()[:, group_of_block]
-    m = -(zeros.float()[:, group_of_block] * s)
-    return pack(qweight.cpu(), s.cpu(), m.cpu(), bits, 32)
+                torch.from_numpy(np.ascontiguousarray(offset, dtype=np.float32).reshape(n, -1)),
+                bits, group=block, zero_form=qtype in ZERO_FORM, block=block)
 
 
 def int8_codes(qweight: torch.Tensor) -> torch.Tensor:

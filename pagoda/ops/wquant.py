@@ -27,44 +27,70 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from pagoda.ops import quant_layouts
 from pagoda.ops.registry import define_op
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, init=False)
 class GroupQuantWeight:
     """w[n, k] = (qweight[n, k] - zeros[n, g]) * scales[n, g], g = k // group_size, for the
     layer's input taken in the column order `perm` (y = x[..., perm] @ w.T): act_order
-    checkpoints are permuted once at load so that every group is contiguous."""
+    checkpoints are permuted once at load so that every group is contiguous.
 
-    qweight: torch.Tensor  # uint8 [N, K], codes in [0, 2**bits)
-    scales: torch.Tensor  # [N, G] float
-    zeros: torch.Tensor  # [N, G], same dtype as scales (2**(bits-1) for symmetric schemes)
+    Held once, in the CPU kernels' panel layout (`layout`, quant_layouts.BlockLayout, any
+    device): codes of up to 4 bits half a byte each, 8 bits a byte; scales and zeros
+    [G, padded N] (a [G, N] float tensor seen transposed, e.g. GPTQ's scales parameter, is
+    shared, not copied). `qweight` / `scales` / `zeros` unpack it ([N, K] uint8, [N, G]
+    float32) and `dequantize()` (the reference) reads it."""
+
+    layout: quant_layouts.BlockLayout
     bits: int
-    group_size: int  # K for one group per output channel
-    perm: torch.Tensor | None = None  # [K] int64
-    kernel_data: dict[str, Any] = field(default_factory=dict)
+    perm: torch.Tensor | None
+    kernel_data: dict[str, Any]
 
-    def __post_init__(self) -> None:
-        n, k = self.qweight.shape
-        groups = (k + self.group_size - 1) // self.group_size
-        if self.qweight.dtype != torch.uint8:
-            raise ValueError(f"qweight codes must be uint8, got {self.qweight.dtype}")
-        for name in ("scales", "zeros"):
-            t = getattr(self, name)
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                 bits: int, group_size: int, perm: torch.Tensor | None = None) -> None:
+        """qweight uint8 [N, K] codes in [0, 2**bits); scales / zeros [N, G], G = ceil(K /
+        group_size) (group_size K: one group per output channel); perm [K] int64."""
+        n, k = qweight.shape
+        groups = (k + group_size - 1) // group_size
+        if qweight.dtype != torch.uint8:
+            raise ValueError(f"qweight codes must be uint8, got {qweight.dtype}")
+        if not 1 <= bits <= 8:
+            raise ValueError(f"bits must be in [1, 8], got {bits}")
+        for name, t in (("scales", scales), ("zeros", zeros)):
             if tuple(t.shape) != (n, groups):
                 raise ValueError(f"{name} must be [{n}, {groups}], got {list(t.shape)}")
-        if self.perm is not None and tuple(self.perm.shape) != (k,):
-            raise ValueError(f"perm must be [{k}], got {list(self.perm.shape)}")
+        if perm is not None and tuple(perm.shape) != (k,):
+            raise ValueError(f"perm must be [{k}], got {list(perm.shape)}")
+        self.layout = quant_layouts.pack(qweight, scales, zeros, bits, group_size,
+                                         zero_form=True)
+        self.bits, self.perm, self.kernel_data = bits, perm, {}
 
     @property
     def shape(self) -> tuple[int, int]:
-        return tuple(self.qweight.shape)  # type: ignore[return-value]
+        return self.layout.shape
+
+    @property
+    def group_size(self) -> int:
+        return self.layout.group
+
+    @property
+    def qweight(self) -> torch.Tensor:
+        """The codes, unpacked: uint8 [N, K] (a new tensor)."""
+        return self.layout.unpack_codes()
+
+    @property
+    def scales(self) -> torch.Tensor:
+        return self.layout.scale_rows()
+
+    @property
+    def zeros(self) -> torch.Tensor:
+        return self.layout.offset_rows()
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight [N, K] in the permuted column order."""
-        g = torch.arange(self.qweight.shape[1], device=self.qweight.device) // self.group_size
-        q = self.qweight.to(torch.float32)
-        return (q - self.zeros.float()[:, g]) * self.scales.float()[:, g]
+        return self.layout.dequantize()
 
 
 @dataclass(eq=False)
@@ -159,16 +185,19 @@ fp8_linear = define_op("fp8_linear", fp8_linear_reference)
 gguf_linear = define_op("gguf_linear", gguf_linear_reference)
 
 # (op name, device type) -> functions that build a kernel's layout into w.kernel_data.
-_PREPARERS: dict[tuple[str, str], list[Callable[[Any], None]]] = {}
+Preparer = Callable[[Any, torch.dtype | None], None]
+_PREPARERS: dict[tuple[str, str], list[Preparer]] = {}
 
 
-def register_preparer(op_name: str, device_type: str, fn: Callable[[Any], None]) -> None:
-    """`fn(w)` runs once per weight object (from `prepare`) on that device type; it may store
-    a layout in w.kernel_data and must leave w usable by the reference."""
+def register_preparer(op_name: str, device_type: str, fn: Preparer) -> None:
+    """`fn(w, dtype)` runs once per weight object (from `prepare`) on that device type; it
+    may store a layout in w.kernel_data (only when its kernel takes activations of `dtype`;
+    None: any) and must leave w usable by the reference."""
     _PREPARERS.setdefault((op_name, device_type), []).append(fn)
 
 
-def prepare(op_name: str, w: Any, device_type: str) -> None:
-    """Let each kernel registered for (op, device) prepare its layout of `w` once."""
+def prepare(op_name: str, w: Any, device_type: str, dtype: torch.dtype | None = None) -> None:
+    """Let each kernel registered for (op, device) prepare its layout of `w` once, for
+    activations of `dtype` (the model's; None: whatever its kernels take)."""
     for fn in _PREPARERS.get((op_name, device_type), ()):
-        fn(w)
+        fn(w, dtype)

@@ -165,6 +165,11 @@ class QuantizationConfig(ABC):
         """The method for `layer` (dotted `prefix`, e.g. model.layers.3.mlp.down_proj), or
         None to leave it unquantized."""
 
+    def get_embedding_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        """The method of an embedding table (it must also have `embedding(layer, ids)`), or
+        None for the dense table (the default)."""
+        return None
+
     def module_names(self, prefix: str) -> list[str]:
         """The checkpoint module names behind `prefix`: the parts of a packed layer
         (model.layers.0.self_attn.q_proj, ...), else `prefix` itself."""

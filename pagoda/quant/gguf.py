@@ -7,14 +7,20 @@ un-permutation move whole rows) and compute through `wquant.gguf_linear`. Everyt
 (norms, the token embedding, other types, a packed layer whose parts differ in type, e.g.
 Q4_K_M's Q6_K v_proj beside Q4_K q/k) is dequantized at load as before.
 
-"auto" (the default) dequantizes today: the CPU kernels (ops/quant_cpu.py) are faster
-than the dense bf16 GEMM only for a single row (single-stream decode, 0.83x the time),
-2-3x slower from 16 rows on, and they quantize activations to int8, a different product
-than transformers' (on the embedded SmolLM2 it flips the thin greedy margin of the README's
-France question). `on` runs the native path: the kernels where built, else the reference
-(which dequantizes the whole weight on every call: exactness, not speed; in float32 it
-computes exactly what the dequantized path does). Revisit "auto" once a kernel wins at
-every batch size.
+"auto" (the default) runs natively exactly where a kernel of gguf_linear takes the model's
+activations (ops/quant_cpu.py: bfloat16 on a CPU with AVX-512 BW and a built extension),
+and dequantizes elsewhere: there the kernel is faster than the dense bf16 GEMM at every
+row count measured, 1 to 256 (docs/quantization.md), and holds a third of bf16's bytes.
+The kernels quantize activations to int8 per block, another product than transformers':
+float32 (the dtype exact against transformers) never runs them, so auto keeps float32
+dequantized. `on` runs the native path anywhere: the kernels where they take the call,
+else the reference (which dequantizes the whole weight on every call: exactness, not
+speed; in float32 it computes exactly what the dequantized path does).
+
+A tied LM head (no output tensor: the token table computes the logits, SmolLM2's Q8_0)
+also runs from its blocks when native, but only where a kernel takes the model's dtype
+(its reference would dequantize the whole vocabulary every step): `GGUFEmbeddingMethod`,
+whose lookups dequantize just the looked-up rows (the same values the dense table holds).
 """
 
 from __future__ import annotations
@@ -43,8 +49,10 @@ def native_enabled(mode: str, device: torch.device, dtype: torch.dtype) -> bool:
     """Whether a GGUF file's linears run from their blocks under `--gguf-native mode`."""
     if mode not in GGUF_NATIVE_MODES:
         raise ValueError(f"gguf_native must be one of {list(GGUF_NATIVE_MODES)}, got {mode!r}")
-    # NOTE: "auto" is "off" until a kernel beats the dense path at every batch size (above).
-    return mode == "on"
+    if mode != "auto":
+        return mode == "on"
+    probe = torch.empty(0, dtype=dtype, device=device)
+    return wquant.gguf_linear.kernel_for(probe) is not None
 
 
 @register_quantization_config("gguf")
@@ -75,6 +83,16 @@ class GGUFNativeConfig(QuantizationConfig):
             return None
         self.native_modules.update(names)
         return GGUFLinearMethod(qtype)
+
+    def get_embedding_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        qtype = self.types.get(prefix)
+        if "lm_head" in self.types or qtype not in NATIVE_TYPES:
+            return None  # NOTE: an untied table only serves lookups: dense is the fast one
+        # NOTE: the layers are built under the model's default dtype and device.
+        if wquant.gguf_linear.kernel_for(torch.empty(0)) is None:
+            return None
+        self.native_modules.add(prefix)
+        return GGUFEmbeddingMethod(qtype)
 
     def keeps_blocks(self, hf_name: str) -> bool:
         """Whether checkpoint tensor `hf_name` loads as its blocks (a native weight)."""
@@ -108,13 +126,14 @@ class GGUFLinearMethod(QuantizeMethodBase):
         # NOTE: input_dim is in bytes; a row-parallel shard must hold whole blocks.
         set_weight_attrs(weight, {"input_dim": 1, "output_dim": 0, **extra_weight_attrs})
         layer.register_parameter("weight", weight)
+        layer.params_dtype = params_dtype  # the activations' dtype, for the kernels' preparers
         layer.quant_weight = None
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         raw = layer.weight.data
         k = raw.shape[1] // self.type_size * self.block_size
         weight = wquant.GGUFWeight(raw, int(self.qtype), (raw.shape[0], k))
-        wquant.prepare("gguf_linear", weight, raw.device.type)
+        wquant.prepare("gguf_linear", weight, raw.device.type, getattr(layer, "params_dtype", None))
         layer.quant_weight = weight
 
     def apply(
@@ -124,3 +143,14 @@ class GGUFLinearMethod(QuantizeMethodBase):
 
     def restore_loaded_layout(self, layer: nn.Module) -> None:
         layer.quant_weight = None
+
+
+class GGUFEmbeddingMethod(GGUFLinearMethod):
+    """A tied head's token table as its GGUF blocks: `apply` (the logits) through
+    gguf_linear, lookups dequantize the looked-up rows to the model's dtype."""
+
+    def embedding(self, layer: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+        rows = layer.weight.index_select(0, input_ids.reshape(-1))
+        hidden = layer.quant_weight.shape[1]
+        values = wquant.GGUFWeight(rows, int(self.qtype), (rows.shape[0], hidden)).dequantize()
+        return values.to(layer.params_dtype).reshape(*input_ids.shape, hidden)

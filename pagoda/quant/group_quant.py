@@ -6,10 +6,11 @@ tensor-parallel shard cuts, with the packing along them) and how they unpack int
 (again after `.to()`), lets the device's kernels prepare it, and calls `wquant.wq_linear`.
 
 After loading, the packed codes' parameter (`codes_param`: GPTQ's qweight, ...) holds the
-GroupQuantWeight's uint8 codes [N, K] instead, so the codes are held once (the weight is
-`layer.quant_weight`); `state_dict()` and `.to()` (through `restore_loaded_layout`) see them
-packed back into the checkpoint's int32 words, bit for bit. Scales, zeros and g_idx stay as
-loaded.
+GroupQuantWeight's codes in the kernels' panel layout instead (half a byte a 4-bit code),
+so the codes are held once (the weight is `layer.quant_weight`, whose reference reads the
+same bytes); `state_dict()` and `.to()` (through `restore_loaded_layout`) see them packed
+back into the checkpoint's int32 words, bit for bit. Scales, zeros and g_idx stay as
+loaded (a [G, N] scales parameter is the weight's own scales, not a copy).
 """
 
 from __future__ import annotations
@@ -114,6 +115,7 @@ class GroupQuantLinearMethod(QuantizeMethodBase):
         check_divides(prefix, "group_size", k, group_size)
         specs = self.param_specs(prefix, k, output_partition_sizes, k // group_size)
         register_params(layer, specs, extra_weight_attrs)
+        layer.params_dtype = params_dtype  # the activations' dtype, for the kernels' preparers
         layer.quant_weight = None
 
     @abstractmethod
@@ -134,8 +136,9 @@ class GroupQuantLinearMethod(QuantizeMethodBase):
         if layer.quant_weight is not None:
             return
         weight = self.unpack(layer)
-        replace_param(layer, self.codes_param, weight.qweight)
-        wquant.prepare("wq_linear", weight, weight.qweight.device.type)
+        replace_param(layer, self.codes_param, weight.layout.codes)
+        wquant.prepare("wq_linear", weight, weight.layout.codes.device.type,
+                       getattr(layer, "params_dtype", None))
         layer.quant_weight = weight
 
     def apply(
@@ -168,12 +171,14 @@ def make_group_weight(
     group_size: int,
     perm: torch.Tensor | None = None,
 ) -> wquant.GroupQuantWeight:
-    """codes [N, K] (any integer dtype) and scales / zeros [N, G] -> the weight object, with
-    float32 scales and zeros and contiguous tensors (the layout kernels expect)."""
+    """codes [N, K] (any integer dtype) and scales / zeros [N, G] -> the weight object
+    (float32 / float16 scales seen as [N, G] of a [G, N] tensor are kept, not copied)."""
+    if scales.dtype not in (torch.float32, torch.float16):
+        scales = scales.to(torch.float32)
     return wquant.GroupQuantWeight(
-        qweight=codes.to(torch.uint8).contiguous(),
-        scales=scales.to(torch.float32).contiguous(),
-        zeros=zeros.to(torch.float32).contiguous(),
+        qweight=codes.to(torch.uint8),
+        scales=scales,
+        zeros=zeros,
         bits=bits,
         group_size=group_size,
         perm=None if perm is None else perm.to(torch.int64),

@@ -107,12 +107,42 @@ def test_which_layers_run_natively(mixed_gguf):
     assert mixed.weight.dtype == torch.float32
 
 
-def test_auto_dequantizes_even_where_a_kernel_is(monkeypatch):
-    fake = Kernel("fake", lambda handle, x, w, bias=None: None,
-                  frozenset({torch.bfloat16, torch.float32}), resolve=lambda: True)
-    monkeypatch.setitem(wquant.gguf_linear._kernels, "cpu", [fake])
+def test_auto_runs_natively_exactly_where_a_kernel_takes_the_dtype(monkeypatch):
+    def fake(resolved):
+        return Kernel("fake", lambda handle, x, w, bias=None: None, frozenset({torch.bfloat16}),
+                      resolve=lambda: resolved)
+
+    monkeypatch.setitem(wquant.gguf_linear._kernels, "cpu", [fake(True)])
+    assert native_enabled("auto", CPU, torch.bfloat16)
+    assert not native_enabled("auto", CPU, torch.float32)
+    monkeypatch.setitem(wquant.gguf_linear._kernels, "cpu", [fake(None)])  # not built here
+    assert not native_enabled("auto", CPU, torch.bfloat16)
     for dtype in (torch.bfloat16, torch.float32):
-        assert not native_enabled("auto", CPU, dtype)
         assert native_enabled("on", CPU, dtype) and not native_enabled("off", CPU, dtype)
     with pytest.raises(ValueError, match="gguf_native must be one of"):
         native_enabled("sometimes", CPU, torch.float32)
+
+
+def test_auto_bf16_runs_the_kernels_and_float32_builds_no_kernel_layout():
+    from pagoda.ops import quant_cpu
+
+    if quant_cpu.resolve() is None:
+        pytest.skip("the quant CPU kernels are disabled, unbuildable or not for this CPU")
+    model = build_model(load_checkpoint(None), torch.bfloat16, CPU, 64)
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv.quant_weight, wquant.GGUFWeight) and "cpp" in qkv.quant_weight.kernel_data
+    x = torch.randn(3, 576).to(torch.bfloat16)
+    assert wquant.gguf_linear.select(x, qkv.quant_weight) is not wquant.gguf_linear.reference
+    # The tied head (Q8_0 token table) runs from its blocks too; its lookups give exactly
+    # the dense bf16 table's rows.
+    embed = model.model.embed_tokens
+    assert model.lm_head is embed and embed.weight.dtype == torch.uint8
+    assert embed.quant_weight.qtype == T.Q8_0 and "cpp" in embed.quant_weight.kernel_data
+    dense = build_model(load_checkpoint(None), torch.bfloat16, CPU, 64, gguf_native="off")
+    ids = torch.tensor([[0, 5, 49151], [17, 17, 2]])
+    assert torch.equal(embed(ids), dense.model.embed_tokens(ids))
+    logits = embed.compute_logits(dense.model.embed_tokens(ids[0]))
+    assert logits.shape == (3, 49152) and logits.dtype == torch.bfloat16
+    # float32 never runs the kernels (int8 activations): its native layers hold only blocks.
+    native32 = build_model(load_checkpoint(None), torch.float32, CPU, 64, gguf_native="on")
+    assert not native32.model.layers[0].self_attn.qkv_proj.quant_weight.kernel_data

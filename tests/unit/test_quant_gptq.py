@@ -123,8 +123,11 @@ def test_quantized_layers_hold_group_weights_and_the_head_stays_dense(dense_dir,
     qkv = model.model.layers[0].self_attn.qkv_proj
     assert type(qkv.quant_method).__name__ == "GPTQLinearMethod"
     assert qkv.quant_weight.qweight.shape == (128, 64) and qkv.quant_weight.bits == 4
-    # The codes are held once: the parameter is the weight object's uint8 codes.
-    assert qkv.qweight is not None and qkv.qweight.data_ptr() == qkv.quant_weight.qweight.data_ptr()
+    # The codes are held once, packed: the parameter is the weight object's panel bytes
+    # (half a byte a code), and its scales are the loaded [G, N] parameter itself.
+    codes = qkv.quant_weight.layout.codes
+    assert qkv.qweight.data_ptr() == codes.data_ptr() and codes.numel() == 128 * 64 // 2
+    assert qkv.quant_weight.layout.scales.data_ptr() == qkv.scales.data_ptr()
     assert type(model.lm_head.quant_method).__name__ == "UnquantizedLinearMethod"
 
 
