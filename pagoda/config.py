@@ -351,8 +351,10 @@ class EngineArgs:
         p.add_argument("--speculative-config", default=d.speculative_config,
                        help='speculative decoding as JSON, e.g. \'{"method": "ngram", '
                        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, '
-                       '"prompt_lookup_min": 2}\' or \'{"method": "draft_model", '
-                       '"model": PATH, "num_speculative_tokens": 4}\'')
+                       '"prompt_lookup_min": 2}\', \'{"method": "draft_model", '
+                       '"model": PATH, "num_speculative_tokens": 4}\' or \'{"method": '
+                       '"quantized_self_draft", "num_speculative_tokens": 4, '
+                       '"quantization": "rtn"}\'')
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:

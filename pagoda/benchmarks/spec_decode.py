@@ -4,13 +4,15 @@ Workloads (benchmarks/spec_workload.py, through the model's chat template): (a) 
 answers that copy long spans of the prompt (repeat, correct, rename, quote); (b) open chat.
 Each at concurrency 1, 4 and 16 (closed loop: max_num_seqs = concurrency, twice as many
 requests), greedy, bf16 by default. Configurations: speculation off, ngram with the adaptive
-rule, ngram with fixed k, and a draft model when `--draft-model` is given.
+rule and with fixed k, the quantized self-draft (`--self-draft rtn gptq`, each adaptive and
+with fixed k), a draft model when `--draft-model` is given, and vLLM's CPU build off and
+with its n-gram speculation when its interpreter is there (benchmarks/spec_vllm.py).
 
-Reported per run: output tokens/s, speedup over off, acceptance rate (accepted / draft
-tokens), mean accepted length (tokens per verification: 1 + accepted / verifications),
-and whether the greedy output equals speculation off. The time of every step without a prefill
-against its token count is fitted as t0 + t1 * tokens: the ratio t1 / t0 is what the adaptive rule uses
-(spec_decode/adaptive.py TOKEN_COST_RATIO).
+Reported per run: output tokens/s, speedup over the same system's off, acceptance rate
+(accepted / draft tokens), mean accepted length (tokens per verification: 1 + accepted /
+verifications), and whether the greedy output equals the same system's speculation off;
+for the self-draft the weight bytes its quantized copy adds to the target's. Every decode
+step is recorded for the adaptive rule's cost model (benchmarks/spec_cost.py).
 """
 
 from __future__ import annotations
@@ -23,12 +25,20 @@ from pathlib import Path
 from typing import Any
 
 from pagoda.benchmarks.roofline import describe_machine, machine_line
+from pagoda.benchmarks.spec_cost import StepRecorder, fit_costs, print_costs
 from pagoda.benchmarks.spec_workload import WORKLOADS
 
 
 def add_spec_decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF folder or .gguf file (default: embedded)")
     p.add_argument("--draft-model", default=None, help="also run method draft_model with it")
+    p.add_argument("--self-draft", nargs="*", default=["rtn"], choices=["rtn", "gptq"],
+                   help="quantized_self_draft rows, by quantization (none: no rows)")
+    p.add_argument("--calib-data", default="calib", help="the gptq self-draft's text")
+    p.add_argument("--vllm-python", default=None,
+                   help="vLLM's interpreter (default: the conventional venvs; '' skips vLLM)")
+    p.add_argument("--configs", nargs="+", default=None,
+                   help="run only these pagoda configurations (off always runs)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--num-speculative-tokens", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=96)
@@ -44,32 +54,33 @@ def _configs(args: argparse.Namespace) -> dict[str, dict | None]:
              "prompt_lookup_min": 2}
     configs: dict[str, dict | None] = {"off": None, "ngram": ngram,
                                        "ngram fixed k": {**ngram, "adaptive": False}}
+    for quantization in args.self_draft:
+        spec = {"method": "quantized_self_draft", "num_speculative_tokens": k,
+                "quantization": quantization}
+        if quantization == "gptq":
+            spec["calib_data"] = args.calib_data
+        configs[f"self-draft {quantization}"] = spec
+        configs[f"self-draft {quantization} fixed k"] = {**spec, "adaptive": False}
     if args.draft_model:
         configs["draft_model"] = {"method": "draft_model", "model": args.draft_model,
                                   "num_speculative_tokens": k}
+    wanted = getattr(args, "configs", None)
+    if wanted:
+        unknown = sorted(set(wanted) - set(configs))
+        if unknown:
+            raise ValueError(f"--configs: unknown {unknown}; known: {list(configs)}")
+        configs = {n: c for n, c in configs.items() if n == "off" or n in wanted}
     return configs
 
 
-def _run(llm: Any, prompts: list[list[int]], args: argparse.Namespace) -> dict:
-    """All prompts through the engine, step by step: outputs, elapsed time, and each step's
-    (scheduled tokens, seconds)."""
+def _run(llm: Any, prompts: list[list[int]], max_tokens: int,
+         recorder: StepRecorder | None = None) -> dict:
+    """All prompts through the engine, step by step: outputs, time, spec-decode counters."""
     from pagoda import SamplingParams
 
     engine = llm.llm_engine
-    sched = engine.scheduler
-    before = sched.get_stats()
-    steps: list[tuple[int, float]] = []
-    schedule = sched.schedule
-    decode_only: list[bool] = []
-
-    def timed_schedule():  # NOTE: the bench's own probe of each step's token count
-        out = schedule()
-        steps.append((out.total_num_scheduled_tokens, 0.0))
-        decode_only.append(not out.scheduled_new_reqs)
-        return out
-
-    sched.schedule = timed_schedule
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    before = engine.scheduler.get_stats()
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     for i, p in enumerate(prompts):
         engine.add_request(str(i), {"prompt_token_ids": p}, params)
     outputs: dict[str, list[int]] = {}
@@ -79,11 +90,11 @@ def _run(llm: Any, prompts: list[list[int]], args: argparse.Namespace) -> dict:
         for out in engine.step():
             if out.finished:
                 outputs[out.request_id] = out.outputs[0].token_ids
-        steps[-1] = (steps[-1][0], time.perf_counter() - t)
+        if recorder is not None:
+            recorder.finish_step(time.perf_counter() - t)
     elapsed = time.perf_counter() - start
-    sched.schedule = schedule
     engine.check_integrity()
-    after = sched.get_stats()
+    after = engine.scheduler.get_stats()
     drafts = after.spec_decode_num_drafts - before.spec_decode_num_drafts
     draft_tokens = after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
     accepted = after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
@@ -93,64 +104,119 @@ def _run(llm: Any, prompts: list[list[int]], args: argparse.Namespace) -> dict:
         "output_tokens": num_out, "elapsed_s": elapsed, "tok_per_s": num_out / elapsed,
         "acceptance": accepted / draft_tokens if draft_tokens else None,
         "mean_accepted_len": 1 + accepted / drafts if drafts else None,
-        # NOTE: steps without a new request's prefill: the regime the adaptive rule is for.
-        "steps": [s for s, d in zip(steps, decode_only) if d],
     }
 
 
-def _fit(steps: list[tuple[int, float]]) -> tuple[float, float]:
-    """Least squares t = t0 + t1 * tokens over steps."""
-    n = len(steps)
-    mx = sum(x for x, _ in steps) / n
-    my = sum(y for _, y in steps) / n
-    var = sum((x - mx) ** 2 for x, _ in steps)
-    t1 = sum((x - mx) * (y - my) for x, y in steps) / var if var else 0.0
-    return my - t1 * mx, t1
-
-
-def run_spec_decode(args: argparse.Namespace) -> dict:
-    from pagoda import LLM
+def _prompts(tok: Any, workload: str, concurrency: int) -> list[list[int]]:
     from pagoda.entrypoints.chat_template import apply_chat_template
 
-    machine = describe_machine()
-    print(f"machine: {machine_line(machine)}")
-    print(f"model: {args.model or 'embedded SmolLM2-135M-Instruct (GGUF)'}  dtype: {args.dtype}"
-          f"  greedy, max_tokens {args.max_tokens}  k = {args.num_speculative_tokens}  "
-          f"concurrency {args.concurrency} (2x as many requests)  seed {args.seed}")
-    runs, all_steps = [], []
+    texts = WORKLOADS[workload]
+    return [apply_chat_template(tok, [{"role": "user", "content": t}])
+            for t in (texts * (2 * concurrency // len(texts) + 1))[: 2 * concurrency]]
+
+
+def _draft_bytes(llm: Any) -> dict[str, int] | None:
+    from pagoda.benchmarks.quant import weight_bytes
+    from pagoda.spec_decode.self_draft import QuantizedSelfDraftProposer, draft_extra_weight_bytes
+
+    worker = llm.llm_engine.executor.worker
+    proposer = worker.runner.proposer
+    if not isinstance(proposer, QuantizedSelfDraftProposer):
+        return None
+    return {"target": weight_bytes(worker.model),
+            "draft_extra": draft_extra_weight_bytes(proposer.model, worker.model)}
+
+
+def _pagoda_runs(args: argparse.Namespace, records: list,
+                 prompts: dict[tuple[str, int], list[list[int]]]) -> list[dict]:
+    """Every pagoda configuration's runs; fills `prompts` (by workload and concurrency)
+    and `records` (the decode steps)."""
+    from pagoda import LLM
+
+    runs = []
     for name, spec in _configs(args).items():
         for c in args.concurrency:
             llm = LLM(args.model, dtype=args.dtype, max_num_seqs=c, seed=args.seed,
                       speculative_config=spec)
             tok = llm.get_tokenizer()
             # NOTE: a warm-up request first: the first steps pay one-off costs.
-            _run(llm, [apply_chat_template(tok, [{"role": "user", "content": "Hi"}])],
-                 argparse.Namespace(max_tokens=8))
+            _run(llm, _prompts(tok, args.workloads[0], 1)[:1], 8)
+            recorder = StepRecorder(llm.llm_engine, name)
+            extra = {"weight_bytes": b} if (b := _draft_bytes(llm)) else {}
             for workload in args.workloads:
-                texts = WORKLOADS[workload]
-                prompts = [apply_chat_template(tok, [{"role": "user", "content": t}])
-                           for t in (texts * (2 * c // len(texts) + 1))[: 2 * c]]
-                r = _run(llm, prompts, args)
-                all_steps += r.pop("steps")
-                runs.append({"config": name, "concurrency": c, "workload": workload, **r})
+                batch = prompts.setdefault((workload, c), _prompts(tok, workload, c))
+                r = _run(llm, batch, args.max_tokens, recorder)
+                runs.append({"system": "pagoda", "config": name, "concurrency": c,
+                             "workload": workload, **r, **extra})
                 print(f"  done: {name}, concurrency {c}, {workload}: "
                       f"{r['tok_per_s']:.1f} tok/s", flush=True)
-            del llm
+            recorder.restore()
+            records += recorder.records
+            del llm, recorder
             gc.collect()
-    base = {(r["workload"], r["concurrency"]): r for r in runs if r["config"] == "off"}
+    return runs
+
+
+def _vllm_runs(args: argparse.Namespace,
+               prompts: dict[tuple[str, int], list[list[int]]]) -> list[dict]:
+    from pagoda.benchmarks.hf_baseline import resolve_model
+    from pagoda.benchmarks.spec_vllm import run_vllm_spec, vllm_configs
+    from pagoda.benchmarks.vllm_peer import default_vllm_python, prepare_hf_dir
+    from pagoda.config import EngineArgs
+
+    python = default_vllm_python() if args.vllm_python is None else args.vllm_python
+    if not python or not Path(python).exists():
+        print("  vLLM: no interpreter (--vllm-python), skipped")
+        return []
+    model_dir = prepare_hf_dir(resolve_model(args.model), args.dtype)
+    runs = []
+    for name, spec in vllm_configs(args.num_speculative_tokens).items():
+        for c in args.concurrency:
+            workloads = {w: prompts[(w, c)] for w in args.workloads}
+            result = run_vllm_spec(workloads, args.max_tokens, c,
+                                   EngineArgs().max_num_batched_tokens, spec, model_dir,
+                                   args.dtype, python)
+            if "error" in result:
+                print(f"  vLLM {name}, concurrency {c}: {result['error']}\n"
+                      f"{result['log_tail'][-800:]}", flush=True)
+                continue
+            for workload, r in result.items():
+                counters = r.pop("counters")
+                drafts, draft_tokens = counters.get("num_drafts"), counters.get("num_draft_tokens")
+                accepted = counters.get("num_accepted_tokens")
+                runs.append({"system": "vllm", "config": name, "concurrency": c,
+                             "workload": workload, **r,
+                             "acceptance": accepted / draft_tokens if draft_tokens else None,
+                             "mean_accepted_len": 1 + accepted / drafts if drafts else None})
+                print(f"  done: {name}, concurrency {c}, {workload}: "
+                      f"{r['tok_per_s']:.1f} tok/s", flush=True)
+    return runs
+
+
+def run_spec_decode(args: argparse.Namespace) -> dict:
+    machine = describe_machine()
+    print(f"machine: {machine_line(machine)}")
+    print(f"model: {args.model or 'embedded SmolLM2-135M-Instruct (GGUF)'}  dtype: {args.dtype}"
+          f"  greedy, max_tokens {args.max_tokens}  k = {args.num_speculative_tokens}  "
+          f"concurrency {args.concurrency} (2x as many requests)  seed {args.seed}")
+    records: list = []
+    prompts: dict[tuple[str, int], list[list[int]]] = {}
+    runs = _pagoda_runs(args, records, prompts)
+    runs += _vllm_runs(args, prompts)
+    off = {(r["workload"], r["concurrency"]): r for r in runs if r["config"] == "off"}
+    vllm_off = {(r["workload"], r["concurrency"]): r for r in runs if r["config"] == "vllm off"}
     for r in runs:
-        off = base[(r["workload"], r["concurrency"])]
-        r["speedup"] = r["tok_per_s"] / off["tok_per_s"]
-        r["same_output"] = r["outputs"] == off["outputs"]
+        key = (r["workload"], r["concurrency"])
+        base = (vllm_off if r["system"] == "vllm" else off).get(key)
+        r["speedup"] = r["tok_per_s"] / base["tok_per_s"] if base else None
+        r["same_output"] = r["outputs"] == base["outputs"] if base else None
     _print(runs)
-    t0, t1 = _fit(all_steps)
-    print(f"decode step time fit over {len(all_steps)} steps: t0 = {t0 * 1e3:.2f} ms + "
-          f"t1 = {t1 * 1e3:.3f} ms per token (t1 / t0 = {t1 / t0 if t0 else float('nan'):.4f})")
+    fit = fit_costs(records)
+    print_costs(fit)
     for r in runs:
         del r["outputs"]
     setup = {k: v for k, v in vars(args).items() if k != "func"}
-    report = {"setup": {**setup, "machine": machine}, "runs": runs,
-              "step_fit": {"t0_s": t0, "t1_s": t1}}
+    report = {"setup": {**setup, "machine": machine}, "runs": runs, "cost_model": fit}
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(report, indent=2, default=str))
         print(f"wrote {args.output_json}")
@@ -158,11 +224,21 @@ def run_spec_decode(args: argparse.Namespace) -> dict:
 
 
 def _print(runs: list[dict]) -> None:
-    print(f"{'workload':<10}{'conc':>5} {'config':<15}{'tok/s':>8}{'speedup':>9}"
+    def fmt(value: float | None, spec: str) -> str:
+        return "-" if value is None else format(value, spec)
+
+    print(f"{'workload':<10}{'conc':>5} {'config':<24}{'tok/s':>8}{'speedup':>9}"
           f"{'accept':>8}{'mean len':>9}{'same output':>13}")
+    for r in sorted(runs, key=lambda r: (r["workload"], r["concurrency"])):
+        same = {True: "yes", False: "NO", None: "-"}[r["same_output"]]
+        print(f"{r['workload']:<10}{r['concurrency']:>5} {r['config']:<24}"
+              f"{r['tok_per_s']:>8.1f}{fmt(r['speedup'], '.2f'):>8}x"
+              f"{fmt(r['acceptance'], '.2f'):>8}{fmt(r['mean_accepted_len'], '.2f'):>9}"
+              f"{same:>13}")
+    shown = set()
     for r in runs:
-        acc = f"{r['acceptance']:.2f}" if r["acceptance"] is not None else "-"
-        mlen = f"{r['mean_accepted_len']:.2f}" if r["mean_accepted_len"] is not None else "-"
-        print(f"{r['workload']:<10}{r['concurrency']:>5} {r['config']:<15}"
-              f"{r['tok_per_s']:>8.1f}{r['speedup']:>8.2f}x{acc:>8}"
-              f"{mlen:>9}{'yes' if r['same_output'] else 'NO':>13}")
+        if "weight_bytes" in r and r["config"] not in shown:
+            shown.add(r["config"])
+            b = r["weight_bytes"]
+            print(f"{r['config']}: the draft adds {b['draft_extra'] / 2**20:.1f} MiB of "
+                  f"weights to the target's {b['target'] / 2**20:.1f} MiB")

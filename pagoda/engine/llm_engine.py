@@ -32,7 +32,7 @@ from pagoda.models.loader import load_checkpoint
 from pagoda.omp_env import apply_openmp_defaults
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
-from pagoda.spec_decode.adaptive import DraftLengthPolicy
+from pagoda.spec_decode.adaptive import DraftLengthPolicy, costs_for_method
 from pagoda.worker.executor import get_executor_class
 from pagoda.worker.kv_compress import host_bytes_per_block
 
@@ -108,7 +108,8 @@ class LLMEngine:
             sla_ttft_targets_s=s.sla_ttft_targets_s,
             stop_at_max_model_len=not self.streaming,
             draft_length_policy=None if config.speculative is None else DraftLengthPolicy(
-                config.speculative.num_speculative_tokens, config.speculative.adaptive),
+                config.speculative.num_speculative_tokens, config.speculative.adaptive,
+                costs_for_method(config.speculative.method)),
         )
         swap_pool = self.scheduler.preemptor.host_pool
         host_tier = self.kv_cache_manager.host_tier

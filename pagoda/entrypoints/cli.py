@@ -169,8 +169,8 @@ _BENCHES = {
                                       "prefill, decode and KV bytes, dense / window / sinks")),
     "kv-quant": ("kv_quant", ("quantized KV cache formats: decode attention time, bytes "
                               "per token, perplexity")),
-    "spec": ("spec_decode", ("speculative decoding (ngram, draft model) vs off: tok/s, "
-             "acceptance, mean accepted length")),
+    "spec": ("spec_decode", ("speculative decoding (ngram, quantized self-draft, draft "
+             "model; vLLM's ngram) vs off: tok/s, acceptance, mean accepted length")),
 }
 
 

@@ -55,23 +55,26 @@ def build_model(
     attn_backend: str = "torch_paged",
     quantization: str | None = None,
     gguf_native: str = "auto",
+    quant_config: QuantizationConfig | None = None,
 ) -> nn.Module:
     """Builds the architecture named in the checkpoint's config and loads its weights.
 
     NOTE: the layers create their parameters with `torch.empty` on the target device in
     the target dtype, so weights are never initialised randomly nor held twice: each
     checkpoint tensor is converted and copied straight into its parameter by its loader.
+    `quant_config`, when given, replaces the checkpoint's (`quantization` is then unused):
+    the quantized self-draft's in-memory quantization of a dense checkpoint.
     """
     factory = resolve_model(ckpt.hf_config, str(ckpt.path))
     native = ckpt.format == "gguf" and (
         quantization == "gguf"
         or (quantization is None and native_enabled(gguf_native, device, dtype))
     )
-    if native:
-        quant_config: QuantizationConfig | None = GGUFNativeConfig.from_checkpoint(
+    if quant_config is None and native:
+        quant_config = GGUFNativeConfig.from_checkpoint(
             ckpt.iter_raw_tensors()
         )
-    else:
+    elif quant_config is None:
         quant_config = checkpoint_quant_config(ckpt, quantization)
     if quant_config is not None:
         quant_config.packed_modules_mapping = dict(getattr(factory, "packed_modules_mapping", {}))

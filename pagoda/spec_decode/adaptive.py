@@ -1,31 +1,87 @@
 """How many draft tokens to verify per request this step, and the acceptance counters.
 
 The rule (adaptive k). With a per-draft acceptance rate a, verifying k drafts yields on
-average E(k) = (1 - a^(k+1)) / (1 - a) tokens per request per step, and a step with B
-speculating requests costs about t(B, k) = t0 + t1 * B * (k + 1) (a fixed part, weights
-read once, plus a part per token in the batch). The step's yield per unit time,
-B * E(k) / t(B, k), is maximised over k in [0, num_speculative_tokens]; k = 0 when no k
-beats plain decoding. A single stream (t1 * B small against t0) therefore speculates as
-far as the acceptance rate pays for, and a large batch, whose forward cost grows with
-every token, stops speculating. The acceptance rate is an exponential moving average over
-verified drafts; while the rule says 0 at a low rate, one step in `PROBE_INTERVAL`
-speculates with k = 1 so that the estimate can recover.
+average E(k) = (1 - a^(k+1)) / (1 - a) tokens per request per step. A decode step of B
+requests costs, in units of its fixed part t0 (weights read once, the step's overheads),
 
-TOKEN_COST_RATIO = t1 / t0, measured by `pagoda bench spec` (its decode step-time fit over
-1716 steps without a prefill, SmolLM2-135M bf16, batches of 1-80 tokens) on this machine,
-AMD EPYC, 2 CPUs shared with other jobs: t0 = 271 ms, t1 = 6.0 ms per token, 0.022. With
-it, at acceptance 0.8 a single stream verifies 4 drafts, 16 streams 3, 64 streams 1; at 0.5:
-4, 1 and 0.
+    c(B, 0) = 1 + rho B                                    speculation off
+    c(B, k) = 1 + rho B (k + 1) + nu B + P(B, k)           k drafts each
+    P(B, k) = pi_d k + pi_dr k B + pi_r B                  the proposer's work
+
+rho = t1 / t0 is one token in the forward; nu one request's verification beyond its tokens
+(logits and processed distributions at k + 1 positions, the rejection sampler, the
+commit's rollback, the multi-token query's attention); P the proposing of the next drafts
+(ngram: a lookup per request; a draft model: k batched forwards of the draft). k maximises
+E(k) / c(B, k) over [0, num_speculative_tokens]: a step speculates only where the tokens the
+drafts save (a E(k - 1) more per request) pay for what verifying and proposing them cost,
+and k = 0 otherwise (at a = 0 always). The acceptance rate is an exponential moving average
+over verifications; while the rule says 0 at a rate where a = 1 would pay, one probe in
+`PROBE_INTERVAL` steps (two steps at k = 1: a step's k caps both its verification and its
+proposals) lets the estimate recover.
+
+Measured by `pagoda bench spec --configs "ngram fixed k" "self-draft rtn fixed k"
+--max-tokens 64` (SmolLM2-135M bf16, AMD EPYC, 2 CPUs shared with other jobs; its cost
+fit, benchmarks/spec_cost.py, over 1,456 decode steps): t0 = 143 ms, rho = t1 / t0 =
+0.042; proposing, timed apart: ngram 0.0002 t0 a draft (free), the int4 self-draft 0.89 t0
+a draft plus 0.072 t0 a draft per request (its forward is as deep as the target's). The
+fit's nu came out negative (-0.067: a verifying row's extra tokens cost less than a new
+row's, and the load rose from 1.4 to 11 during the run, so the fit cannot separate them);
+nu is instead read off the same run's measured speedups of ngram with fixed k = 4: at
+concurrency 4, grounded (4.08 tokens per verification, 2.31x) gives nu = 0.056, and chat
+(1.43 tokens, a = 0.3, 0.95x, a loss) stops speculating for nu >= 0.046; nu = 0.06. With
+these, ngram at a = 0.9 (grounded) verifies 4 drafts at 1, 4 and 16 streams (0 at 64);
+at a = 0.3 (chat) 2 alone and none at 4 or 16; the self-draft at the acceptance it reaches
+here (0.8-0.9) never speculates: its k forwards cost more than the tokens they save (only
+a perfect draft alone would gain, 1%, so its probes run only for a single stream).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-TOKEN_COST_RATIO = 0.022
 PROBE_INTERVAL = 16
 _EMA_WEIGHT = 0.1
 _PRIOR_ACCEPTANCE = 0.6
+
+
+@dataclass(frozen=True, slots=True)
+class StepCosts:
+    """A decode step's costs in units of its fixed part t0 (see the module docstring)."""
+
+    token: float  # rho: one token in the forward
+    verify: float  # nu: one request's verification, beyond its tokens
+    # P(B, k) = per_draft * k + per_draft_request * k * B + per_request * B: proposing
+    per_draft: float = 0.0
+    per_draft_request: float = 0.0
+    per_request: float = 0.0
+
+    def step(self, num_reqs: int, k: int) -> float:
+        """c(B, k): the step's time over t0 when each of `num_reqs` requests verifies k."""
+        cost = 1.0 + self.token * num_reqs * (k + 1)
+        if k > 0:
+            cost += (self.verify * num_reqs + self.per_draft * k
+                     + self.per_draft_request * k * num_reqs + self.per_request * num_reqs)
+        return cost
+
+
+TOKEN_COST_RATIO = 0.042
+VERIFY_COST_RATIO = 0.06
+# Proposing, by method: (per_draft, per_draft_request, per_request), measured as the module
+# docstring says; draft_model is charged what the self-draft measured (a draft as deep as
+# the target: on a CPU a small model's forward costs per layer more than per weight), so a
+# much smaller draft speculates less than it could. A method not listed (a test's proposer)
+# proposes for free.
+PROPOSE_COSTS: dict[str, tuple[float, float, float]] = {
+    "ngram": (0.0002, 0.0001, 0.0),
+    "draft_model": (0.89, 0.072, 0.018),
+    "quantized_self_draft": (0.89, 0.072, 0.018),
+}
+DEFAULT_COSTS = StepCosts(TOKEN_COST_RATIO, VERIFY_COST_RATIO)
+
+
+def costs_for_method(method: str) -> StepCosts:
+    return StepCosts(TOKEN_COST_RATIO, VERIFY_COST_RATIO,
+                     *PROPOSE_COSTS.get(method, (0.0, 0.0, 0.0)))
 
 
 def expected_tokens(acceptance: float, k: int) -> float:
@@ -36,12 +92,10 @@ def expected_tokens(acceptance: float, k: int) -> float:
 
 
 def best_num_drafts(acceptance: float, num_reqs: int, max_k: int,
-                    token_cost_ratio: float = TOKEN_COST_RATIO) -> int:
-    """The k in [0, max_k] maximising num_reqs * E(k) / (1 + ratio * num_reqs * (k + 1))."""
-    def rate(k: int) -> float:
-        return expected_tokens(acceptance, k) / (1.0 + token_cost_ratio * num_reqs * (k + 1))
-
-    return max(range(max_k + 1), key=lambda k: (rate(k), -k))
+                    costs: StepCosts = DEFAULT_COSTS) -> int:
+    """The k in [0, max_k] maximising E(k) / c(B, k) (the smaller k on a tie)."""
+    return max(range(max_k + 1),
+               key=lambda k: (expected_tokens(acceptance, k) / costs.step(num_reqs, k), -k))
 
 
 @dataclass
@@ -57,9 +111,11 @@ class SpecDecodeCounters:
 class DraftLengthPolicy:
     """The scheduler's choice of k per step (see the module docstring) and the counters."""
 
-    def __init__(self, num_speculative_tokens: int, adaptive: bool = True) -> None:
+    def __init__(self, num_speculative_tokens: int, adaptive: bool = True,
+                 costs: StepCosts = DEFAULT_COSTS) -> None:
         self.max_k = num_speculative_tokens
         self.adaptive = adaptive
+        self.costs = costs
         self.acceptance = _PRIOR_ACCEPTANCE
         self.counters = SpecDecodeCounters(num_accepted_tokens_per_pos=[0] * self.max_k)
         self._num_steps = 0
@@ -69,10 +125,13 @@ class DraftLengthPolicy:
         self._num_steps += 1
         if not self.adaptive:
             return self.max_k
-        k = best_num_drafts(self.acceptance, max(num_reqs, 1), self.max_k)
-        if k == 0 and self._num_steps % PROBE_INTERVAL == 0 and (
-                best_num_drafts(1.0, max(num_reqs, 1), self.max_k) > 0):
+        num_reqs = max(num_reqs, 1)
+        k = best_num_drafts(self.acceptance, num_reqs, self.max_k, self.costs)
+        if k == 0 and self._num_steps % PROBE_INTERVAL in (0, 1) and (
+                best_num_drafts(1.0, num_reqs, self.max_k, self.costs) > 0):
             # NOTE: the load would allow speculating, only the estimate says no: probe.
+            # Two steps: a step's k caps both its verification and its proposals, so the
+            # first proposes one draft per request and the second verifies it.
             return 1
         return k
 

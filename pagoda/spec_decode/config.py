@@ -3,6 +3,7 @@
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
      "prompt_lookup_min": 2}
     {"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}
+    {"method": "quantized_self_draft", "num_speculative_tokens": 4, "quantization": "rtn"}
 
 Parsed and checked once, at engine start: an unknown field, an unknown method or a bad
 value raises ValueError naming the field. Checks that need a model (the draft's
@@ -16,6 +17,12 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 _DEFAULT_PROMPT_LOOKUP = {"prompt_lookup_max": 4, "prompt_lookup_min": 1}
+# The optional fields each method reads; setting one for another method is refused.
+METHOD_FIELDS = {
+    "ngram": ("prompt_lookup_max", "prompt_lookup_min"),
+    "draft_model": ("model",),
+    "quantized_self_draft": ("quantization", "bits", "group_size", "calib_data"),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +35,14 @@ class SpeculativeConfig:
     prompt_lookup_min: int | None = None
     # draft_model: an HF directory or .gguf file sharing the target's vocabulary.
     model: str | None = None
+    # quantized_self_draft: the target's own weights quantized in memory at start
+    # (spec_decode/self_draft.py): "rtn" or "gptq" (which calibrates on `calib_data`, a
+    # .txt / .jsonl file or the built-in "calib" corpus), `bits` per code (default 4) and
+    # input columns per scale (default: the largest of 128, 64, 32 dividing every layer).
+    quantization: str | None = None
+    bits: int | None = None
+    group_size: int | None = None
+    calib_data: str | None = None
     # Choose k per step from the acceptance rate and the batch's load (spec_decode/adaptive.py);
     # False: always num_speculative_tokens (cut to the budget and the request's limits).
     adaptive: bool = True
@@ -71,6 +86,11 @@ class SpeculativeConfig:
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ValueError(f"speculative_config.num_speculative_tokens must be an integer "
                              f">= 1, got {k!r}")
+        for method, names in METHOD_FIELDS.items():
+            for name in names:
+                if method != self.method and getattr(self, name) is not None:
+                    raise ValueError(f"speculative_config.{name} is for method {method}, "
+                                     f"not {self.method}")
         if not isinstance(self.adaptive, bool):
             raise TypeError(f"speculative_config.adaptive must be true or false, "
                             f"got {self.adaptive!r}")

@@ -24,7 +24,7 @@ from pagoda.spec_decode.proposer import Proposer, ProposerContext, register_prop
 from pagoda.worker.input_batch import InputBatch
 
 DRAFT_KV_BUDGET_BYTES = 1 << 30
-_BACKEND = "torch_paged"
+DRAFT_BACKEND = "torch_paged"
 
 
 @dataclass
@@ -41,29 +41,13 @@ class DraftModelProposer(Proposer):
         if not config.model:
             raise ValueError("speculative_config.model is required for method draft_model "
                              "(an HF directory or .gguf file)")
-        for name in ("prompt_lookup_max", "prompt_lookup_min"):
-            if getattr(config, name) is not None:
-                raise ValueError(f"speculative_config.{name} is for method ngram, "
-                                 "not draft_model")
 
     def __init__(self, config: SpeculativeConfig, context: ProposerContext) -> None:
-        super().__init__(config, context)
         # NOTE: imported here: the worker imports the proposer registry.
-        from pagoda.models.factory import build_model
-        from pagoda.models.loader import load_checkpoint
         from pagoda.worker.worker import allocate_kv_caches
 
-        ckpt = load_checkpoint(config.model)
-        vocab_size = int(ckpt.hf_config.vocab_size)
-        if vocab_size != context.vocab_size:
-            raise ValueError(f"speculative_config.model: the draft's vocabulary ({vocab_size} "
-                             f"tokens) does not match the target's ({context.vocab_size})")
-        max_positions = int(ckpt.hf_config.max_position_embeddings)
-        if max_positions < context.max_model_len:
-            raise ValueError(f"speculative_config.model: the draft's max_position_embeddings "
-                             f"{max_positions} is below max_model_len {context.max_model_len}")
-        self.model = build_model(ckpt, context.dtype, context.device, context.max_model_len,
-                                 _BACKEND)
+        super().__init__(config, context)
+        self.model = self.load_draft_model()
         spec = self.model.spec
         bs = context.block_size
         specs = group_layers(spec.sliding_windows, bs, spec.num_kv_heads, spec.head_dim,
@@ -74,7 +58,26 @@ class DraftModelProposer(Proposer):
                                             zero=True)
         self._free_blocks = list(range(num_blocks - 1, 0, -1))
         self.states: dict[str, _DraftState] = {}
-        self._build_metadata = get_backend(_BACKEND).build_metadata
+        self._build_metadata = get_backend(DRAFT_BACKEND).build_metadata
+
+    def load_draft_model(self) -> torch.nn.Module:
+        """The draft, built and loaded; ValueError naming the field if it cannot serve."""
+        # NOTE: imported here: the worker imports the proposer registry.
+        from pagoda.models.factory import build_model
+        from pagoda.models.loader import load_checkpoint
+
+        config, context = self.config, self.context
+        ckpt = load_checkpoint(config.model)
+        vocab_size = int(ckpt.hf_config.vocab_size)
+        if vocab_size != context.vocab_size:
+            raise ValueError(f"speculative_config.model: the draft's vocabulary ({vocab_size} "
+                             f"tokens) does not match the target's ({context.vocab_size})")
+        max_positions = int(ckpt.hf_config.max_position_embeddings)
+        if max_positions < context.max_model_len:
+            raise ValueError(f"speculative_config.model: the draft's max_position_embeddings "
+                             f"{max_positions} is below max_model_len {context.max_model_len}")
+        return build_model(ckpt, context.dtype, context.device, context.max_model_len,
+                           DRAFT_BACKEND)
 
     @property
     def num_free_blocks(self) -> int:

@@ -43,8 +43,6 @@ class NgramProposer(Proposer):
         if lo > hi:
             raise ValueError(f"speculative_config.prompt_lookup_min ({lo}) must be <= "
                              f"prompt_lookup_max ({hi})")
-        if config.model is not None:
-            raise ValueError("speculative_config.model is for method draft_model, not ngram")
 
     def propose(self, batch: InputBatch, slots: np.ndarray, num_tokens: int) -> list[list[int]]:
         hi, lo = self.config.prompt_lookup_max, self.config.prompt_lookup_min

@@ -17,6 +17,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -35,6 +36,10 @@ class ProposerContext:
     max_model_len: int
     max_num_seqs: int
     block_size: int
+    # The target's checkpoint and built model (quantized_self_draft reads the one and
+    # shares the other's unquantized modules); None where no engine is behind the proposer.
+    target_checkpoint: Any = None
+    target_model: Any = None
 
 
 class Proposer(ABC):
@@ -72,4 +77,4 @@ def create_proposer(config: SpeculativeConfig, context: ProposerContext) -> Prop
 
 
 # NOTE: importing the proposer modules runs their @register_proposer decorators.
-from pagoda.spec_decode import draft_model, ngram  # noqa: F401
+from pagoda.spec_decode import draft_model, ngram, self_draft  # noqa: F401

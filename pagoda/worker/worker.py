@@ -57,6 +57,7 @@ class Worker:
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype)
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
+        self.checkpoint = ckpt  # NOTE: the quantized self-draft proposer reads it again
         torch.manual_seed(config.model.seed)
         if self.device.type == "cpu":
             # NOTE: before the first GEMM: a tile instruction without the permission faults.
@@ -133,7 +134,8 @@ class Worker:
             proposer = create_proposer(self.config.speculative, ProposerContext(
                 vocab_size=self.model.spec.vocab_size, device=self.device, dtype=self.dtype,
                 max_model_len=self.max_model_len, max_num_seqs=s.max_num_seqs,
-                block_size=self.config.cache.block_size))
+                block_size=self.config.cache.block_size, target_checkpoint=self.checkpoint,
+                target_model=self.model))
         self.runner = ModelRunner(
             self.model, self.kv_caches, get_backend(self.config.model.attn_backend),
             self.config.cache.block_size, self.model.spec.vocab_size, self.eos_token_ids,

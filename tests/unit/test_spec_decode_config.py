@@ -18,6 +18,8 @@ from pagoda.worker.input_batch import InputBatch
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
          "prompt_lookup_min": 2}
 
+SELF_DRAFT = {"method": "quantized_self_draft", "num_speculative_tokens": 4}
+
 
 def test_vllm_form_from_dict_json_and_cli() -> None:
     config = SpeculativeConfig.parse(NGRAM)
@@ -32,6 +34,11 @@ def test_vllm_form_from_dict_json_and_cli() -> None:
     engine_config = EngineArgs.from_cli_args(args).create_engine_config()
     assert engine_config.speculative.num_speculative_tokens == 3
     assert EngineArgs().create_engine_config().speculative is None
+    gptq = SpeculativeConfig.parse({**SELF_DRAFT, "quantization": "gptq", "bits": 8,
+                                    "group_size": -1, "calib_data": "calib"})
+    assert (gptq.quantization, gptq.bits, gptq.group_size, gptq.calib_data) == (
+        "gptq", 8, -1, "calib")
+    assert SpeculativeConfig.parse(SELF_DRAFT).quantization is None  # rtn, 4 bits, auto group
 
 
 @pytest.mark.parametrize(("value", "field"), [
@@ -44,6 +51,15 @@ def test_vllm_form_from_dict_json_and_cli() -> None:
     ({**NGRAM, "lookahead": 5}, "speculative_config.lookahead"),
     ({**NGRAM, "model": "x"}, "speculative_config.model"),
     ("{not json", "speculative_config"),
+    ({**NGRAM, "quantization": "rtn"}, "speculative_config.quantization"),
+    ({**SELF_DRAFT, "quantization": "awq"}, "speculative_config.quantization"),
+    ({**SELF_DRAFT, "bits": 3}, "speculative_config.bits"),
+    ({**SELF_DRAFT, "bits": True}, "speculative_config.bits"),
+    ({**SELF_DRAFT, "group_size": 0}, "speculative_config.group_size"),
+    ({**SELF_DRAFT, "quantization": "gptq"}, "speculative_config.calib_data"),
+    ({**SELF_DRAFT, "calib_data": "calib"}, "speculative_config.calib_data"),
+    ({**SELF_DRAFT, "model": "x"}, "speculative_config.model"),
+    ({**SELF_DRAFT, "prompt_lookup_max": 3}, "speculative_config.prompt_lookup_max"),
 ])
 def test_bad_config_refused_naming_the_field(value, field: str) -> None:
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):

@@ -12,7 +12,13 @@ from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.request import Request, RequestStatus
 from pagoda.core.scheduler import Scheduler, SchedulerOutput
 from pagoda.sampling_params import SamplingParams
-from pagoda.spec_decode.adaptive import DraftLengthPolicy, best_num_drafts, expected_tokens
+from pagoda.spec_decode.adaptive import (
+    DraftLengthPolicy,
+    StepCosts,
+    best_num_drafts,
+    costs_for_method,
+    expected_tokens,
+)
 from pagoda.worker.model_runner import ModelRunnerOutput
 
 BLOCK_SIZE = 4
@@ -206,7 +212,44 @@ def test_adaptive_policy_learns_the_acceptance_rate_and_probes() -> None:
         policy.observe(4, 0)
     assert policy.acceptance < 0.01
     ks = [policy.num_drafts_for_step(1) for _ in range(32)]
-    assert ks.count(1) == 2 and ks.count(0) == 30  # one probe step in 16
+    # One probe in 16 steps: two steps in a row (one proposes, the next verifies).
+    assert ks.count(1) == 4 and ks.count(0) == 28
+    assert [i for i, k in enumerate(ks) if k] == [14, 15, 30, 31]
     for _ in range(100):
         policy.observe(4, 4)
     assert policy.num_drafts_for_step(1) == 4
+
+
+def test_probe_steps_verify_a_draft_after_the_rule_said_zero() -> None:
+    """With the estimate at 0 the rule proposes nothing; a probe must both propose (one
+    step) and verify (the next), or the estimate could never recover."""
+    policy = DraftLengthPolicy(4)
+    policy.acceptance = 0.0
+    kv = KVCacheManager(32, BLOCK_SIZE, enable_caching=True)
+    sched = Scheduler(kv, 8, 64, 64, draft_length_policy=policy)
+    req = make_request("a", 3, max_tokens=40)
+    sched.add_request(req)
+    verified = 0
+    for _ in range(34):
+        out = sched.schedule()
+        verified += len(out.scheduled_spec_decode_tokens.get("a", []))
+        # NOTE: the runner proposes only in steps with k > 0, at most k drafts.
+        drafts = {"a": [20, 21, 22, 23][: out.num_spec_tokens]} if out.num_spec_tokens else {}
+        commit(sched, out, accept={"a": 0}, drafts=drafts)
+    assert verified == 2
+
+
+def test_rule_charges_verification_and_proposing() -> None:
+    """k > 0 only where the drafts' saved tokens pay for verifying and proposing them."""
+    free = StepCosts(token=0.02, verify=0.0)
+    verify = StepCosts(token=0.02, verify=0.1)
+    # A proposer whose every draft costs more than the target's whole plain step.
+    dear = StepCosts(token=0.02, verify=0.0, per_draft=1.2)
+    assert best_num_drafts(0.25, 4, 4, free) > 0
+    assert best_num_drafts(0.25, 4, 4, verify) == 0
+    assert best_num_drafts(0.9, 1, 4, verify) == 4
+    assert best_num_drafts(0.9, 1, 4, dear) == 0
+    assert best_num_drafts(1.0, 1, 4, dear) == 0  # so no probes either
+    assert verify.step(4, 0) == pytest.approx(1.08)
+    assert verify.step(4, 2) == pytest.approx(1 + 0.02 * 12 + 0.4)
+    assert costs_for_method("a test's proposer").per_draft == 0.0
