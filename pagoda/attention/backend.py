@@ -13,7 +13,7 @@ recomputes), each request's tokens contiguous and in position order.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -47,6 +47,15 @@ class AttentionMetadata:
     # its request's block table [T, max_blocks] and its causal context length (position + 1).
     token_block_tables: torch.Tensor | None = None
     token_seq_lens: torch.Tensor | None = None
+    # The prefills as arrays (ops.paged_prefill_attention): per prefill request its first row
+    # in the flat batch, query length, context length after this step [P] int64, and its
+    # block table [P, max_blocks].
+    prefill_query_starts: torch.Tensor | None = None
+    prefill_query_lens: torch.Tensor | None = None
+    prefill_seq_lens: torch.Tensor | None = None
+    prefill_block_tables: torch.Tensor | None = None
+    # Per step, what a backend derives from the above once for every layer (its row split).
+    memo: dict = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -80,11 +89,19 @@ def build_paged_metadata(c: CommonAttentionMetadata) -> AttentionMetadata:
         for i in range(nd, num_reqs)
     ]
     token_tables = token_seq_lens = None
+    prefill_arrays: dict[str, torch.Tensor] = {}
     if prefills and c.dtype in TOKEN_ROW_DTYPES:
         # NOTE: only the kernel that reads prefill tokens as query rows needs a table per
         # token (gathered here, once per step, from the request rows).
         token_tables = torch.from_numpy(c.block_tables[c.req_of_token]).to(c.device)
         token_seq_lens = torch.from_numpy(c.positions + 1).to(c.device)
+        prefill_arrays = {
+            "prefill_query_starts": torch.from_numpy(c.query_start_loc[nd:num_reqs]),
+            "prefill_query_lens": torch.from_numpy(query_lens[nd:]),
+            "prefill_seq_lens": torch.from_numpy(c.seq_lens[nd:]),
+        }
+        prefill_arrays = {k: v.to(c.device) for k, v in prefill_arrays.items()}
+        prefill_arrays["prefill_block_tables"] = bt[nd:]
     return AttentionMetadata(
         slot_mapping=c.slot_mapping,
         num_decode_tokens=nd,
@@ -94,6 +111,7 @@ def build_paged_metadata(c: CommonAttentionMetadata) -> AttentionMetadata:
         prefills=prefills,
         token_block_tables=token_tables,
         token_seq_lens=token_seq_lens,
+        **prefill_arrays,
     )
 
 

@@ -3,8 +3,9 @@
 New K/V are scattered into their slots first, then every query reads its whole context
 back through its block table, so cached prefixes, earlier chunks and this step's tokens are
 all read the same way. Decode rows go through `ops.paged_attention` (the C++ kernel on CPU,
-the reference elsewhere); prefill chunks use SDPA. Every tensor made here is made on the
-queries' device.
+the reference elsewhere); bf16 prefill chunks through `ops.paged_prefill_attention` where a
+kernel runs (CPU: tiles of query rows), else SDPA (float32 always: the oracle path). Every
+tensor made here is made on the queries' device.
 A quantized cache (ops/kv_quant.py) is the layer's (k, v, k_scale, v_scale): the writes
 quantize, the kernel reads the codes in place, the reference paths dequantize what they
 gather (a prefill with nothing cached before it reads the cache too, so that every query
@@ -24,6 +25,13 @@ from pagoda.attention.backend import (
     register_backend,
 )
 from pagoda.attention.sinks import sink_attention
+
+# A request whose query rows times G (query heads per kv head) are fewer takes the decode
+# kernel's rows instead of the tiled prefill kernel, which computes lane blocks of 16 query
+# vectors. NOTE (measured, one thread, 9 / 3 heads x 64, bf16, context 1,000): 16 requests of
+# 2 rows (6 vectors each) ran 2x faster as rows, of 5 rows (15) at parity, of 16 rows 1.6x
+# slower as rows.
+TILED_MIN_QUERY_VECTORS = 16
 
 
 @register_backend("torch_paged")
@@ -61,17 +69,10 @@ class TorchPagedAttention:
         if self.sinks is not None:
             # NOTE: EngineConfig refuses sinks with a quantized cache (no scales here).
             return self._forward_sinks(q, k_cache, v_cache, md)
-        if md.prefills and q.dtype in TOKEN_ROW_DTYPES and md.token_seq_lens is not None:
-            # NOTE: a kernel that reads the paged cache in place (no gather) with each prefill
-            # token as its own query row runs 2-3x faster than SDPA's CPU flash kernel here
-            # (head_dim 64, bf16). The reference would gather a context per token: not that.
-            args = (
-                q, k_cache, v_cache, md.token_block_tables, md.token_seq_lens, self.scale,
-                self.sliding_window, None, *scales,
-            )
-            kernel = ops.paged_attention.select(*args)
-            if kernel is not ops.paged_attention.reference:
-                return kernel(*args).view(q.shape[0], -1)
+        if md.prefills and q.dtype in TOKEN_ROW_DTYPES:
+            out = self._forward_kernels(q, k_cache, v_cache, md, scales)
+            if out is not None:
+                return out.view(q.shape[0], -1)
         out = torch.empty_like(q)
         nd = md.num_decode_tokens
         if nd:
@@ -98,6 +99,74 @@ class TorchPagedAttention:
                 values = ops.gather_kv(v_cache, v_scale, table, n, q.dtype)[0]
             out[s] = self._prefill(q[s], keys, values, key_start)
         return out.view(q.shape[0], -1)
+
+    def _forward_kernels(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        md: AttentionMetadata, scales: list[torch.Tensor],
+    ) -> torch.Tensor | None:
+        """A step with prefills through kernels that read the paged cache in place: the
+        prefill rows through the tiled prefill kernel and the decode rows through the decode
+        kernel; where the tiled one cannot run, every row through the decode kernel as its
+        own query row. None: no kernel runs here (the caller takes SDPA)."""
+        nd = md.num_decode_tokens
+        split = self._tiled_split(md) if md.prefill_seq_lens is not None else None
+        if split is not None:
+            arrays, rows = split
+            args = (q, k_cache, v_cache, *arrays, self.scale, self.sliding_window, *scales)
+            tiled = ops.paged_prefill_attention.select(*args)
+            if tiled is not ops.paged_prefill_attention.reference:
+                out = tiled(*args)  # NOTE: rows of no tiled request are unwritten, filled here
+                if rows is not None:
+                    out[rows] = ops.paged_attention(
+                        q[rows], k_cache, v_cache, md.token_block_tables[rows],
+                        md.token_seq_lens[rows], self.scale, self.sliding_window, None,
+                        *scales,
+                    )
+                elif nd:
+                    out[:nd] = ops.paged_attention(
+                        q[:nd], k_cache, v_cache, md.decode_block_tables, md.decode_seq_lens,
+                        self.scale, self.sliding_window, md.decode_max_seq_len, *scales,
+                    )
+                return out
+        if md.token_seq_lens is not None:
+            # NOTE: each prefill token as its own decode row still runs 2-3x faster than
+            # SDPA's CPU flash kernel (head_dim 64, bf16); the reference would gather a
+            # context per token: not that.
+            args = (
+                q, k_cache, v_cache, md.token_block_tables, md.token_seq_lens, self.scale,
+                self.sliding_window, None, *scales,
+            )
+            kernel = ops.paged_attention.select(*args)
+            if kernel is not ops.paged_attention.reference:
+                return kernel(*args)
+        return None
+
+    def _tiled_split(
+        self, md: AttentionMetadata
+    ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None] | None:
+        """The prefill arrays (tables, starts, query lens, seq lens) of the requests with at
+        least TILED_MIN_QUERY_VECTORS query vectors, and the flat rows left to the decode
+        kernel when some request has fewer (None: the decode rows only); None: no request
+        has enough. Derived once per step (the metadata's memo)."""
+        group = self.num_heads // self.num_kv_heads
+        key = ("tiled_split", group)
+        if key in md.memo:
+            return md.memo[key]
+        lens = md.prefill_query_lens
+        tiled = lens * group >= TILED_MIN_QUERY_VECTORS
+        arrays = (md.prefill_block_tables, md.prefill_query_starts, lens, md.prefill_seq_lens)
+        if bool(tiled.all()):
+            split = (arrays, None)
+        elif not bool(tiled.any()):
+            split = None
+        else:
+            nd = md.num_decode_tokens
+            row_kernel = ~torch.repeat_interleave(tiled, lens)  # over the prefill rows
+            rows = torch.cat([torch.arange(nd, device=lens.device),
+                              nd + row_kernel.nonzero()[:, 0]])
+            split = (tuple(a[tiled] for a in arrays), rows)
+        md.memo[key] = split
+        return split
 
     def _forward_sinks(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -35,7 +35,7 @@ PHASES = (
     "detokenization",
     "step: other",
 )
-_ATTENTION_OPS = frozenset({"paged_attention"})
+_ATTENTION_OPS = frozenset({"paged_attention", "paged_prefill_attention"})
 
 
 class PhaseClock:

@@ -10,6 +10,9 @@ with a plain PyTorch reference (reference.py) that runs on any device.
   write_kv(k, v, k_cache, v_cache, slot_mapping)  writes k, v into their slots
   paged_attention(q, k_cache, v_cache, block_tables, seq_lens, scale,
                   sliding_window=None, max_seq_len=None) -> [B, H, D]
+  paged_prefill_attention(q, k_cache, v_cache, block_tables, query_starts, query_lens,
+                  seq_lens, scale, sliding_window=None) -> [T, H, D]: several requests'
+                  query rows, each causal over its paged context
 The cache ops take a quantized cache's scales (k_scale, v_scale) as trailing arguments
 (kv_quant.py: int8 / fp8 codes, a float32 scale per token and kv head).
 
@@ -37,6 +40,7 @@ silu_and_mul = define_op("silu_and_mul", reference.silu_and_mul)
 rotary_and_cache = define_op("rotary_and_cache", reference.rotary_and_cache)
 write_kv = define_op("write_kv", reference.write_kv)
 paged_attention = define_op("paged_attention", reference.paged_attention)
+paged_prefill_attention = define_op("paged_prefill_attention", reference.paged_prefill_attention)
 cpu.register()
 fp8_cuda.register()
 quant_cpu.register()
@@ -59,6 +63,7 @@ __all__ = [
     "gather_blocks",
     "gather_kv",
     "paged_attention",
+    "paged_prefill_attention",
     "rms_norm",
     "rotary_and_cache",
     "silu_and_mul",

@@ -3,7 +3,8 @@
 Which calls they take: the fused element-wise ops in bf16/fp16 only (float32 keeps the
 reference, PyTorch's ops, the path that matches transformers bit for bit) on a CPU whose
 AVX-512 F/BW/VL vector path was built; paged attention with a float32/bf16 q on any CPU the
-extension builds on. Both also take quantized caches (int8 / fp8 codes with their scales,
+extension builds on (decode rows: one query row at a time; prefill rows: tiles of query rows,
+AVX-512 and head dims 32/64/96/128/256 only). Both also take quantized caches (int8 / fp8 codes with their scales,
 kv_quant.py), which they write and read natively. Anything else, and `PAGODA_DISABLE_CPU_KERNELS=1`, runs the reference.
 """
 
@@ -95,6 +96,38 @@ def _attention_supports(q, k_cache, v_cache, *_rest) -> bool:
     )
 
 
+# The head dims the tiled prefill kernel is compiled for (others: the decode kernel's rows).
+PREFILL_HEAD_DIMS = frozenset({32, 64, 96, 128, 256})
+
+
+def _paged_prefill_attention(
+    ext: ModuleType,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_starts: torch.Tensor,
+    query_lens: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    q = q.contiguous()
+    out = torch.empty_like(q)  # NOTE: the op leaves rows of no request unspecified
+    window = -1 if sliding_window is None else int(sliding_window)
+    ext.paged_prefill_attention(
+        out, q, k_cache, v_cache, block_tables, query_starts, query_lens, seq_lens,
+        float(scale), window, k_scale, v_scale,
+    )
+    return out
+
+
+def _prefill_supports(q, k_cache, v_cache, *_rest) -> bool:
+    return _attention_supports(q, k_cache, v_cache) and q.shape[2] in PREFILL_HEAD_DIMS
+
+
 def _matrix_contiguous(x: torch.Tensor) -> bool:
     return x.dim() == 2 and x.is_contiguous()
 
@@ -114,4 +147,10 @@ def register() -> None:
     OPS["paged_attention"].register(
         "cpu",
         Kernel("cpp", _paged_attention, _ATTENTION_DTYPES, attention, _attention_supports),
+    )
+    prefill = functools.partial(cpu_kernels.kernel_for, "paged_prefill_attention")
+    OPS["paged_prefill_attention"].register(
+        "cpu",
+        Kernel("cpp_tiled", _paged_prefill_attention, _ATTENTION_DTYPES, prefill,
+               _prefill_supports),
     )

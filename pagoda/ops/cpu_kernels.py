@@ -1,13 +1,13 @@
 """The optional C++ CPU kernels (csrc/), built on first use with torch's JIT extension loader.
 
-Contract: `kernel_for(op)` returns the extension when its kernel for `op` ("paged_attention"
-or "fused_ops") may run here, else None: disabled, no compiler, a failed build (one warning,
-never retried in this process), or an instruction-set mismatch. The build uses
--march=native; the extension reports the instruction-set subsets each op's vector path was
-compiled with (`kernel_isa()`), and an op runs only when the CPU's flags hold all of them and
-its required subsets were compiled in (the fused ops' scalar fallback is slower than
-PyTorch's ops, so such a CPU uses the reference instead). Never SIGILL, never a silent
-slow path.
+Contract: `kernel_for(op)` returns the extension when its kernel for `op` ("paged_attention",
+"paged_prefill_attention" or "fused_ops") may run here, else None: disabled, no compiler,
+a failed build (one warning, never retried in this process), or an instruction-set
+mismatch. The build uses -march=native; the extension reports the instruction-set subsets
+each op's vector path was compiled with (`kernel_isa()`), and an op runs only when the CPU's
+flags hold all of them and its required subsets were compiled in (the fused ops' scalar
+fallback is slower than PyTorch's ops, so such a CPU uses the reference instead). Never
+SIGILL, never a silent slow path.
 
 `PAGODA_DISABLE_CPU_KERNELS=1` forces the reference path.
 """
@@ -35,9 +35,10 @@ logger = logging.getLogger(__name__)
 _SOURCES = [
     Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp",
     Path(__file__).parent / "csrc" / "fused_ops_cpu.cpp",
+    Path(__file__).parent / "csrc" / "paged_prefill_cpu.cpp",
 ]
 # Included by the sources: part of the build's inputs (its hash), not compiled on their own.
-_HEADERS = [Path(__file__).parent / "csrc" / "kv_quant_cpu.h"]
+_HEADERS = [Path(__file__).parent / "csrc" / h for h in ("kv_quant_cpu.h", "attention_cpu.h")]
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 _LDFLAGS = ["-fopenmp"]
 # NOTE: a build takes ~1.5 min on a loaded 2-core machine; a lock this old has no owner.
@@ -46,6 +47,7 @@ _STALE_LOCK_S = 30 * 60
 REQUIRED_ISA: dict[str, tuple[str, ...]] = {
     "paged_attention": (),  # NOTE: its portable path is still faster than gather + SDPA
     "fused_ops": ("avx512f", "avx512bw", "avx512vl"),
+    "paged_prefill_attention": ("avx512f",),  # NOTE: else prefill rows take the decode kernel
 }
 _lock = threading.Lock()
 _module: ModuleType | None = None

@@ -141,3 +141,40 @@ def paged_attention(
         enable_gqa=h != k_cache.shape[2],
     )
     return out.view(b, h, d)
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,  # [T, H, D]: the requests' query rows
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [R, max_blocks]
+    query_starts: torch.Tensor,  # [R]: request r's rows are q[query_starts[r]:][:query_lens[r]]
+    query_lens: torch.Tensor,  # [R]
+    seq_lens: torch.Tensor,  # [R]: context after this step; the rows are its last positions
+    scale: float,
+    sliding_window: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of several requests' query rows over their paged contexts: a row at
+    position p reads positions [max(0, p - window + 1), p]. [T, H, D] in q's dtype; rows of
+    no request are 0 here and unspecified in a kernel (a batch's decode rows)."""
+    out = torch.zeros_like(q)
+    gqa = q.shape[1] != k_cache.shape[2]
+    for r, (start, query_len, seq_len) in enumerate(
+        zip(query_starts.tolist(), query_lens.tolist(), seq_lens.tolist())
+    ):
+        table = block_tables[r : r + 1]
+        keys = gather_kv(k_cache, k_scale, table, seq_len, q.dtype)[0]  # [L, Hk, D]
+        values = gather_kv(v_cache, v_scale, table, seq_len, q.dtype)[0]
+        q_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)[:, None]
+        k_pos = torch.arange(seq_len, device=q.device)[None, :]
+        mask = k_pos <= q_pos
+        if sliding_window is not None:
+            mask &= k_pos > q_pos - sliding_window
+        rows = slice(start, start + query_len)
+        qt, kt, vt = (x.transpose(0, 1)[None] for x in (q[rows], keys, values))
+        o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale,
+                                           enable_gqa=gqa)
+        out[rows] = o[0].transpose(0, 1)
+    return out

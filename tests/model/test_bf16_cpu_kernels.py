@@ -20,6 +20,9 @@ CASES = [
     ("Qwen2ForCausalLM", {}, {}),
     ("MistralForCausalLM", {"sliding_window": 32}, {}),
     ("LlamaForCausalLM", {}, {"max_num_batched_tokens": 48, "max_num_seqs": 4}),
+    # Head dim 64: prefill chunks through the tiled prefill kernel (16 has none).
+    ("LlamaForCausalLM", {"head_dim": 64}, {"max_num_batched_tokens": 48, "max_num_seqs": 4}),
+    ("MistralForCausalLM", {"head_dim": 64, "sliding_window": 32}, {}),
 ]
 
 
@@ -49,7 +52,17 @@ def test_fast_paths_are_as_accurate_as_pytorch_ops(
         logits = hf(torch.tensor([ids])).logits[0].double()
     oracle = logits.log_softmax(-1)[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
 
-    fast, fast_tokens = _prompt_logprobs(model_dir, ids, **engine_kwargs)
+    ext, calls = cpu_kernels.load_extension(), []
+
+    class Spy:
+        def __getattr__(self, name):
+            calls.append(name)
+            return getattr(ext, name)
+
+    with monkeypatch.context() as m:
+        m.setattr(cpu_kernels, "_module", Spy())
+        fast, fast_tokens = _prompt_logprobs(model_dir, ids, **engine_kwargs)
+    assert ("paged_prefill_attention" in calls) == (overrides.get("head_dim") == 64)
     monkeypatch.setenv("PAGODA_DISABLE_CPU_KERNELS", "1")
     monkeypatch.setenv("PAGODA_DISABLE_PACKED_LINEAR", "1")
     plain, plain_tokens = _prompt_logprobs(model_dir, ids, **engine_kwargs)

@@ -1,4 +1,5 @@
-// Decode attention over the paged KV cache, on the CPU.
+// Decode attention over the paged KV cache, on the CPU (prefill rows in tiles:
+// paged_prefill_cpu.cpp; the helpers both use: attention_cpu.h).
 //
 // One work item is a request (or, with few requests, one kv head of a request): the
 // G = H / Hk query heads that share a kv head are processed together, so every K/V row is
@@ -54,12 +55,12 @@
 #include <type_traits>
 #include <vector>
 
+#include "attention_cpu.h"
 #include "kv_quant_cpu.h"
 
 namespace {
 
-// False when a test has turned the bf16 dot-product path off (to exercise the fallback).
-std::atomic<bool> g_use_bf16_dot{true};
+using namespace pagoda_attn;
 
 inline float bits_to_float(uint32_t u) {
   float f;
@@ -130,9 +131,6 @@ struct RowLoader<uint8_t> {
   }
 };
 
-// int8 codes, and uint8 = fp8 e4m3fn codes, carry a scale per (token, kv head).
-template <typename KV>
-constexpr bool kQuantized = std::is_same_v<KV, int8_t> || std::is_same_v<KV, uint8_t>;
 
 struct Problem {
   const void* q;
@@ -213,52 +211,6 @@ inline void prefetch_block(const KV* cache, const Problem& p, int64_t block_id, 
 // The next tile's rows are software-prefetched while the current one is computed.
 // ---------------------------------------------------------------------------------------
 
-constexpr int kTile = 16;
-
-// One row of kD values as kD / 16 fp32 vectors: natural order for float rows; for bf16 rows,
-// each 32 values give two vectors (even elements, odd elements).
-template <int kD>
-inline void load_row_f32(const float* src, __m512* f) {
-  for (int i = 0; i < kD / 16; ++i) f[i] = _mm512_loadu_ps(src + 16 * i);
-}
-
-template <int kD>
-inline void load_row_f32(const uint16_t* src, __m512* f) {
-  const __m512i hi_mask = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-  for (int c = 0; c < kD / 32; ++c) {
-    const __m512i x = _mm512_loadu_si512(src + 32 * c);
-    f[2 * c] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
-    f[2 * c + 1] = _mm512_castsi512_ps(_mm512_and_si512(x, hi_mask));
-  }
-}
-
-// int8 codes: 16 at a time sign-extended to int32, then converted (exact).
-template <int kD>
-inline void load_row_f32(const int8_t* src, __m512* f) {
-  for (int i = 0; i < kD / 16; ++i) {
-    const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16 * i));
-    f[i] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(x));
-  }
-}
-
-// fp8 e4m3fn codes as value * 2^-120 (kv_quant_cpu.h: kFp8Unit): the sign-extended byte
-// shifted left by 20 has the sign in bits 31..27 and exponent/mantissa in bits 26..20;
-// keeping bit 31 and bits 26..20 is the float32. Subnormal codes give float32 denormals,
-// which the FMAs take exactly (nothing here sets denormals-are-zero).
-template <int kD>
-inline void load_row_f32(const uint8_t* src, __m512* f) {
-  const __m512i keep = _mm512_set1_epi32(static_cast<int>(0x87F00000u));
-  for (int i = 0; i < kD / 16; ++i) {
-    const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16 * i));
-    const __m512i w = _mm512_slli_epi32(_mm512_cvtepi8_epi32(x), 20);
-    f[i] = _mm512_castsi512_ps(_mm512_and_si512(w, keep));
-  }
-}
-
-// What a quantized row's scale is multiplied by for the rows load_row_f32 gives.
-template <typename KV>
-constexpr float kCodeUnit = std::is_same_v<KV, uint8_t> ? pagoda_kvq::kFp8Unit : 1.0f;
-
 // Where dim d of a row loaded by load_row_f32 lives (and so of q and the accumulators).
 template <typename KV>
 inline int row_index(int d) {
@@ -268,23 +220,6 @@ inline int row_index(int d) {
     const int c = d >> 5, r = d & 31;
     return (2 * c + (r & 1)) * 16 + (r >> 1);
   }
-}
-
-// 16 lanes of exp_nonpos (same polynomial); scalef multiplies by 2^n without bit tricks.
-inline __m512 exp16_nonpos(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723e-6f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720.0f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
 }
 
 // Four vectors of 16 partial sums (tokens a, b, c, d) -> one vector whose 128-bit chunk k
@@ -314,38 +249,6 @@ inline __m512 hmax16(__m512 x) {
   x = _mm512_max_ps(x, _mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(2, 3, 0, 1)));
   x = _mm512_max_ps(x, _mm512_permute_ps(x, _MM_SHUFFLE(1, 0, 3, 2)));
   return _mm512_max_ps(x, _mm512_permute_ps(x, _MM_SHUFFLE(2, 3, 0, 1)));
-}
-
-// The rows of one tile: positions [16 * tile + lo, 16 * tile + hi) are valid; off[t] is
-// the element offset of lane t's cache row (kv head 0). Invalid lanes repeat a valid row,
-// so every lane can be loaded; their scores are masked and their V rows never read.
-struct TileRows {
-  int64_t off[kTile];
-  int64_t slot[kTile];  // lane t's token slot (block id * block_size + row): its scales
-  int lo, hi;
-  __mmask16 mask;
-};
-
-inline void tile_rows(const Problem& p, const int64_t* table, int64_t row_stride,
-                      int64_t tile, int64_t start, int64_t seq_len, TileRows& tr) {
-  const int64_t pos0 = tile * kTile;
-  tr.lo = static_cast<int>(std::max(start, pos0) - pos0);
-  tr.hi = static_cast<int>(std::min(seq_len, pos0 + kTile) - pos0);
-  const int64_t bs = p.block_size;
-  int64_t blk = (pos0 + tr.lo) / bs;
-  int64_t r = pos0 + tr.lo - blk * bs;
-  int64_t base = table[blk] * bs;
-  for (int t = tr.lo; t < tr.hi; ++t) {
-    tr.slot[t] = base + r;
-    tr.off[t] = (base + r) * row_stride;
-    if (++r == bs && t + 1 < tr.hi) {
-      r = 0;
-      base = table[++blk] * bs;
-    }
-  }
-  for (int t = 0; t < tr.lo; ++t) tr.off[t] = tr.off[tr.lo], tr.slot[t] = tr.slot[tr.lo];
-  for (int t = tr.hi; t < kTile; ++t) tr.off[t] = tr.off[tr.lo], tr.slot[t] = tr.slot[tr.lo];
-  tr.mask = static_cast<__mmask16>(((1u << tr.hi) - 1u) & ~((1u << tr.lo) - 1u));
 }
 
 // Software prefetch of the next tile's K/V rows, spread over the current tile's work.
@@ -761,14 +664,14 @@ void decode_one_avx(const Problem& p, const KV* k_cache, const KV* v_cache, int6
     const int64_t first = start / kTile, last = (seq_len - 1) / kTile;
     TileRows rows[2];
     Prefetcher pf;
-    tile_rows(p, table, row_stride, first, start, seq_len, rows[0]);
+    tile_rows(p.block_size, table, row_stride, first, start, seq_len, rows[0]);
     pf.start(k_cache, v_cache, rows[0], col0, span_bytes);
     for (int64_t tile = first; tile <= last; ++tile) {
       const TileRows& tr = rows[(tile - first) & 1];
       pf.flush();  // the rest of this tile's rows (all of them on the first tile)
       if (tile < last) {
         TileRows& next = rows[(tile - first + 1) & 1];
-        tile_rows(p, table, row_stride, tile + 1, start, seq_len, next);
+        tile_rows(p.block_size, table, row_stride, tile + 1, start, seq_len, next);
         pf.start(k_cache, v_cache, next, col0, span_bytes);
         if constexpr (kQuantized<KV>) prefetch_scales(p, next, kvh0);
       }
@@ -992,25 +895,6 @@ void dispatch_head_dim(const Problem& p, const KV* k, const KV* v, int64_t batch
                          });
 }
 
-// A quantized cache's scales: both given, float32 [N, bs, Hk] and contiguous; a plain
-// cache has none. Returns whether the cache is quantized.
-bool check_scales(const torch::Tensor& k_cache, const std::optional<torch::Tensor>& k_scale,
-                  const std::optional<torch::Tensor>& v_scale) {
-  const auto dtype = k_cache.scalar_type();
-  const bool quantized = dtype == at::kChar || dtype == at::kByte;
-  TORCH_CHECK(k_scale.has_value() == quantized && v_scale.has_value() == quantized,
-              quantized ? "a quantized (int8 / fp8) cache needs k_scale and v_scale"
-                        : "k_scale / v_scale are for quantized caches only");
-  if (!quantized) return false;
-  for (const auto* sc : {&*k_scale, &*v_scale}) {
-    TORCH_CHECK(sc->scalar_type() == at::kFloat && sc->is_contiguous() && sc->dim() == 3 &&
-                    sc->size(0) == k_cache.size(0) && sc->size(1) == k_cache.size(1) &&
-                    sc->size(2) == k_cache.size(2),
-                "k_scale and v_scale must be contiguous float32 [N, bs, Hk]");
-  }
-  return true;
-}
-
 void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
                             torch::Tensor v_cache, torch::Tensor block_tables,
                             torch::Tensor seq_lens, double scale, int64_t sliding_window,
@@ -1079,8 +963,8 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_
   }
 }
 
-// Turns the bf16 dot product on or off (tests of the fallback) and returns the inner path
-// that bf16 q on bf16 caches (head dim 32/64/96/128/256) now takes: "bf16_dot" (vdpbf16ps),
+// Turns the bf16 dot products on or off (tests of the fallback; in the prefill kernel too) and
+// returns the inner path that bf16 q on bf16 caches (head dim 32/64/96/128/256) now takes: "bf16_dot" (vdpbf16ps),
 // "avx512" (fp32 FMAs) or "portable".
 std::string set_bf16_dot(bool enable) {
   g_use_bf16_dot = enable;
@@ -1115,12 +999,15 @@ std::vector<std::string> attention_isa() {
 
 }  // namespace
 
-// Defined in fused_ops_cpu.cpp (the same extension).
+// Defined in fused_ops_cpu.cpp and paged_prefill_cpu.cpp (the same extension).
 void register_fused_ops(pybind11::module& m);
 std::vector<std::string> fused_ops_isa();
+void register_prefill_attention(pybind11::module& m);
+std::vector<std::string> prefill_attention_isa();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_fused_ops(m);
+  register_prefill_attention(m);
   m.def("paged_decode_attention", &paged_decode_attention,
         "Decode attention over a paged KV cache (in place into out)", pybind11::arg("out"),
         pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"),
@@ -1129,7 +1016,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("v_scale") = pybind11::none());
   m.def("kernel_isa", [] {
     return std::map<std::string, std::vector<std::string>>{
-        {"paged_attention", attention_isa()}, {"fused_ops", fused_ops_isa()}};
+        {"paged_attention", attention_isa()}, {"fused_ops", fused_ops_isa()},
+        {"paged_prefill_attention", prefill_attention_isa()}};
   }, "op -> the /proc/cpuinfo flags its compiled vector path uses (empty: scalar only)");
   m.def("set_bf16_dot", &set_bf16_dot,
         "Enable/disable the AVX512_BF16 dot product for bf16 caches; returns the path in use");

@@ -1,0 +1,146 @@
+// Helpers shared by the paged attention kernels (paged_attention_cpu.cpp: one query row at
+// a time; paged_prefill_cpu.cpp: tiles of query rows): the cache rows as fp32 vectors, the
+// vector exp of the online softmax, the rows of one tile of 16 positions found through a
+// block table, and the scales' checks of a quantized cache.
+#pragma once
+
+#include <torch/extension.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <optional>
+#include <type_traits>
+
+#include "kv_quant_cpu.h"
+
+namespace pagoda_attn {
+
+// False when a test has turned the bf16 dot-product paths off (to exercise the fallback).
+inline std::atomic<bool> g_use_bf16_dot{true};
+
+// int8 codes, and uint8 = fp8 e4m3fn codes, carry a scale per (token, kv head).
+template <typename KV>
+constexpr bool kQuantized = std::is_same_v<KV, int8_t> || std::is_same_v<KV, uint8_t>;
+
+// A quantized cache's scales: both given, float32 [N, bs, Hk] and contiguous; a plain
+// cache has none. Returns whether the cache is quantized.
+inline bool check_scales(const torch::Tensor& k_cache,
+                         const std::optional<torch::Tensor>& k_scale,
+                         const std::optional<torch::Tensor>& v_scale) {
+  const auto dtype = k_cache.scalar_type();
+  const bool quantized = dtype == at::kChar || dtype == at::kByte;
+  TORCH_CHECK(k_scale.has_value() == quantized && v_scale.has_value() == quantized,
+              quantized ? "a quantized (int8 / fp8) cache needs k_scale and v_scale"
+                        : "k_scale / v_scale are for quantized caches only");
+  if (!quantized) return false;
+  for (const auto* sc : {&*k_scale, &*v_scale}) {
+    TORCH_CHECK(sc->scalar_type() == at::kFloat && sc->is_contiguous() && sc->dim() == 3 &&
+                    sc->size(0) == k_cache.size(0) && sc->size(1) == k_cache.size(1) &&
+                    sc->size(2) == k_cache.size(2),
+                "k_scale and v_scale must be contiguous float32 [N, bs, Hk]");
+  }
+  return true;
+}
+
+#if defined(__AVX512F__)
+constexpr int kTile = 16;
+
+// One row of kD values as kD / 16 fp32 vectors: natural order for float rows; for bf16 rows,
+// each 32 values give two vectors (even elements, odd elements).
+template <int kD>
+inline void load_row_f32(const float* src, __m512* f) {
+  for (int i = 0; i < kD / 16; ++i) f[i] = _mm512_loadu_ps(src + 16 * i);
+}
+
+template <int kD>
+inline void load_row_f32(const uint16_t* src, __m512* f) {
+  const __m512i hi_mask = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int c = 0; c < kD / 32; ++c) {
+    const __m512i x = _mm512_loadu_si512(src + 32 * c);
+    f[2 * c] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+    f[2 * c + 1] = _mm512_castsi512_ps(_mm512_and_si512(x, hi_mask));
+  }
+}
+
+// int8 codes: 16 at a time sign-extended to int32, then converted (exact).
+template <int kD>
+inline void load_row_f32(const int8_t* src, __m512* f) {
+  for (int i = 0; i < kD / 16; ++i) {
+    const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16 * i));
+    f[i] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(x));
+  }
+}
+
+// fp8 e4m3fn codes as value * 2^-120 (kv_quant_cpu.h: kFp8Unit): the sign-extended byte
+// shifted left by 20 has the sign in bits 31..27 and exponent/mantissa in bits 26..20;
+// keeping bit 31 and bits 26..20 is the float32. Subnormal codes give float32 denormals,
+// which the FMAs take exactly (nothing here sets denormals-are-zero).
+template <int kD>
+inline void load_row_f32(const uint8_t* src, __m512* f) {
+  const __m512i keep = _mm512_set1_epi32(static_cast<int>(0x87F00000u));
+  for (int i = 0; i < kD / 16; ++i) {
+    const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16 * i));
+    const __m512i w = _mm512_slli_epi32(_mm512_cvtepi8_epi32(x), 20);
+    f[i] = _mm512_castsi512_ps(_mm512_and_si512(w, keep));
+  }
+}
+
+// What a quantized row's scale is multiplied by for the rows load_row_f32 gives.
+template <typename KV>
+constexpr float kCodeUnit = std::is_same_v<KV, uint8_t> ? pagoda_kvq::kFp8Unit : 1.0f;
+
+// 16 lanes of exp_nonpos (same polynomial); scalef multiplies by 2^n without bit tricks.
+inline __m512 exp16_nonpos(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723e-6f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// The rows of one tile: positions [16 * tile + lo, 16 * tile + hi) are valid; off[t] is
+// the element offset of lane t's cache row (kv head 0). Invalid lanes repeat a valid row,
+// so every lane can be loaded; their scores are masked and their V rows never read.
+struct TileRows {
+  int64_t off[kTile];
+  int64_t slot[kTile];  // lane t's token slot (block id * block_size + row): its scales
+  int lo, hi;
+  __mmask16 mask;
+};
+
+inline void tile_rows(int64_t bs, const int64_t* table, int64_t row_stride, int64_t tile,
+                      int64_t start, int64_t seq_len, TileRows& tr) {
+  const int64_t pos0 = tile * kTile;
+  tr.lo = static_cast<int>(std::max(start, pos0) - pos0);
+  tr.hi = static_cast<int>(std::min(seq_len, pos0 + kTile) - pos0);
+  int64_t blk = (pos0 + tr.lo) / bs;
+  int64_t r = pos0 + tr.lo - blk * bs;
+  int64_t base = table[blk] * bs;
+  for (int t = tr.lo; t < tr.hi; ++t) {
+    tr.slot[t] = base + r;
+    tr.off[t] = (base + r) * row_stride;
+    if (++r == bs && t + 1 < tr.hi) {
+      r = 0;
+      base = table[++blk] * bs;
+    }
+  }
+  for (int t = 0; t < tr.lo; ++t) tr.off[t] = tr.off[tr.lo], tr.slot[t] = tr.slot[tr.lo];
+  for (int t = tr.hi; t < kTile; ++t) tr.off[t] = tr.off[tr.lo], tr.slot[t] = tr.slot[tr.lo];
+  tr.mask = static_cast<__mmask16>(((1u << tr.hi) - 1u) & ~((1u << tr.lo) - 1u));
+}
+#endif  // __AVX512F__
+
+}  // namespace pagoda_attn

@@ -1,0 +1,617 @@
+// Prefill attention over the paged KV cache, on the CPU: a tile of query rows against each
+// tile of 16 K/V positions once (the decode kernel, paged_attention_cpu.cpp, reads every K/V
+// row once per query row).
+//
+// One work item: query rows [row0, row0 + M) of one request and the G = H / Hk query heads of
+// one kv head: M * G query vectors, in lane blocks of 16. Every tile of positions the item
+// reads is staged once from the cache (for vdpbf16ps: K as bf16, V as bf16 row pairs; else both
+// as fp32), then each lane block computes, with the 16 lanes = 16 query vectors:
+//   scores  S[t] = q . K[t]                        one K value broadcast per instruction
+//   softmax online per lane: running max, sum, rescale; causal and window masks per lane
+//   values  acc[d] = acc[d] * rescale + sum_t P[t] * V[t][d]   one V value (pair) broadcast
+// Every operation is vertical (no horizontal sums, no transposes), and the item's K/V rows
+// are read from the cache once per M query rows. The next tile's rows are prefetched while
+// the current one is computed (block ids are random: the hardware prefetchers cannot).
+//
+// Numerics: with a bf16 q and a bf16, int8 or fp8 cache, q . k is vdpbf16ps (codes staged as
+// bf16 are exact: int8 and e4m3 values have at most 8 significant bits; fp8 subnormals too,
+// scaled into bf16's normal range), whose bf16 products are exact in fp32 and summed in fp32,
+// as in the decode kernel; the softmax in fp32; P . V also through vdpbf16ps, on V rows as they
+// are (bf16, or codes as exact bf16) and the probabilities (times their V scales) rounded to
+// bf16 (2^-9 relative each, as the bf16 output itself; sums in fp32): twice the products per
+// instruction of fp32 FMAs on widened V rows, measured 1.3x faster at 2,048 tokens. A float32
+// q or cache, or a CPU without AVX512_BF16: fp32 FMAs throughout on exact fp32 rows (float32
+// q: the exact path). The output is rounded once.
+//
+// Layouts (all contiguous):
+//   q, out        [T, H, D]       float32 or bfloat16 (same dtype)
+//   k/v_cache     [N, bs, Hk, D]  and k/v_scale [N, bs, Hk] as in paged_attention_cpu.cpp
+//   block_tables  [R, max_blocks] int64
+//   query_starts, query_lens, seq_lens  [R] int64: request r's query rows are
+//     q[query_starts[r] + i], i < query_lens[r], at positions seq_lens[r] - query_lens[r] + i;
+//     row i at position p attends to positions [max(0, p - window + 1), p] (window < 0: none).
+// AVX-512 only, head dims 32/64/96/128/256; the caller takes the decode kernel elsewhere.
+
+#include <torch/extension.h>
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "attention_cpu.h"
+
+// The bf16 dot-product path (vdpbf16ps; vpermw/vpermt2w to pair V rows).
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define PAGODA_PREFILL_DOT 1
+#endif
+
+namespace {
+
+using namespace pagoda_attn;
+
+struct PrefillProblem {
+  const void* q;
+  void* out;
+  bool q_is_bf16;
+  const int64_t* block_tables;
+  int64_t bt_stride;
+  const int64_t* query_starts;
+  const int64_t* query_lens;
+  const int64_t* seq_lens;
+  int num_heads;
+  int num_kv_heads;
+  int block_size;
+  float scale;
+  int64_t window;
+  const float* k_scale = nullptr;  // [N * bs * Hk], quantized caches only
+  const float* v_scale = nullptr;
+};
+
+#if defined(__AVX512F__)
+
+// Query rows [row0, row0 + rows) of request req, for the query heads of kv head kvh.
+struct WorkItem {
+  int64_t req;
+  int64_t row0;
+  int rows;
+  int kvh;
+};
+
+// Lane blocks of 16 query vectors per item: the accumulators (blocks * kD * 64 bytes), the
+// queries and the staged tile stay in the first cache levels.
+template <int kD>
+constexpr int kMaxBlocks = kD <= 64 ? 4 : (kD <= 128 ? 2 : 1);
+
+// Per-thread state of one item; [block][dim][lane] for the queries and accumulators.
+struct PrefillScratch {
+  std::vector<uint32_t> qp;   // bf16 q, dims in pairs: [blocks][kD / 2][16]
+  std::vector<float> qf;      // fp32 q: [blocks][kD][16]
+  std::vector<float> acc;     // [blocks][kD][16]
+  std::vector<float> m, l;    // running max and sum: [blocks][16]
+  std::vector<int32_t> pos;   // each lane's query position: [blocks][16]
+  std::vector<uint16_t> kb;   // the tile's K as bf16: [16][kD]
+  std::vector<float> kf;      // the tile's K as fp32: [16][kD]
+  std::vector<float> vf;      // the tile's V as fp32 times its scale: [16][kD]
+  std::vector<uint32_t> vp;   // the tile's V as bf16, rows 2i and 2i + 1 paired: [8][kD]
+  std::vector<float> ks;      // per tile row: softmax scale times its K scale
+  std::vector<float> vs;      // per tile row: its V scale (1 for a plain cache)
+  PrefillScratch(int blocks, int d)
+      : qp(blocks * d / 2 * kTile), qf(blocks * d * kTile), acc(blocks * d * kTile),
+        m(blocks * kTile), l(blocks * kTile), pos(blocks * kTile), kb(kTile * d),
+        kf(kTile * d), vf(kTile * d), vp(kTile / 2 * d), ks(kTile), vs(kTile) {}
+};
+
+// One cache row as fp32 values times mul, natural dim order, into dst.
+template <typename KV, int kD>
+inline void stage_row_f32(const KV* src, float* dst, float mul) {
+  const __m512 m = _mm512_set1_ps(mul);
+  if constexpr (std::is_same_v<KV, uint16_t>) {
+    for (int i = 0; i < kD / 16; ++i) {
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 16 * i));
+      const __m512 f = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
+      _mm512_storeu_ps(dst + 16 * i, _mm512_mul_ps(f, m));
+    }
+  } else {
+    __m512 f[kD / 16];
+    load_row_f32<kD>(src, f);
+    for (int i = 0; i < kD / 16; ++i) _mm512_storeu_ps(dst + 16 * i, _mm512_mul_ps(f[i], m));
+  }
+}
+
+#if defined(PAGODA_PREFILL_DOT)
+// One cache row of bf16 or codes as bf16 code values (exact, see the top), into dst.
+template <typename KV, int kD>
+inline void stage_row_bf16(const KV* src, uint16_t* dst) {
+  if constexpr (std::is_same_v<KV, uint16_t>) {
+    std::memcpy(dst, src, kD * sizeof(uint16_t));
+  } else {
+    static_assert(kQuantized<KV>, "float caches keep the fp32 path");
+    __m512 f[kD / 16];
+    load_row_f32<kD>(src, f);
+    const __m512 unit = _mm512_set1_ps(kCodeUnit<KV>);
+    for (int i = 0; i < kD / 16; ++i) {
+      const __m256bh b = _mm512_cvtneps_pbh(_mm512_mul_ps(f[i], unit));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16 * i), (__m256i)b);
+    }
+  }
+}
+#endif
+
+#if defined(PAGODA_PREFILL_DOT)
+// 32 values of a row as bf16 (codes as their exact values).
+template <typename KV>
+inline __m512i load_bf16x32(const KV* src) {
+  if constexpr (std::is_same_v<KV, uint16_t>) {
+    return _mm512_loadu_si512(src);
+  } else {
+    __m512 f[2];
+    load_row_f32<32>(src, f);
+    const __m512 unit = _mm512_set1_ps(kCodeUnit<KV>);
+    return (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(f[1], unit), _mm512_mul_ps(f[0], unit));
+  }
+}
+
+// The tile's V rows as bf16 pairs: s.vp[i][d] = (V[2i][d], V[2i + 1][d]), the operand layout
+// of vdpbf16ps.
+template <typename KV, int kD>
+inline void stage_value_pairs(const KV* v_cache, const TileRows& tr, int64_t col,
+                              PrefillScratch& s) {
+  alignas(64) int16_t lo[32], hi[32];
+  for (int i = 0; i < 16; ++i) {
+    lo[2 * i] = static_cast<int16_t>(i), lo[2 * i + 1] = static_cast<int16_t>(32 + i);
+    hi[2 * i] = static_cast<int16_t>(16 + i), hi[2 * i + 1] = static_cast<int16_t>(48 + i);
+  }
+  const __m512i idx_lo = _mm512_load_si512(lo), idx_hi = _mm512_load_si512(hi);
+  for (int i = 0; i < kTile / 2; ++i) {
+    const KV* ra = v_cache + tr.off[2 * i] + col;
+    const KV* rb = v_cache + tr.off[2 * i + 1] + col;
+    uint32_t* dst = s.vp.data() + i * kD;
+    for (int c = 0; c < kD / 32; ++c) {
+      const __m512i a = load_bf16x32(ra + 32 * c), b = load_bf16x32(rb + 32 * c);
+      _mm512_storeu_si512(dst + 32 * c, _mm512_permutex2var_epi16(a, idx_lo, b));
+      _mm512_storeu_si512(dst + 32 * c + 16, _mm512_permutex2var_epi16(a, idx_hi, b));
+    }
+  }
+}
+#endif
+
+// The tile's K and V rows of kv head kvh (column col) into the scratch, and each row's
+// score multiplier. Lanes outside the tile's valid rows repeat a valid row (finite values).
+template <typename KV, int kD, bool kDot>
+inline void stage_tile(const PrefillProblem& p, const KV* k_cache, const KV* v_cache,
+                       const TileRows& tr, int64_t col, int kvh, PrefillScratch& s) {
+  for (int t = 0; t < kTile; ++t) {
+    float k_mul = p.scale, v_mul = 1.0f;
+    if constexpr (kQuantized<KV>) {
+      const int64_t i = tr.slot[t] * p.num_kv_heads + kvh;
+      k_mul *= p.k_scale[i];
+      v_mul = p.v_scale[i];
+    }
+    s.ks[t] = k_mul;
+    s.vs[t] = v_mul;
+    const KV* kr = k_cache + tr.off[t] + col;
+#if defined(PAGODA_PREFILL_DOT)
+    if constexpr (kDot) {
+      stage_row_bf16<KV, kD>(kr, s.kb.data() + t * kD);
+    } else {
+      stage_row_f32<KV, kD>(kr, s.kf.data() + t * kD, kCodeUnit<KV>);
+    }
+#else
+    stage_row_f32<KV, kD>(kr, s.kf.data() + t * kD, kCodeUnit<KV>);
+#endif
+    if constexpr (!kDot) {
+      stage_row_f32<KV, kD>(v_cache + tr.off[t] + col, s.vf.data() + t * kD,
+                            v_mul * kCodeUnit<KV>);
+    }
+  }
+#if defined(PAGODA_PREFILL_DOT)
+  if constexpr (kDot) stage_value_pairs<KV, kD>(v_cache, tr, col, s);
+#endif
+}
+
+// Prefetch the K/V rows (and scales) of a tile of kv head column col.
+template <typename KV, int kD>
+inline void prefetch_tile(const PrefillProblem& p, const KV* k_cache, const KV* v_cache,
+                          const TileRows& tr, int64_t col, int kvh) {
+  constexpr int64_t kSpan = kD * sizeof(KV);
+  for (int t = tr.lo; t < tr.hi; ++t) {
+    const char* kr = reinterpret_cast<const char*>(k_cache + tr.off[t] + col);
+    const char* vr = reinterpret_cast<const char*>(v_cache + tr.off[t] + col);
+    for (int64_t off = 0; off < kSpan; off += 64) {
+      _mm_prefetch(kr + off, _MM_HINT_T0);
+      _mm_prefetch(vr + off, _MM_HINT_T0);
+    }
+    if constexpr (kQuantized<KV>) {
+      const int64_t i = tr.slot[t] * p.num_kv_heads + kvh;
+      _mm_prefetch(reinterpret_cast<const char*>(p.k_scale + i), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(p.v_scale + i), _MM_HINT_T0);
+    }
+  }
+}
+
+// The item's queries into the lanes: query vector j = (row j / G, head j % G); lanes past the
+// item's nqv query vectors get q = 0 and the last row's position (computed, never stored).
+template <int kD, bool kDot>
+inline void load_queries(const PrefillProblem& p, int64_t qrow0, int64_t pos0, int kvh, int G,
+                         int nqv, int nblk, PrefillScratch& s) {
+  for (int j = 0; j < nblk * kTile; ++j) {
+    const int b = j / kTile, lane = j % kTile;
+    const bool real = j < nqv;
+    const int r = (real ? j : nqv - 1) / G;
+    s.pos[j] = static_cast<int32_t>(pos0 + r);
+    const int64_t q0 = ((qrow0 + r) * p.num_heads + static_cast<int64_t>(kvh) * G + j % G) * kD;
+    for (int d = 0; d < kD; ++d) {
+      if constexpr (kDot) {
+        const uint16_t bits = real ? static_cast<const c10::BFloat16*>(p.q)[q0 + d].x : 0;
+        auto* pair = reinterpret_cast<uint16_t*>(&s.qp[(b * (kD / 2) + d / 2) * kTile + lane]);
+        pair[d & 1] = bits;  // NOTE: vdpbf16ps pairs: the even dim in the low half
+      } else {
+        float x = 0.0f;
+        if (real) {
+          x = p.q_is_bf16 ? static_cast<float>(static_cast<const c10::BFloat16*>(p.q)[q0 + d])
+                          : static_cast<const float*>(p.q)[q0 + d];
+        }
+        s.qf[(b * kD + d) * kTile + lane] = x;
+      }
+    }
+  }
+}
+
+// Scores of lane block b against the staged tile: sc[t] = q . K[t] (unscaled).
+template <int kD, bool kDot>
+inline void block_scores(const PrefillScratch& s, int b, __m512* sc) {
+  for (int t = 0; t < kTile; ++t) sc[t] = _mm512_setzero_ps();
+#if defined(PAGODA_PREFILL_DOT)
+  if constexpr (kDot) {
+    const auto* kp = reinterpret_cast<const int32_t*>(s.kb.data());
+    const uint32_t* qb = s.qp.data() + b * (kD / 2) * kTile;
+    for (int dp = 0; dp < kD / 2; ++dp) {
+      const __m512bh qv = (__m512bh)_mm512_loadu_si512(qb + dp * kTile);
+      for (int t = 0; t < kTile; ++t) {
+        const __m512bh kv = (__m512bh)_mm512_set1_epi32(kp[t * (kD / 2) + dp]);
+        sc[t] = _mm512_dpbf16_ps(sc[t], qv, kv);
+      }
+    }
+    return;
+  }
+#endif
+  for (int d = 0; d < kD; ++d) {
+    const __m512 qv = _mm512_loadu_ps(s.qf.data() + (b * kD + d) * kTile);
+    for (int t = 0; t < kTile; ++t) {
+      sc[t] = _mm512_fmadd_ps(qv, _mm512_set1_ps(s.kf[t * kD + d]), sc[t]);
+    }
+  }
+}
+
+// One lane block against the staged tile (positions key0 + t): scores, the online-softmax
+// update with each lane's causal / window mask, then the values into the accumulators.
+// acc[d] = acc[d] * corr + sum_t p[t] * V[t][d] for one lane block: fp32 FMAs on the fp32 V
+// rows, or (kDot) vdpbf16ps on the bf16 V row pairs and the probabilities (times their V
+// scales) rounded to bf16 pairs.
+template <int kD, bool kDot>
+inline void block_values(float* acc, const __m512* pr, __m512 corr, const PrefillScratch& s) {
+#if defined(PAGODA_PREFILL_DOT)
+  if constexpr (kDot) {
+    alignas(64) int16_t order[32];
+    for (int i = 0; i < 16; ++i) {
+      order[2 * i] = static_cast<int16_t>(i), order[2 * i + 1] = static_cast<int16_t>(16 + i);
+    }
+    const __m512i idx = _mm512_load_si512(order);
+    __m512bh pp[kTile / 2];
+    for (int i = 0; i < kTile / 2; ++i) {
+      const __m512 pa = _mm512_mul_ps(pr[2 * i], _mm512_set1_ps(s.vs[2 * i]));
+      const __m512 pb = _mm512_mul_ps(pr[2 * i + 1], _mm512_set1_ps(s.vs[2 * i + 1]));
+      const __m512i w = (__m512i)_mm512_cvtne2ps_pbh(pb, pa);
+      pp[i] = (__m512bh)_mm512_permutexvar_epi16(idx, w);
+    }
+    constexpr int kChunk = 16;
+    const auto* vp = reinterpret_cast<const int32_t*>(s.vp.data());
+    for (int d0 = 0; d0 < kD; d0 += kChunk) {
+      __m512 a[kChunk];
+      for (int i = 0; i < kChunk; ++i) {
+        a[i] = _mm512_mul_ps(_mm512_loadu_ps(acc + (d0 + i) * kTile), corr);
+      }
+      for (int t2 = 0; t2 < kTile / 2; ++t2) {
+        for (int i = 0; i < kChunk; ++i) {
+          const __m512bh v = (__m512bh)_mm512_set1_epi32(vp[t2 * kD + d0 + i]);
+          a[i] = _mm512_dpbf16_ps(a[i], pp[t2], v);
+        }
+      }
+      for (int i = 0; i < kChunk; ++i) _mm512_storeu_ps(acc + (d0 + i) * kTile, a[i]);
+    }
+    return;
+  }
+#endif
+  constexpr int kChunk = 8;  // accumulators held in registers beside the 16 probabilities
+  for (int d0 = 0; d0 < kD; d0 += kChunk) {
+    __m512 a[kChunk];
+    for (int i = 0; i < kChunk; ++i) {
+      a[i] = _mm512_mul_ps(_mm512_loadu_ps(acc + (d0 + i) * kTile), corr);
+    }
+    for (int t = 0; t < kTile; ++t) {
+      const float* vr = s.vf.data() + t * kD + d0;
+      for (int i = 0; i < kChunk; ++i) {
+        a[i] = _mm512_fmadd_ps(pr[t], _mm512_set1_ps(vr[i]), a[i]);
+      }
+    }
+    for (int i = 0; i < kChunk; ++i) _mm512_storeu_ps(acc + (d0 + i) * kTile, a[i]);
+  }
+}
+
+template <int kD, bool kDot>
+inline void block_step(const PrefillProblem& p, int64_t key0, const TileRows& tr, int b,
+                       PrefillScratch& s) {
+  __m512 sc[kTile];
+  block_scores<kD, kDot>(s, b, sc);
+  const __m512i pos = _mm512_loadu_si512(s.pos.data() + b * kTile);
+  // NOTE: a key at k is in a query's window iff k >= pos - window + 1 (the caller keeps
+  // window below 2^31: a longer one is no window).
+  const __m512i first =
+      _mm512_sub_epi32(pos, _mm512_set1_epi32(static_cast<int32_t>(p.window - 1)));
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512 m_old = _mm512_loadu_ps(s.m.data() + b * kTile);
+  __m512 m_new = m_old;
+  __mmask16 valid[kTile];
+  for (int t = 0; t < kTile; ++t) {
+    __mmask16 k = 0;
+    if (t >= tr.lo && t < tr.hi) {
+      const __m512i kp = _mm512_set1_epi32(static_cast<int32_t>(key0 + t));
+      k = _mm512_cmple_epi32_mask(kp, pos);
+      if (p.window >= 0) k &= _mm512_cmpge_epi32_mask(kp, first);
+    }
+    valid[t] = k;
+    sc[t] = _mm512_mask_mov_ps(neg_inf, k, _mm512_mul_ps(sc[t], _mm512_set1_ps(s.ks[t])));
+    m_new = _mm512_max_ps(m_new, sc[t]);
+  }
+  // NOTE: a lane with no key yet has m = -inf: its rescale and probabilities come out of
+  // exp16_nonpos's clamp (NaN or -inf arguments give ~1e-38) and are masked or multiply 0.
+  const __m512 corr = exp16_nonpos(_mm512_sub_ps(m_old, m_new));
+  __m512 l = _mm512_mul_ps(_mm512_loadu_ps(s.l.data() + b * kTile), corr);
+  for (int t = 0; t < kTile; ++t) {
+    sc[t] = _mm512_maskz_mov_ps(valid[t], exp16_nonpos(_mm512_sub_ps(sc[t], m_new)));
+    l = _mm512_add_ps(l, sc[t]);
+  }
+  _mm512_storeu_ps(s.m.data() + b * kTile, m_new);
+  _mm512_storeu_ps(s.l.data() + b * kTile, l);
+
+  block_values<kD, kDot>(s.acc.data() + static_cast<int64_t>(b) * kD * kTile, sc, corr, s);
+}
+
+template <typename KV, int kD, bool kDot>
+void prefill_item(const PrefillProblem& p, const KV* k_cache, const KV* v_cache,
+                  const WorkItem& it, PrefillScratch& s) {
+  const int G = p.num_heads / p.num_kv_heads;
+  const int nqv = it.rows * G;
+  const int nblk = (nqv + kTile - 1) / kTile;
+  const int64_t pos0 = p.seq_lens[it.req] - p.query_lens[it.req] + it.row0;
+  const int64_t end = pos0 + it.rows;  // one past the last row's position
+  const int64_t qrow0 = p.query_starts[it.req] + it.row0;
+  load_queries<kD, kDot>(p, qrow0, pos0, it.kvh, G, nqv, nblk, s);
+  std::fill(s.acc.begin(), s.acc.begin() + nblk * kD * kTile, 0.0f);
+  std::fill(s.m.begin(), s.m.begin() + nblk * kTile, -std::numeric_limits<float>::infinity());
+  std::fill(s.l.begin(), s.l.begin() + nblk * kTile, 0.0f);
+
+  const int64_t start = p.window >= 0 ? std::max<int64_t>(0, pos0 - p.window + 1) : 0;
+  const int64_t row_stride = static_cast<int64_t>(p.num_kv_heads) * kD;
+  const int64_t col = static_cast<int64_t>(it.kvh) * kD;
+  const int64_t* table = p.block_tables + it.req * p.bt_stride;
+  const int64_t first = start / kTile, last = (end - 1) / kTile;
+  TileRows rows[2];
+  if (start < end) tile_rows(p.block_size, table, row_stride, first, start, end, rows[0]);
+  for (int64_t tile = first; start < end && tile <= last; ++tile) {
+    const TileRows& tr = rows[(tile - first) & 1];
+    stage_tile<KV, kD, kDot>(p, k_cache, v_cache, tr, col, it.kvh, s);
+    if (tile < last) {
+      TileRows& next = rows[(tile - first + 1) & 1];
+      tile_rows(p.block_size, table, row_stride, tile + 1, start, end, next);
+      prefetch_tile<KV, kD>(p, k_cache, v_cache, next, col, it.kvh);
+    }
+    for (int b = 0; b < nblk; ++b) block_step<kD, kDot>(p, tile * kTile, tr, b, s);
+  }
+
+  for (int j = 0; j < nqv; ++j) {
+    const int b = j / kTile, lane = j % kTile;
+    const float l = s.l[b * kTile + lane];
+    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    const int64_t o0 =
+        ((qrow0 + j / G) * p.num_heads + static_cast<int64_t>(it.kvh) * G + j % G) * kD;
+    const float* a = s.acc.data() + static_cast<int64_t>(b) * kD * kTile + lane;
+    if (p.q_is_bf16) {
+      auto* o = static_cast<c10::BFloat16*>(p.out) + o0;
+      for (int d = 0; d < kD; ++d) o[d] = c10::BFloat16(a[d * kTile] * inv);
+    } else {
+      float* o = static_cast<float*>(p.out) + o0;
+      for (int d = 0; d < kD; ++d) o[d] = a[d * kTile] * inv;
+    }
+  }
+}
+
+template <typename KV, int kD, bool kDot>
+void prefill_all(const PrefillProblem& p, const KV* k_cache, const KV* v_cache,
+                 int64_t num_reqs) {
+  const int G = p.num_heads / p.num_kv_heads;
+  const int rows_per_item = std::max(1, kMaxBlocks<kD> * kTile / G);
+  const int max_blocks = (rows_per_item * G + kTile - 1) / kTile;
+  std::vector<WorkItem> items;
+  for (int64_t r = 0; r < num_reqs; ++r) {
+    const int64_t n = p.query_lens[r];
+    if (n <= 0) continue;
+    // NOTE: later rows read more keys; listed first, dynamic scheduling evens out the rest.
+    for (int64_t row0 = (n - 1) / rows_per_item * rows_per_item; row0 >= 0;
+         row0 -= rows_per_item) {
+      const int rows = static_cast<int>(std::min<int64_t>(rows_per_item, n - row0));
+      for (int kvh = 0; kvh < p.num_kv_heads; ++kvh) items.push_back({r, row0, rows, kvh});
+    }
+  }
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  const int num_threads = static_cast<int>(
+      std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(num_items, 1)));
+#pragma omp parallel num_threads(num_threads)
+  {
+    PrefillScratch s(max_blocks, kD);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < num_items; ++i) {
+      prefill_item<KV, kD, kDot>(p, k_cache, v_cache, items[i], s);
+    }
+  }
+}
+
+template <typename KV, int kD>
+void dispatch_prefill(const PrefillProblem& p, const KV* k, const KV* v, int64_t num_reqs) {
+#if defined(PAGODA_PREFILL_DOT)
+  // NOTE: a float32 q or cache keeps the fp32 FMAs (the exact path).
+  if constexpr (!std::is_same_v<KV, float>) {
+    if (g_use_bf16_dot && p.q_is_bf16) return prefill_all<KV, kD, true>(p, k, v, num_reqs);
+  }
+#endif
+  prefill_all<KV, kD, false>(p, k, v, num_reqs);
+}
+
+template <typename KV>
+void dispatch_head_dim(const PrefillProblem& p, int head_dim, const KV* k, const KV* v,
+                       int64_t num_reqs) {
+  switch (head_dim) {
+    case 32:
+      return dispatch_prefill<KV, 32>(p, k, v, num_reqs);
+    case 64:
+      return dispatch_prefill<KV, 64>(p, k, v, num_reqs);
+    case 96:
+      return dispatch_prefill<KV, 96>(p, k, v, num_reqs);
+    case 128:
+      return dispatch_prefill<KV, 128>(p, k, v, num_reqs);
+    case 256:
+      return dispatch_prefill<KV, 256>(p, k, v, num_reqs);
+    default:
+      TORCH_CHECK(false, "paged_prefill_attention: head dim ", head_dim,
+                  " is not one of 32, 64, 96, 128, 256");
+  }
+}
+#endif  // __AVX512F__
+
+// The requests' arguments, checked: rows inside q, contexts inside their tables, and the
+// block ids each request reads inside the cache.
+void check_requests(const torch::Tensor& q, const torch::Tensor& bt, const int64_t* starts,
+                    const int64_t* qlens, const int64_t* lens, int64_t num_reqs,
+                    int64_t block_size, int64_t num_blocks, int64_t window) {
+  const int64_t max_len = bt.size(1) * block_size;
+  for (int64_t r = 0; r < num_reqs; ++r) {
+    TORCH_CHECK(qlens[r] >= 0 && starts[r] >= 0 && starts[r] + qlens[r] <= q.size(0),
+                "request ", r, ": query rows [", starts[r], ", ", starts[r] + qlens[r],
+                ") are outside q's ", q.size(0), " rows");
+    TORCH_CHECK(lens[r] >= qlens[r] && lens[r] <= max_len, "request ", r, ": seq_len ",
+                lens[r], " out of range (query_len ", qlens[r], ", table of ", max_len,
+                " positions)");
+    if (qlens[r] == 0) continue;
+    const int64_t pos0 = lens[r] - qlens[r];
+    const int64_t start = window >= 0 ? std::max<int64_t>(0, pos0 - window + 1) : 0;
+    const int64_t* row = bt.data_ptr<int64_t>() + r * bt.size(1);
+    for (int64_t j = start / block_size; j * block_size < lens[r]; ++j) {
+      TORCH_CHECK(row[j] >= 0 && row[j] < num_blocks, "block_tables[", r, ", ", j, "] = ",
+                  row[j], " is out of range for a KV cache of ", num_blocks, " blocks");
+    }
+  }
+}
+
+void paged_prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
+                             torch::Tensor v_cache, torch::Tensor block_tables,
+                             torch::Tensor query_starts, torch::Tensor query_lens,
+                             torch::Tensor seq_lens, double scale, int64_t sliding_window,
+                             std::optional<torch::Tensor> k_scale,
+                             std::optional<torch::Tensor> v_scale) {
+  TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "q and out must be [T, H, D]");
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+              "k_cache and v_cache must be [N, bs, Hk, D]");
+  TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && k_cache.is_contiguous() &&
+                  v_cache.is_contiguous(),
+              "q, out and the caches must be contiguous");
+  TORCH_CHECK(q.scalar_type() == out.scalar_type(), "q and out must share a dtype");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
+              "q must be float32 or bfloat16");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "caches must share a dtype");
+  const bool quantized = check_scales(k_cache, k_scale, v_scale);
+  const int num_heads = static_cast<int>(q.size(1));
+  const int head_dim = static_cast<int>(q.size(2));
+  const int num_kv_heads = static_cast<int>(k_cache.size(2));
+  TORCH_CHECK(k_cache.size(3) == head_dim, "head dims differ");
+  TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
+  const int64_t num_reqs = query_starts.numel();
+  TORCH_CHECK(query_starts.dim() == 1 && query_lens.sizes() == query_starts.sizes() &&
+                  seq_lens.sizes() == query_starts.sizes(),
+              "query_starts, query_lens and seq_lens must be [R]");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == num_reqs,
+              "block_tables: [R, M]");
+  if (num_reqs == 0) return;
+
+  auto bt = block_tables.to(at::kLong).contiguous();
+  auto qs = query_starts.to(at::kLong).contiguous();
+  auto ql = query_lens.to(at::kLong).contiguous();
+  auto sl = seq_lens.to(at::kLong).contiguous();
+  const int block_size = static_cast<int>(k_cache.size(1));
+  // NOTE: a window longer than every table reads everything (and keeps the lanes' int32
+  // window arithmetic in range).
+  if (sliding_window > bt.size(1) * block_size) sliding_window = -1;
+  check_requests(q, bt, qs.data_ptr<int64_t>(), ql.data_ptr<int64_t>(), sl.data_ptr<int64_t>(),
+                 num_reqs, block_size, k_cache.size(0), sliding_window);
+#if defined(__AVX512F__)
+  PrefillProblem p{q.data_ptr(), out.data_ptr(), q.scalar_type() == at::kBFloat16,
+                   bt.data_ptr<int64_t>(), bt.size(1), qs.data_ptr<int64_t>(),
+                   ql.data_ptr<int64_t>(), sl.data_ptr<int64_t>(), num_heads, num_kv_heads,
+                   block_size, static_cast<float>(scale), sliding_window};
+  if (quantized) {
+    p.k_scale = k_scale->data_ptr<float>();
+    p.v_scale = v_scale->data_ptr<float>();
+  }
+  if (k_cache.scalar_type() == at::kChar) {
+    dispatch_head_dim<int8_t>(p, head_dim, k_cache.data_ptr<int8_t>(),
+                              v_cache.data_ptr<int8_t>(), num_reqs);
+  } else if (k_cache.scalar_type() == at::kByte) {
+    dispatch_head_dim<uint8_t>(p, head_dim, k_cache.data_ptr<uint8_t>(),
+                               v_cache.data_ptr<uint8_t>(), num_reqs);
+  } else if (k_cache.scalar_type() == at::kFloat) {
+    dispatch_head_dim<float>(p, head_dim, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+                             num_reqs);
+  } else if (k_cache.scalar_type() == at::kBFloat16) {
+    const auto* k = reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>());
+    const auto* v = reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>());
+    dispatch_head_dim<uint16_t>(p, head_dim, k, v, num_reqs);
+  } else {
+    TORCH_CHECK(false, "caches must be float32, bfloat16, int8 or uint8 (fp8 e4m3fn bits)");
+  }
+#else
+  (void)quantized;
+  TORCH_CHECK(false, "paged_prefill_attention needs AVX-512 (this build has none)");
+#endif
+}
+
+}  // namespace
+
+// The instruction-set extensions the tiled prefill kernel was compiled to use; empty: not
+// built (no AVX-512), the caller keeps the decode kernel's rows.
+std::vector<std::string> prefill_attention_isa() {
+  std::vector<std::string> isa;
+#if defined(__AVX512F__)
+  isa.push_back("avx512f");
+#endif
+#if defined(PAGODA_PREFILL_DOT)
+  isa.push_back("avx512_bf16");
+  isa.push_back("avx512bw");
+#endif
+  return isa;
+}
+
+void register_prefill_attention(pybind11::module& m) {
+  m.def("paged_prefill_attention", &paged_prefill_attention,
+        "Prefill attention over a paged KV cache, tiles of query rows (in place into out)",
+        pybind11::arg("out"), pybind11::arg("q"), pybind11::arg("k_cache"),
+        pybind11::arg("v_cache"), pybind11::arg("block_tables"), pybind11::arg("query_starts"),
+        pybind11::arg("query_lens"), pybind11::arg("seq_lens"), pybind11::arg("scale"),
+        pybind11::arg("sliding_window"), pybind11::arg("k_scale") = pybind11::none(),
+        pybind11::arg("v_scale") = pybind11::none());
+}

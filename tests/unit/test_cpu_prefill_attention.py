@@ -1,0 +1,309 @@
+"""The tiled C++ prefill-attention kernel (ops.paged_prefill_attention's CPU kernel) against
+the PyTorch reference and a float64 oracle, and the paged backend's dispatch to it.
+
+Requests are (query_len, seq_len): seq_len > query_len is a chunk after a cached prefix (or
+a speculative verification's k + 1 rows); the query tiles of 64 / G rows (head dim <= 64)
+straddle blocks, tiles of 16 positions and each other."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pagoda import ops
+from pagoda.attention.backend import AttentionMetadata, PrefillSeq
+from pagoda.attention.torch_paged import TorchPagedAttention
+from pagoda.ops import cpu_kernels, reference, registry
+from pagoda.ops.kv_quant import quantize
+
+REQUESTS = [(5, 5), (40, 40), (17, 50), (100, 130), (2, 90), (70, 70), (1, 33)]
+CODES = [torch.int8, torch.uint8]  # uint8: fp8 e4m3fn bits
+
+
+def _case(requests, hk, group, dtype, d=64, block_size=16, q_dtype=None, num_decodes=0,
+          seed=0):
+    """(q, k_cache, v_cache, tables, query_starts, query_lens, seq_lens): shuffled block ids,
+    padded tables, large values in every slot no request reads; q has `num_decodes` rows
+    (of no request) before the requests' rows."""
+    g = torch.Generator().manual_seed(seed)
+    nb = [math.ceil(s / block_size) for _, s in requests]
+    num_blocks = 2 * sum(nb) + 3
+    shape = (num_blocks, block_size, hk, d)
+    k_cache = torch.randn(shape, generator=g)
+    v_cache = torch.randn(shape, generator=g)
+    used = torch.zeros(num_blocks, block_size, dtype=torch.bool)
+    ids = torch.randperm(num_blocks, generator=g)
+    tables = torch.zeros(len(requests), max(nb) + 1, dtype=torch.int64)
+    taken = 0
+    for i, ((_, s), n) in enumerate(zip(requests, nb)):
+        tables[i, :n] = ids[taken : taken + n]
+        taken += n
+        pos = torch.arange(s)
+        used[tables[i, pos // block_size], pos % block_size] = True
+    k_cache[~used], v_cache[~used] = 30.0, 1000.0
+    qlens = torch.tensor([q for q, _ in requests])
+    starts = num_decodes + torch.cumsum(qlens, 0) - qlens
+    q = torch.randn(num_decodes + int(qlens.sum()), hk * group, d, generator=g)
+    q = q.to(dtype if q_dtype is None else q_dtype)
+    lens = torch.tensor([s for _, s in requests])
+    return q, k_cache.to(dtype), v_cache.to(dtype), tables, starts, qlens, lens
+
+
+def _naive(q, k_cache, v_cache, tables, starts, qlens, lens, window, scales=(None, None)):
+    """Every request's rows, row by row, in float64; None where a row is no request's."""
+    out = torch.full(q.shape, float("nan"), dtype=torch.float64)
+    hk, d = k_cache.shape[2], k_cache.shape[3]
+    group = q.shape[1] // hk
+    for r in range(len(lens)):
+        n, s0 = int(lens[r]), int(starts[r])
+        keys = reference.gather_kv(k_cache, scales[0], tables[r : r + 1], n, torch.float64)[0]
+        values = reference.gather_kv(v_cache, scales[1], tables[r : r + 1], n, torch.float64)[0]
+        keys, values = (x.repeat_interleave(group, dim=1) for x in (keys, values))
+        for i in range(int(qlens[r])):
+            p = n - int(qlens[r]) + i
+            lo = 0 if window is None else max(0, p - window + 1)
+            sc = torch.einsum("hd,nhd->hn", q[s0 + i].double(), keys[lo : p + 1]) / math.sqrt(d)
+            out[s0 + i] = torch.einsum("hn,nhd->hd", sc.softmax(-1), values[lo : p + 1])
+    return out
+
+
+def _tiled(*args):
+    """The registered tiled kernel, called through dispatch's choice (asserting it is one)."""
+    kernel = ops.paged_prefill_attention.select(*args)
+    assert kernel is not ops.paged_prefill_attention.reference
+    return kernel(*args)
+
+
+def _check(case, window, tol, scales=(None, None), num_decodes=0):
+    q = case[0]
+    d = q.shape[2]
+    args = (*case, d**-0.5, window, *(s for s in scales if s is not None))
+    got = _tiled(*args)[num_decodes:]
+    assert got.dtype == q.dtype
+    want = _naive(*case, window, scales)[num_decodes:]
+    torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
+    ref = reference.paged_prefill_attention(*args)[num_decodes:]
+    torch.testing.assert_close(got.double(), ref.double(), atol=2 * tol, rtol=2 * tol)
+
+
+@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("window", [None, 5, 40])
+def test_float32_matches_oracle_and_reference(ext, group: int, window: int | None) -> None:
+    case = _case(REQUESTS, 2, group, torch.float32, seed=group, num_decodes=3)
+    _check(case, window, 1e-5, num_decodes=3)
+
+
+@pytest.fixture(params=[True, False], ids=["bf16_dot", "fp32_fma"])
+def bf16_path(request: pytest.FixtureRequest, ext):
+    """Both inner paths for bf16: vdpbf16ps (where the CPU has AVX512_BF16) and the fp32-FMA
+    fallback of CPUs without it."""
+    path = ext.set_bf16_dot(request.param)
+    try:
+        yield path
+    finally:
+        ext.set_bf16_dot(True)
+
+
+@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("window", [None, 33])
+def test_bfloat16_paths_match_oracle(bf16_path: str, group: int, window: int | None) -> None:
+    # NOTE: float32 accumulation, one rounding to bf16 (~4e-3 relative), as the decode kernel.
+    _check(_case(REQUESTS, 2, group, torch.bfloat16, seed=7 + group), window, 1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [32, 96, 128, 256])
+@pytest.mark.parametrize("group", [1, 4])
+def test_head_dims(ext, dtype: torch.dtype, head_dim: int, group: int) -> None:
+    """Head dims with other tile heights (64 / G rows up to 64, 32 / G to 128, 16 / G)."""
+    requests = [(70, 70), (3, 40), (33, 60)]
+    case = _case(requests, 2, group, dtype, d=head_dim, seed=head_dim)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    _check(case, None, tol)
+    _check(case, 21, tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [1, 8, 24, 32])
+def test_block_sizes(ext, dtype: torch.dtype, block_size: int) -> None:
+    """Tiles of 16 positions over several blocks or parts of one."""
+    case = _case(REQUESTS, 3, 3, dtype, block_size=block_size, seed=block_size)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    _check(case, None, tol)
+    _check(case, 21, tol)
+
+
+def test_float32_query_on_bfloat16_cache_is_near_exact(bf16_path: str) -> None:
+    case = _case(REQUESTS, 3, 3, torch.bfloat16, q_dtype=torch.float32, seed=9)
+    _check(case, 20, 1e-5)
+
+
+@pytest.mark.parametrize("code", CODES)
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("d", "block_size", "hk", "group"), [(64, 16, 2, 4), (64, 8, 1, 3), (96, 32, 2, 2),
+                                         (128, 1, 2, 1)],
+)
+def test_quantized_caches(ext, code, q_dtype, d, block_size, hk, group) -> None:
+    """int8 / fp8 codes read in place (codes staged as exact bf16 on the dot path)."""
+    q, k_cache, v_cache, tables, starts, qlens, lens = _case(
+        REQUESTS, hk, group, torch.float32, d=d, block_size=block_size, q_dtype=q_dtype,
+        seed=d + group)
+    k_codes, k_scale = quantize(k_cache * 2, code)
+    v_codes, v_scale = quantize(v_cache, code)
+    k_scale[0, 0, 0] = 0.0  # an all-zero row (scale 0) is just another key
+    k_codes[0, 0, 0] = 0
+    case = (q, k_codes, v_codes, tables, starts, qlens, lens)
+    tol = 1e-5 if q_dtype == torch.float32 else 1e-2
+    for window in (None, 9):
+        _check(case, window, tol, scales=(k_scale, v_scale))
+
+
+def test_window_reads_nothing_before_it(ext) -> None:
+    """A windowed group nulls the table entries before a chunk's window (core/kv_groups):
+    those entries are neither read nor checked."""
+    requests = [(20, 100), (8, 64)]
+    window = 24
+    case = _case(requests, 2, 2, torch.bfloat16, block_size=8, seed=4)
+    q, k_cache, v_cache, tables, starts, qlens, lens = case
+    freed = tables.clone()
+    for r, (query_len, seq_len) in enumerate(requests):
+        first_read = max(0, seq_len - query_len - window + 1) // 8
+        freed[r, :first_read] = 10**6
+    args = (q, k_cache, v_cache, freed, starts, qlens, lens, 0.125, window)
+    want = reference.paged_prefill_attention(*case, 0.125, window)
+    torch.testing.assert_close(_tiled(*args), want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize(("bad", "match"), [(-1, "out of range"), (10**6, "out of range")])
+def test_out_of_range_block_id_is_a_clear_error(ext, bad: int, match: str) -> None:
+    q, k_cache, v_cache, tables, starts, qlens, lens = _case([(5, 20)], 1, 2, torch.float32)
+    tables[0, 1] = bad
+    with pytest.raises(RuntimeError, match=match):
+        _tiled(q, k_cache, v_cache, tables, starts, qlens, lens, 0.125)
+
+
+def test_rows_outside_q_or_context_are_refused(ext) -> None:
+    q, k_cache, v_cache, tables, starts, qlens, lens = _case([(5, 20)], 1, 2, torch.float32)
+    with pytest.raises(RuntimeError, match="outside q"):
+        _tiled(q, k_cache, v_cache, tables, starts + 1, qlens, lens, 0.125)
+    with pytest.raises(RuntimeError, match="seq_len"):
+        _tiled(q, k_cache, v_cache, tables, starts, qlens, lens.clone().fill_(4), 0.125)
+
+
+# ---- the paged backend's dispatch ----------------------------------------------------------
+def _metadata(case, num_decodes: int, decode_lens: list[int], tiled: bool) -> AttentionMetadata:
+    """A step of `num_decodes` decodes (reading request 0's table) then the case's prefills;
+    tiled=False leaves out the prefill arrays (only the per-token rows path remains)."""
+    tables, starts, qlens, lens = case[3:]
+    decode_tables = tables[:1].expand(num_decodes, -1).contiguous()
+    token_tables = [decode_tables]
+    token_lens = [torch.tensor(decode_lens)]
+    prefills = []
+    for r in range(len(lens)):
+        n, s = int(qlens[r]), int(lens[r])
+        prefills.append(PrefillSeq(int(starts[r]), n, s, tables[r, : math.ceil(s / 16)]))
+        token_tables.append(tables[r : r + 1].expand(n, -1))
+        token_lens.append(torch.arange(s - n, s) + 1)
+    arrays = {}
+    if tiled:
+        arrays = {"prefill_query_starts": starts, "prefill_query_lens": qlens,
+                  "prefill_seq_lens": lens, "prefill_block_tables": tables}
+    return AttentionMetadata(
+        slot_mapping=torch.empty(0, dtype=torch.int64),
+        num_decode_tokens=num_decodes,
+        decode_block_tables=decode_tables,
+        decode_seq_lens=torch.tensor(decode_lens),
+        decode_max_seq_len=max(decode_lens),
+        prefills=prefills,
+        token_block_tables=torch.cat(token_tables),
+        token_seq_lens=torch.cat(token_lens),
+        **arrays,
+    )
+
+
+def _spy_on(ext, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    calls: list[str] = []
+
+    class Spy:
+        def __getattr__(self, name):
+            calls.append(name)
+            return getattr(ext, name)
+
+    monkeypatch.setattr(cpu_kernels, "_module", Spy())
+    return calls
+
+
+@pytest.mark.parametrize("window", [None, 30])
+def test_backend_takes_tiled_prefill_and_decode_kernels(ext, monkeypatch, window) -> None:
+    """A mixed bf16 step: decode rows through the decode kernel, prefill rows through the
+    tiled kernel, one call each, equal to the per-token rows path and the oracle."""
+    case = _case(REQUESTS, 3, 3, torch.bfloat16, num_decodes=2, seed=21)
+    q, k_cache, v_cache = case[:3]
+    backend = TorchPagedAttention(9, 3, 64, window)
+    calls = _spy_on(ext, monkeypatch)
+    md = _metadata(case, 2, [7, 16], tiled=True)
+    got = backend.forward(q, q[:, :0], q[:, :0], (k_cache, v_cache), md, kv_written=True)
+    assert calls.count("paged_prefill_attention") == 1
+    assert calls.count("paged_decode_attention") == 1
+    rows = backend.forward(q, q[:, :0], q[:, :0], (k_cache, v_cache),
+                           _metadata(case, 2, [7, 16], tiled=False), kv_written=True)
+    assert calls.count("paged_decode_attention") == 2 and calls.count(
+        "paged_prefill_attention") == 1
+    torch.testing.assert_close(got.float(), rows.float(), atol=2e-2, rtol=2e-2)
+    want = _naive(*case, window)[2:]
+    torch.testing.assert_close(got.view_as(q)[2:].double(), want, atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("group", [1, 4])
+def test_requests_with_few_query_vectors_take_the_decode_kernel(ext, monkeypatch, group) -> None:
+    """Query rows x G below TILED_MIN_QUERY_VECTORS (speculative k + 1 rows, short chunks)
+    go with the decode rows through the decode kernel, the others through the tiled one:
+    one call each, and all rows right. G = 4: 4 rows are enough, 3 are not."""
+    requests = [(3, 40), (20, 20), (4, 90), (2, 17), (16, 50)]
+    case = _case(requests, 2, group, torch.bfloat16, num_decodes=2, seed=group)
+    q, k_cache, v_cache = case[:3]
+    backend = TorchPagedAttention(2 * group, 2, 64)
+    calls = _spy_on(ext, monkeypatch)
+    md = _metadata(case, 2, [7, 16], tiled=True)
+    got = backend.forward(q, q[:, :0], q[:, :0], (k_cache, v_cache), md, kv_written=True)
+    assert calls.count("paged_prefill_attention") == 1
+    assert calls.count("paged_decode_attention") == 1
+    arrays, rows = md.memo[("tiled_split", group)]
+    tiled_lens = [n for n, _ in requests if n * group >= 16]
+    assert arrays[2].tolist() == tiled_lens
+    assert len(rows) == 2 + sum(n for n, _ in requests) - sum(tiled_lens)
+    want = _naive(*case, None)[2:]
+    torch.testing.assert_close(got.view_as(q)[2:].double(), want, atol=1e-2, rtol=1e-2)
+    rows_only = backend.forward(q, q[:, :0], q[:, :0], (k_cache, v_cache),
+                                _metadata(case, 2, [7, 16], tiled=False), kv_written=True)
+    torch.testing.assert_close(got[:2].float(), rows_only[:2].float())
+
+
+def test_other_head_dims_keep_the_decode_kernels_rows(ext, monkeypatch) -> None:
+    """Head dim 80 has no tiled kernel: every row goes through the decode kernel."""
+    case = _case([(6, 20)], 1, 2, torch.bfloat16, d=80, num_decodes=1)
+    q, k_cache, v_cache, *_ = case
+    args = (*case, 80**-0.5)
+    assert ops.paged_prefill_attention.select(*args) is ops.paged_prefill_attention.reference
+    calls = _spy_on(ext, monkeypatch)
+    backend = TorchPagedAttention(2, 1, 80)
+    out = backend.forward(q, q[:, :0], q[:, :0], (k_cache, v_cache),
+                          _metadata(case, 1, [20], tiled=True), kv_written=True)
+    assert [c for c in calls if c.startswith("paged")] == ["paged_decode_attention"]
+    torch.testing.assert_close(out.view_as(q)[1:].double(), _naive(*case, None)[1:],
+                               atol=1e-2, rtol=1e-2)
+
+
+def test_cpu_without_avx512f_has_no_tiled_kernel(ext, monkeypatch) -> None:
+    """Mocked flags without AVX-512: the tiled kernel is never chosen (no SIGILL)."""
+    assert not cpu_kernels.isa_allows("paged_prefill_attention", [], frozenset({"avx2"}))
+    flags = frozenset(f for f in cpu_kernels.cpu_flags() if not f.startswith("avx512"))
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(cpu_kernels, "_allowed", {})
+    registry.refresh()
+    q = torch.zeros(2, 2, 64, dtype=torch.bfloat16)
+    assert ops.paged_prefill_attention.kernel_for(q) is None
+    registry.refresh()  # NOTE: no resolution made under the mocked flags outlives the test
