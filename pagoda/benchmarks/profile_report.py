@@ -48,6 +48,8 @@ def _dispatch(d: dict[str, Any]) -> list[str]:
     lines += [f"op   {name:<20}: {', '.join(kernels)}" for name, kernels in d["ops"].items()]
     lines += [f"gemm {name:<20}: {how}" for name, how in d["gemms"].items()]
     lines.append(f"attention backend        : {d['attention_backend']}")
+    lines.append("fused decoder layers     : " + ("on (one C++ call per layer between attention "
+                 "calls)" if d.get("fused_layers") else "off (op by op)"))
     return lines
 
 

@@ -220,6 +220,7 @@ def run_step_profile(args: argparse.Namespace) -> dict[str, Any]:
         report["single"]["weight_floor"] = floor
     report["dispatch"] = {"ops": {k: sorted(v) for k, v in sorted(inst.dispatch.items())},
                           "gemms": gemm_dispatch(engine),
+                          "fused_layers": engine.executor.worker.model.fused_stack() is not None,
                           "attention_backend": engine.config.model.attn_backend}
     spec = engine.executor.worker.model.spec
     shapes = [((spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim, spec.hidden_size),

@@ -9,6 +9,8 @@ The engine's code carries no instrumentation of its own, so profiling off costs 
 Times are exclusive: a region's seconds less those of the timed regions inside it (the
 attention backend's time excludes the fused KV write it calls, the forward's "other"
 is what remains after GEMMs, attention and fused ops: embedding, views, the layer loop).
+With the fused decoder stack (models/fused_decoder.py) a layer's GEMMs and fused ops are
+one C++ call, timed as "forward: layer calls".
 CPU ops are synchronous, so wall-clock timers measure the work itself.
 """
 
@@ -28,6 +30,7 @@ PHASES = (
     "forward: GEMMs",
     "forward: attention",
     "forward: fused ops",
+    "forward: layer calls",
     "forward: other",
     "lm_head",
     "sampling",
@@ -113,6 +116,11 @@ class StepInstrumentation:
         model = runner.model
         self._patch(model, "forward", "forward: other")
         self._patch(model, "compute_logits", "lm_head")
+        stack = model.fused_stack() if hasattr(model, "fused_stack") else None
+        if stack is not None:
+            # NOTE: the GEMMs and fused ops between two attention calls in one C++ call.
+            for name in ("qkv", "mlp", "mlp_qkv"):
+                self._patch(stack, name, "forward: layer calls")
         for module in model.modules():
             if isinstance(module, LinearBase):
                 self._patch(module, "forward", "forward: GEMMs")

@@ -26,6 +26,7 @@ from pagoda.layers.linear import (
 from pagoda.layers.norm import RMSNorm
 from pagoda.layers.rotary import RotaryEmbedding, apply_rotary, rope_inv_freq
 from pagoda.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+from pagoda.models.fused_decoder import FusedDecoderStack
 from pagoda.models.registry import register_model
 from pagoda.models.weight_utils import load_weights_by_name
 from pagoda.ops import fused_ops_for
@@ -33,6 +34,7 @@ from pagoda.ops.kv_quant import is_quantized
 from pagoda.quant.base import QuantizableLayer, QuantizationConfig
 
 KVCache = tuple[torch.Tensor, ...]  # K, V (and, quantized, their scales)
+_UNBUILT = object()  # LlamaForCausalLM._fused_stack before it is (re)built
 
 
 @dataclass(frozen=True)
@@ -270,6 +272,7 @@ class LlamaForCausalLM(nn.Module):
                 prefix=f"{dot}lm_head",
             )
         self.rotary: RotaryEmbedding | None = None
+        self._fused_stack: FusedDecoderStack | None | object = _UNBUILT
 
     def init_rotary(self, max_positions: int, dtype: torch.dtype, device: torch.device) -> None:
         """Builds the cos/sin tables, with the GGUF file's rope frequency factors if any."""
@@ -316,20 +319,40 @@ class LlamaForCausalLM(nn.Module):
         # or quantized (--kv-cache-dtype can differ); otherwise rotary and the write run apart.
         cache_dtype = kv_caches[0][0].dtype
         fused = fused_ops_for(x) if cache_dtype == x.dtype or is_quantized(cache_dtype) else None
-        rope = RopeInputs(positions, self.rotary.cos, self.rotary.sin, fused)
-        residual = None
         layer_mds = md if isinstance(md, list) else [md] * len(kv_caches)
-        for layer, kv_cache, layer_md in zip(self.model.layers, kv_caches, layer_mds,
-                                             strict=True):
-            x, residual = layer(x, residual, rope, kv_cache, layer_md)
+        cos, sin = self.rotary.cos, self.rotary.sin
+        stack = self.fused_stack() if fused is not None else None
+        if stack is not None and stack.dtype == x.dtype == cos.dtype:
+            if len(kv_caches) != len(stack.layers):
+                raise ValueError(f"{len(kv_caches)} KV caches for {len(stack.layers)} layers")
+            x, residual = stack.run(x, cos, sin, positions, kv_caches, layer_mds)
+        else:
+            rope = RopeInputs(positions, cos, sin, fused)
+            residual = None
+            for layer, kv_cache, layer_md in zip(self.model.layers, kv_caches, layer_mds,
+                                                 strict=True):
+                x, residual = layer(x, residual, rope, kv_cache, layer_md)
         x, _ = self.model.norm.forward_residual(x, residual)
         return x
+
+    def fused_stack(self) -> FusedDecoderStack | None:
+        """The layers as whole-layer kernel calls (models/fused_decoder.py), built once for
+        the current weights; None: the layers run op by op."""
+        if self._fused_stack is _UNBUILT:
+            self._fused_stack = FusedDecoderStack.build(self.model.layers)
+        return self._fused_stack
+
+    def _apply(self, fn, recurse: bool = True):
+        # NOTE: .to() and friends replace (and repack) the weights the stack holds.
+        self._fused_stack = _UNBUILT
+        return super()._apply(fn, recurse)
 
     def process_weights_after_loading(self) -> None:
         """Lets every layer's quant method prepare its weights (e.g. the CPU repack)."""
         for module in self.modules():
             if isinstance(module, QuantizableLayer):
                 module.process_weights_after_loading()
+        self._fused_stack = _UNBUILT
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden)

@@ -17,7 +17,8 @@ The cache ops take a quantized cache's scales (k_scale, v_scale) as trailing arg
 (kv_quant.py: int8 / fp8 codes, a float32 scale per token and kv head).
 
 The quantized-weight linears (wq_linear, int8_linear, fp8_linear, gguf_linear) and their
-weight objects are in wquant.py.
+weight objects are in wquant.py. `decoder_layers_for(x)` gives a decoder layer's dense part
+as whole-layer calls where they run (models/fused_decoder.py uses them).
 
 Kernels per device: CPU -> the C++ kernels (cpu.py) where built and the dtype allows;
 CUDA -> the reference for now.
@@ -53,11 +54,18 @@ def fused_ops_for(x: torch.Tensor) -> ModuleType | None:
     return sys.modules[__name__] if rotary_and_cache.kernel_for(x) is not None else None
 
 
+def decoder_layers_for(x: torch.Tensor) -> ModuleType | None:
+    """The whole-layer kernels (`cpu.decoder_layers`) for activations like x, or None: the
+    caller runs its layers op by op (the reference composition)."""
+    return cpu.decoder_layers(x) if x.device.type == "cpu" else None
+
+
 __all__ = [
     "OPS",
     "Kernel",
     "Op",
     "apply_rotary",
+    "decoder_layers_for",
     "fused_add_rms_norm",
     "fused_ops_for",
     "gather_blocks",

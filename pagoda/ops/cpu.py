@@ -11,6 +11,7 @@ kv_quant.py), which they write and read natively. Anything else, and `PAGODA_DIS
 from __future__ import annotations
 
 import functools
+import os
 from types import ModuleType
 
 import torch
@@ -130,6 +131,21 @@ def _prefill_supports(q, k_cache, v_cache, *_rest) -> bool:
 
 def _matrix_contiguous(x: torch.Tensor) -> bool:
     return x.dim() == 2 and x.is_contiguous()
+
+
+def fused_layers_disabled() -> bool:
+    return os.environ.get("PAGODA_DISABLE_FUSED_LAYERS", "0") not in ("", "0")
+
+
+def decoder_layers(x: torch.Tensor) -> ModuleType | None:
+    """The extension, for its whole-layer calls (`DecoderLayer`, `decoder_qkv`,
+    `decoder_mlp`, `decoder_mlp_qkv`: csrc/decoder_layer_cpu.cpp), where they may run for
+    activations like x: a CPU tensor in bf16/fp16, the fused ops' kernels allowed on this
+    CPU, `PAGODA_DISABLE_FUSED_LAYERS` unset; else None."""
+    if x.device.type != "cpu" or x.dtype not in LOW_PRECISION or fused_layers_disabled():
+        return None
+    ext = cpu_kernels.kernel_for("fused_ops")
+    return ext if ext is not None and hasattr(ext, "DecoderLayer") else None
 
 
 def register() -> None:

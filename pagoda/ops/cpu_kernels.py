@@ -36,9 +36,13 @@ _SOURCES = [
     Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp",
     Path(__file__).parent / "csrc" / "fused_ops_cpu.cpp",
     Path(__file__).parent / "csrc" / "paged_prefill_cpu.cpp",
+    Path(__file__).parent / "csrc" / "decoder_layer_cpu.cpp",
 ]
 # Included by the sources: part of the build's inputs (its hash), not compiled on their own.
-_HEADERS = [Path(__file__).parent / "csrc" / h for h in ("kv_quant_cpu.h", "attention_cpu.h")]
+_HEADERS = [
+    Path(__file__).parent / "csrc" / h
+    for h in ("kv_quant_cpu.h", "attention_cpu.h", "fused_ops_cpu.h")
+]
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 _LDFLAGS = ["-fopenmp"]
 # NOTE: a build takes ~1.5 min on a loaded 2-core machine; a lock this old has no owner.

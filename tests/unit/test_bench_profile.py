@@ -92,14 +92,19 @@ def test_cases_time_the_right_steps(report):
     for case in ("decode", "prefill", "single"):
         c = report[case]
         assert c["step_ms"] == pytest.approx(sum(c["phases_ms"].values()))
-        assert c["phases_ms"]["forward: GEMMs"] > 0 and c["phases_ms"]["sampling"] > 0
+        # NOTE: with the fused decoder stack the GEMMs run inside the layer calls.
+        gemm_phase = "forward: layer calls" if report["dispatch"]["fused_layers"] else (
+            "forward: GEMMs")
+        assert c["phases_ms"][gemm_phase] > 0 and c["phases_ms"]["sampling"] > 0
         assert c["phases_ms"]["forward: attention"] > 0 and c["phases_ms"]["lm_head"] > 0
     assert report["single"]["weight_floor"]["ratio"] > 0
 
 
 def test_dispatch_names_every_op_and_gemm(report):
     d = report["dispatch"]
-    assert {"paged_attention", "fused_add_rms_norm", "silu_and_mul"} <= set(d["ops"])
+    assert {"paged_attention", "fused_add_rms_norm"} <= set(d["ops"])
+    # NOTE: the fused decoder stack calls SiLU*mul inside its layer calls, not as an op.
+    assert d["fused_layers"] or "silu_and_mul" in d["ops"]
     assert {"qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head"} <= set(d["gemms"])
     assert all(d["ops"].values())
 

@@ -38,6 +38,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "fused_ops_cpu.h"
 #include "kv_quant_cpu.h"
 
 namespace pagoda_fused {
@@ -397,7 +398,11 @@ std::vector<std::string> fused_ops_isa() {
 #endif
 }
 
+// Defined in decoder_layer_cpu.cpp (the same extension): whole-layer calls built on these ops.
+void register_decoder_layer(pybind11::module& m);
+
 void register_fused_ops(pybind11::module& m) {
+  register_decoder_layer(m);
   m.def("fused_add_rms_norm", &pagoda_fused::fused_add_rms_norm,
         "residual += x; x = rms_norm(residual) * weight (both in place)");
   m.def("rotary_and_cache", &pagoda_fused::rotary_and_cache,

@@ -1,0 +1,118 @@
+"""The Llama decoder stack with one kernel call per layer between attention calls.
+
+Op by op, a decoder layer is ~12 Python-level calls (modules, op dispatch, views), each
+~3-10 us of interpreter and argument parsing beside kernels that at one token per step take
+~20-50 us; over 30 layers that host time is a large share of a batch-1 step. Here each
+layer's dense part (o_proj, add+RMSNorm, gate_up, SiLU*mul, down, the next layer's
+add+RMSNorm, qkv_proj, rotary+KV write) is one call into the C++ extension
+(ops/csrc/decoder_layer_cpu.cpp), which runs the very kernels the Python layers run, in
+the same order: the result is bit for bit the op-by-op one (tests/unit/test_fused_decoder.py).
+Attention stays the backend's call, so every step (decode, prefill, mixed) takes this path.
+
+Eligible: every projection unquantized with a oneDNN-packed weight (bf16, or fp16 where
+oneDNN packs it), no q/k norm, tensor parallel size 1, and the fused rotary + cache write in
+use (the cache in the model's dtype or quantized). Otherwise, and with
+`PAGODA_DISABLE_FUSED_LAYERS=1`, the model runs op by op.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagoda import ops
+from pagoda.quant.unquantized import UnquantizedLinearMethod, is_packed
+
+KVCache = tuple[torch.Tensor, ...]
+
+
+def _packed_dense(linear: nn.Module) -> bool:
+    return (
+        type(linear.quant_method) is UnquantizedLinearMethod
+        and linear.tp_size == 1
+        and is_packed(linear.weight)
+    )
+
+
+def _eligible(layer: nn.Module, dtype: torch.dtype) -> bool:
+    attn, mlp = layer.self_attn, layer.mlp
+    linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    return (
+        not attn.qk_norm
+        and all(_packed_dense(m) for m in linears)
+        and all(n.weight.dtype == dtype and n.weight.is_contiguous() for n in norms)
+    )
+
+
+class FusedDecoderStack:
+    """The layers of one model as extension `DecoderLayer`s plus their attention backends.
+
+    `qkv`, `mlp` and `mlp_qkv` are the extension's calls, as instance attributes so that a
+    profiler (benchmarks/step_timer.py) can time them."""
+
+    def __init__(self, ext: Any, layers: Sequence[nn.Module], dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self.first_norm = layers[0].input_layernorm
+        self.attns = [layer.self_attn.attn for layer in layers]
+        self.layers = [self._layer(ext, layer) for layer in layers]
+        self.qkv: Callable[..., Any] = ext.decoder_qkv
+        self.mlp: Callable[..., Any] = ext.decoder_mlp
+        self.mlp_qkv: Callable[..., Any] = ext.decoder_mlp_qkv
+
+    @staticmethod
+    def _layer(ext: Any, layer: nn.Module) -> Any:
+        attn, mlp = layer.self_attn, layer.mlp
+        return ext.DecoderLayer(
+            input_norm=layer.input_layernorm.weight.detach(),
+            post_norm=layer.post_attention_layernorm.weight.detach(),
+            qkv_w=attn.qkv_proj.weight, o_w=attn.o_proj.weight,
+            gate_up_w=mlp.gate_up_proj.weight, down_w=mlp.down_proj.weight,
+            qkv_b=attn.qkv_proj.bias, o_b=attn.o_proj.bias,
+            gate_up_b=mlp.gate_up_proj.bias, down_b=mlp.down_proj.bias,
+            eps=layer.post_attention_layernorm.eps, num_heads=attn.num_heads,
+            num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
+        )
+
+    @classmethod
+    def build(cls, layers: Sequence[nn.Module]) -> FusedDecoderStack | None:
+        """The stack for these layers' current weights; None where a layer is not eligible
+        or the extension's whole-layer calls do not run here."""
+        if not layers:
+            return None
+        dtype = layers[0].input_layernorm.weight.dtype
+        probe = layers[0].input_layernorm.weight
+        ext = ops.decoder_layers_for(probe)
+        if ext is None or not all(_eligible(layer, dtype) for layer in layers):
+            return None
+        # NOTE: the norms' eps must agree: each DecoderLayer carries one (the model's).
+        if any(layer.input_layernorm.eps != layer.post_attention_layernorm.eps
+               for layer in layers):
+            return None
+        with torch.no_grad():
+            return cls(ext, layers, dtype)
+
+    def run(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+        kv_caches: Sequence[KVCache], mds: Sequence[Any],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Embeddings x [T, hidden] -> (last layer's output, residual), exactly what the
+        layers return op by op. The caller has checked that the fused rotary + cache write
+        applies (cos/sin and the caches as `ops.fused_ops_for` requires)."""
+        layers, attns = self.layers, self.attns
+        residual, x = x, self.first_norm(x)
+        kv, md = kv_caches[0], mds[0]
+        q, k, v = self.qkv(layers[0], x, cos, sin, positions, kv[0], kv[1], md.slot_mapping,
+                           *(kv[2:] or (None, None)))
+        last = len(layers) - 1
+        for i in range(last):
+            out = attns[i].forward(q, k, v, kv_caches[i], mds[i], kv_written=True)
+            kv, md = kv_caches[i + 1], mds[i + 1]
+            q, k, v = self.mlp_qkv(layers[i], layers[i + 1], out, residual, cos, sin,
+                                   positions, kv[0], kv[1], md.slot_mapping,
+                                   *(kv[2:] or (None, None)))
+        out = attns[last].forward(q, k, v, kv_caches[last], mds[last], kv_written=True)
+        return self.mlp(layers[last], out, residual), residual

@@ -1,0 +1,123 @@
+// A Llama-family decoder layer's dense part, called once between two attention calls.
+//
+//   decoder_mlp(layer, attn, residual) -> x
+//       x = o_proj(attn); (x, residual) = add_rms_norm(x, residual, post_norm)
+//       x = down_proj(silu_and_mul(gate_up_proj(x)))
+//   decoder_qkv(layer, x, cos, sin, positions, k_cache, v_cache, slot_mapping[, scales]) -> q, k, v
+//       qkv = qkv_proj(x); rotary_and_cache(qkv, ...)   (x already normed)
+//   decoder_mlp_qkv(layer, next, attn, residual, ...) -> the next layer's q, k, v
+//       x = decoder_mlp(layer, attn, residual); (x, residual) = add_rms_norm(x, residual,
+//       next.input_norm); decoder_qkv(next, x, ...)
+//
+// These are the kernels the Python layers call, in the same order on the same tensors (the
+// GEMMs are mkldnn::_linear_pointwise on the oneDNN-packed weights, as
+// quant/unquantized.py's packed_linear), so the result is bit for bit that of the Python
+// path. What a call saves is the Python between the kernels: module calls, op dispatch and
+// argument parsing, ~10 small calls per layer, which at one token per step cost as much as
+// a third of the GEMMs' time. residual is updated in place.
+
+#include "fused_ops_cpu.h"
+
+#include <ATen/core/dispatch/Dispatcher.h>
+
+#include <optional>
+#include <string_view>
+#include <tuple>
+
+namespace pagoda_layer {
+
+using LinearFn = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                            std::string_view, c10::List<std::optional<at::Scalar>>,
+                            std::optional<std::string_view>);
+
+// x [T, K] @ W^T (+ b) on a oneDNN-packed weight: the op quant/unquantized.py calls.
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w,
+                         const std::optional<at::Tensor>& b) {
+  // NOTE: found once; typed() checks the signature against the registered schema.
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+                             .typed<LinearFn>();
+  return op.call(x, w, b, "none", c10::List<std::optional<at::Scalar>>(),
+                 std::string_view(""));
+}
+
+struct DecoderLayer {
+  torch::Tensor input_norm, post_norm;  // [hidden] RMSNorm weights
+  torch::Tensor qkv_w, o_w, gate_up_w, down_w;  // oneDNN-packed [out, in]
+  std::optional<torch::Tensor> qkv_b, o_b, gate_up_b, down_b;
+  double eps;
+  int64_t num_heads, num_kv_heads, head_dim;
+};
+
+using QKV = std::tuple<torch::Tensor, torch::Tensor, torch::Tensor>;
+
+QKV decoder_qkv(const DecoderLayer& l, const torch::Tensor& x, const torch::Tensor& cos,
+                const torch::Tensor& sin, const torch::Tensor& positions,
+                const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                const torch::Tensor& slot_mapping, std::optional<torch::Tensor> k_scale,
+                std::optional<torch::Tensor> v_scale) {
+  const int64_t nq = l.num_heads, nqk = l.num_heads + l.num_kv_heads;
+  auto qkv = packed_linear(x, l.qkv_w, l.qkv_b).view({x.size(0), nqk + l.num_kv_heads, l.head_dim});
+  pagoda_fused::rotary_and_cache(qkv, cos, sin, positions, k_cache, v_cache, slot_mapping,
+                                 l.num_heads, l.num_kv_heads, k_scale, v_scale);
+  return {qkv.slice(1, 0, nq), qkv.slice(1, nq, nqk), qkv.slice(1, nqk)};
+}
+
+torch::Tensor decoder_mlp(const DecoderLayer& l, const torch::Tensor& attn,
+                          const torch::Tensor& residual) {
+  auto x = packed_linear(attn, l.o_w, l.o_b);
+  pagoda_fused::fused_add_rms_norm(x, residual, l.post_norm, l.eps);
+  auto act = pagoda_fused::silu_and_mul(packed_linear(x, l.gate_up_w, l.gate_up_b));
+  return packed_linear(act, l.down_w, l.down_b);
+}
+
+QKV decoder_mlp_qkv(const DecoderLayer& l, const DecoderLayer& next, const torch::Tensor& attn,
+                    const torch::Tensor& residual, const torch::Tensor& cos,
+                    const torch::Tensor& sin, const torch::Tensor& positions,
+                    const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                    const torch::Tensor& slot_mapping, std::optional<torch::Tensor> k_scale,
+                    std::optional<torch::Tensor> v_scale) {
+  auto x = decoder_mlp(l, attn, residual);
+  pagoda_fused::fused_add_rms_norm(x, residual, next.input_norm, next.eps);
+  return decoder_qkv(next, x, cos, sin, positions, k_cache, v_cache, slot_mapping, k_scale,
+                     v_scale);
+}
+
+DecoderLayer make_layer(torch::Tensor input_norm, torch::Tensor post_norm, torch::Tensor qkv_w,
+                        torch::Tensor o_w, torch::Tensor gate_up_w, torch::Tensor down_w,
+                        std::optional<torch::Tensor> qkv_b, std::optional<torch::Tensor> o_b,
+                        std::optional<torch::Tensor> gate_up_b,
+                        std::optional<torch::Tensor> down_b, double eps, int64_t num_heads,
+                        int64_t num_kv_heads, int64_t head_dim) {
+  for (const auto* w : {&qkv_w, &o_w, &gate_up_w, &down_w}) {
+    TORCH_CHECK(w->is_mkldnn(), "DecoderLayer: the projection weights must be oneDNN-packed");
+  }
+  TORCH_CHECK(input_norm.dim() == 1 && post_norm.sizes() == input_norm.sizes(),
+              "DecoderLayer: the norm weights must be [hidden]");
+  TORCH_CHECK(num_heads > 0 && num_kv_heads > 0 && head_dim > 0,
+              "DecoderLayer: head counts and head_dim must be positive");
+  return DecoderLayer{input_norm, post_norm, qkv_w, o_w, gate_up_w, down_w, qkv_b, o_b,
+                      gate_up_b, down_b, eps, num_heads, num_kv_heads, head_dim};
+}
+
+}  // namespace pagoda_layer
+
+void register_decoder_layer(pybind11::module& m) {
+  namespace py = pybind11;
+  using pagoda_layer::DecoderLayer;
+  py::class_<DecoderLayer>(m, "DecoderLayer",
+                           "One decoder layer's norm weights and packed projections")
+      .def(py::init(&pagoda_layer::make_layer), py::arg("input_norm"), py::arg("post_norm"),
+           py::arg("qkv_w"), py::arg("o_w"), py::arg("gate_up_w"), py::arg("down_w"),
+           py::arg("qkv_b"), py::arg("o_b"), py::arg("gate_up_b"), py::arg("down_b"),
+           py::arg("eps"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"));
+  // NOTE: the GIL is released as ATen's own ops release it: a prefill layer's GEMMs take
+  // tens of ms, which a server's HTTP thread must not wait on.
+  using release = py::call_guard<py::gil_scoped_release>;
+  m.def("decoder_qkv", &pagoda_layer::decoder_qkv, release(),
+        "qkv_proj of a normed x, then rotary + KV cache write; returns q, k, v views");
+  m.def("decoder_mlp", &pagoda_layer::decoder_mlp, release(),
+        "o_proj, add + post-attention RMSNorm (residual in place), gate_up, SiLU*mul, down");
+  m.def("decoder_mlp_qkv", &pagoda_layer::decoder_mlp_qkv, release(),
+        "decoder_mlp of one layer, then the next layer's add + RMSNorm and decoder_qkv");
+}

@@ -1,0 +1,87 @@
+"""The whole-layer kernel calls (models/fused_decoder.py) give bit for bit the op-by-op
+result: same prompt logprobs and greedy tokens in bf16, with the fused stack on and off
+(`PAGODA_DISABLE_FUSED_LAYERS=1`), over prefill, chunked prefill, decode, q/k/v biases, a
+sliding window and a quantized KV cache. And the stack is built only where it applies."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagoda import LLM, SamplingParams
+from pagoda.ops import cpu_kernels
+
+# (arch, config overrides, engine kwargs)
+CASES = [
+    ("LlamaForCausalLM", {}, {}),
+    ("Qwen2ForCausalLM", {}, {}),  # q/k/v biases
+    ("MistralForCausalLM", {"sliding_window": 32}, {}),
+    ("LlamaForCausalLM", {}, {"max_num_batched_tokens": 48, "max_num_seqs": 4}),
+    ("LlamaForCausalLM", {}, {"kv_cache_dtype": "int8"}),
+]
+
+
+def _needs_fused_kernels() -> None:
+    if cpu_kernels.kernels_disabled() or cpu_kernels.kernel_for("fused_ops") is None:
+        pytest.skip("the fused-op kernels do not run here (no extension or no AVX-512 BW/VL)")
+
+
+def _run(model_dir: Path, prompts: list[list[int]], **engine_kwargs):
+    llm = LLM(str(model_dir), dtype="bfloat16", max_model_len=256, **engine_kwargs)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(max_tokens=12, temperature=0, prompt_logprobs=0, logprobs=0,
+                       ignore_eos=True),
+        use_tqdm=False,
+    )
+    stack = llm.llm_engine.executor.worker.model.fused_stack()
+    results = [([next(iter(p.values())).logprob for p in o.prompt_logprobs[1:]],
+                o.outputs[0].token_ids,
+                [next(iter(lp.values())).logprob for lp in o.outputs[0].logprobs])
+               for o in outs]
+    return results, stack
+
+
+@pytest.mark.parametrize(("arch", "overrides", "engine_kwargs"), CASES)
+def test_fused_layers_equal_op_by_op(
+    arch: str, overrides: dict, engine_kwargs: dict, tiny_model,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _needs_fused_kernels()
+    model_dir = tiny_model(arch, **overrides)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 49152, (n,), generator=gen).tolist() for n in (70, 9, 41)]
+
+    fused, stack = _run(model_dir, prompts, **engine_kwargs)
+    assert stack is not None, "the fused stack did not apply"
+    monkeypatch.setenv("PAGODA_DISABLE_FUSED_LAYERS", "1")
+    plain, no_stack = _run(model_dir, prompts, **engine_kwargs)
+    assert no_stack is None
+    assert fused == plain
+
+
+def test_fused_stack_only_where_it_applies(tiny_model) -> None:
+    _needs_fused_kernels()
+    model_dir = tiny_model("LlamaForCausalLM")
+    fp32 = LLM(str(model_dir), dtype="float32", max_model_len=64)
+    # NOTE: float32 keeps F.linear (the oracle path), so nothing is packed.
+    assert fp32.llm_engine.executor.worker.model.fused_stack() is None
+    qwen3 = LLM(str(tiny_model("Qwen3ForCausalLM")), dtype="bfloat16", max_model_len=64)
+    assert qwen3.llm_engine.executor.worker.model.fused_stack() is None  # q/k norm
+    bf16 = LLM(str(model_dir), dtype="bfloat16", max_model_len=64)
+    model = bf16.llm_engine.executor.worker.model
+    assert model.fused_stack() is not None
+    model.to(torch.float32)  # the weights the stack held are gone: rebuilt (ineligible)
+    assert model.fused_stack() is None
+
+
+def test_decoder_layer_refuses_dense_weights() -> None:
+    _needs_fused_kernels()
+    ext = cpu_kernels.kernel_for("fused_ops")
+    w, n = torch.zeros(8, 8, dtype=torch.bfloat16), torch.ones(8, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="oneDNN-packed"):
+        ext.DecoderLayer(input_norm=n, post_norm=n, qkv_w=w, o_w=w, gate_up_w=w, down_w=w,
+                         qkv_b=None, o_b=None, gate_up_b=None, down_b=None, eps=1e-5,
+                         num_heads=1, num_kv_heads=1, head_dim=8)
