@@ -136,6 +136,8 @@ class SchedulerConfig:
     # Time-to-first-token target per SLA class (seconds): counted as met or missed in the
     # scheduler's stats; every class has one.
     sla_ttft_targets_s: dict[str, float]
+    # Schedule step N+1 while step N runs (engine/step_pipeline.py).
+    async_scheduling: bool = False
 
 
 @dataclass
@@ -193,6 +195,12 @@ class EngineConfig:
             raise ValueError("attention sinks (streaming_window) and speculative_config "
                              "cannot be combined yet")
         self._validate_preemption_and_policy()
+        if s.async_scheduling and self.speculative is not None:
+            # NOTE: the next step's drafts come from this step's tokens (see
+            # engine/step_pipeline.py).
+            raise ValueError("async_scheduling and speculative_config cannot be combined: "
+                             "a step's draft tokens are only known once the step before "
+                             "it has run")
 
     def _validate_quantization(self) -> None:
         q = self.model.quantization
@@ -285,6 +293,8 @@ class EngineArgs:
     # Speculative decoding, vLLM's form: a dict or its JSON text, e.g. {"method": "ngram",
     # "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}.
     speculative_config: dict | str | None = None
+    # async: schedule the next step (and detokenize the last) while a step's forward runs.
+    async_scheduling: bool = False
 
     @classmethod
     def add_cli_args(cls, p: argparse.ArgumentParser) -> None:
@@ -355,6 +365,9 @@ class EngineArgs:
                        '"model": PATH, "num_speculative_tokens": 4}\' or \'{"method": '
                        '"quantized_self_draft", "num_speculative_tokens": 4, '
                        '"quantization": "rtn"}\'')
+        p.add_argument("--async-scheduling", action=bool_flag, default=d.async_scheduling,
+                       help="schedule step N+1, and commit and detokenize step N - 1, while "
+                       "step N's forward runs (the forward on a worker thread)")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
@@ -393,6 +406,7 @@ class EngineArgs:
                 aging_interval_s=self.aging_interval_s,
                 sla_ttft_targets_s={**DEFAULT_SLA_TTFT_TARGETS_S,
                                     **(self.sla_ttft_targets_s or {})},
+                async_scheduling=self.async_scheduling,
             ),
             device=self.device,
             distributed_executor_backend=self.distributed_executor_backend,

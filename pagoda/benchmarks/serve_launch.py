@@ -23,7 +23,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-LAUNCHABLE = ("pagoda", "vllm")
+# "pagoda-async": pagoda with --async-scheduling.
+LAUNCHABLE = ("pagoda", "pagoda-async", "vllm")
 
 
 @dataclass(slots=True)
@@ -46,14 +47,16 @@ def parse_launch(text: str) -> list[str]:
 
 
 def pagoda_spec(model: str | None, port: int, dtype: str, max_num_seqs: int,
-                max_num_batched_tokens: int) -> LaunchSpec:
+                max_num_batched_tokens: int, async_scheduling: bool = False) -> LaunchSpec:
     argv = [sys.executable, "-m", "pagoda.entrypoints.cli", "serve", "--port", str(port),
             "--dtype", dtype, "--max-num-seqs", str(max_num_seqs),
             "--max-num-batched-tokens", str(max_num_batched_tokens),
             "--no-enable-prefix-caching", "--disable-uvicorn-access-log"]
     if model:
         argv += ["--model", model]
-    return LaunchSpec("pagoda", argv, port)
+    if async_scheduling:
+        argv.append("--async-scheduling")
+    return LaunchSpec("pagoda-async" if async_scheduling else "pagoda", argv, port)
 
 
 def launch_specs(args: argparse.Namespace) -> list[LaunchSpec]:
@@ -68,9 +71,10 @@ def launch_specs(args: argparse.Namespace) -> list[LaunchSpec]:
 
     specs, port = [], args.launch_port
     for system in args.launch:
-        if system == "pagoda":
+        if system in ("pagoda", "pagoda-async"):
             specs.append(pagoda_spec(args.launch_model, port, args.launch_dtype,
-                                     args.max_num_seqs, args.max_num_batched_tokens))
+                                     args.max_num_seqs, args.max_num_batched_tokens,
+                                     async_scheduling=system == "pagoda-async"))
             port += 1
             continue
         python = args.vllm_python or default_vllm_python()

@@ -71,6 +71,8 @@ def add_throughput_args(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=sched.max_num_seqs)
     p.add_argument("--max-num-batched-tokens", type=int, default=sched.max_num_batched_tokens)
     p.add_argument("--kv-cache-gib", type=int, default=4, help="KV cache of pagoda and vLLM")
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="pagoda with async scheduling (EngineArgs.async_scheduling)")
     p.add_argument("--kv-cache-dtypes", default="auto", help="comma-separated "
                    "--kv-cache-dtype values: pagoda runs once per value (e.g. auto,int8,fp8)")
     p.add_argument(
@@ -180,6 +182,7 @@ def run_pagoda(workload: Workload, args: argparse.Namespace,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "kv_cache_memory_bytes": args.kv_cache_gib << 30,
         "seed": 0,
+        "async_scheduling": args.async_scheduling,
     }
     start = time.perf_counter()
     llm = LLM(model=args.model, **engine_kwargs)

@@ -393,17 +393,20 @@ class KVCacheManager:
             )
         return hashes
 
-    def cache_blocks(self, request: _CacheRequest) -> None:
-        """Register the full blocks that the request's computed tokens cover and that have a
-        hash in `request.block_hashes`, in every group (null entries skipped). Called at
-        commit: once the step that computed those tokens (or copied them in from host
-        memory) has returned.
+    def cache_blocks(self, request: _CacheRequest, num_written_tokens: int | None = None) -> None:
+        """Register the full blocks that the request's first `num_written_tokens` tokens
+        (default: its computed tokens) cover and that have a hash in
+        `request.block_hashes`, in every group (null entries skipped). Called at commit:
+        once the step that computed those tokens (or copied them in from host memory) has
+        returned; with later steps in flight, their tokens are not written yet.
         """
         if not self.enable_caching:
             return
+        if num_written_tokens is None:
+            num_written_tokens = request.num_computed_tokens
         # NOTE: capping by the hashes keeps tokens computed past the hashed ones (draft
         # tokens, which must not be hashed until accepted) out of the cache.
-        num_full_blocks = min(request.num_computed_tokens // self.block_size,
+        num_full_blocks = min(num_written_tokens // self.block_size,
                               len(request.block_hashes))
         req_id = request.req_id
         num_cached = self.num_cached_blocks[req_id]

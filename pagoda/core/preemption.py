@@ -13,9 +13,9 @@ comes back. Which request is the victim is the scheduling policy's choice
 Swap falls back to recompute when the host pool cannot hold the victim, and when the
 victim has computed nothing (there is nothing to keep).
 
-NOTE: copying out the blocks that cover `num_computed_tokens` is only right because the
-engine is synchronous: every scheduled token's K/V has been written by the time the next
-`schedule()` runs. A pipelined engine would have to wait for the step in flight.
+NOTE: copying out the blocks that cover `num_computed_tokens` is right with steps in
+flight too (async scheduling): the worker runs the steps in order, so a swap-out copy,
+done before its own step's forward, comes after every earlier step has written its K/V.
 """
 
 from __future__ import annotations

@@ -76,6 +76,12 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
+    # Async scheduling (several steps in flight): tokens this request was scheduled in
+    # steps not yet committed (counted in num_computed_tokens, their K/V maybe unwritten),
+    # and the sampled tokens those steps will return (not in all_token_ids yet). Both 0
+    # between the steps of a synchronous engine.
+    num_tokens_in_flight: int = 0
+    num_output_placeholders: int = 0
     # Draft tokens the proposer guessed to follow all_token_ids (speculative decoding);
     # not part of the sequence until the step that verifies them accepts them.
     spec_token_ids: list[int] = field(default_factory=list)

@@ -14,6 +14,19 @@ appended (one or more per request, with stop checks per token). A step that rais
 interrupted is undone by `rollback_step` instead: nothing it allocated is registered, so
 there is nothing to unregister.
 
+Async scheduling (steps in flight): `schedule()` may run again before the last step is
+committed. A request whose scheduled tokens reach its end will sample a token; until the
+commit that token is a placeholder (`Request.num_output_placeholders`), and the next step
+schedules the request's next position as if it were known (the runner feeds it from its
+own input batch). Requests known to end with their placeholders (max_tokens,
+max_model_len) are not scheduled further; one that stops otherwise (eos, a stop token or
+string, an abort) has the extra step's token dropped at its commit, its blocks freed at
+once. Safe because the worker runs the steps in order: the K/V a step writes is written
+before anything a later step does, so the block accounting may run ahead of the forward;
+only the prefix-cache registration waits for the step that wrote the blocks
+(`num_tokens_in_flight`). A request preempted while its step ran keeps that step's
+tokens (their computation was valid), so a seeded stream is not advanced twice.
+
 Speculative decoding: a running request in decode carries draft tokens
 (`Request.spec_token_ids`, from the runner's proposer). The step schedules 1 + k of its
 tokens, k cut to the budget, to the request's max_tokens / max_model_len and to the
@@ -96,6 +109,10 @@ class Scheduler:
         # None: speculative decoding is off.
         self.draft_length_policy = draft_length_policy
         self._num_drafts_this_step = 0
+        # Steps scheduled and not yet committed or rolled back, by id(SchedulerOutput):
+        # the output and its Request objects (a finished request's id may be reused by a
+        # new one before the step that still ran it is committed).
+        self._uncommitted: dict[int, tuple[SchedulerOutput, dict[str, Request]]] = {}
 
     @property
     def num_preemptions(self) -> int:
@@ -122,11 +139,15 @@ class Scheduler:
             req = self.requests.get(req_id)
             if req is None or req.is_finished:
                 continue
-            if req.status == RequestStatus.RUNNING:
-                self.running.remove(req)
-            else:
-                self.waiting.remove(req)
-            self._free(req, status)
+            self._finish(req, status)
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        """Take an unfinished `req` out of its queue and free it."""
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        self._free(req, status)
 
     def _free(self, req: Request, status: RequestStatus) -> None:
         req.status = status
@@ -151,9 +172,29 @@ class Scheduler:
         self.preemptor.end_step()
         out.finished_req_ids, out.preempted_req_ids = self.finished_req_ids, self.preempted_req_ids
         self.finished_req_ids, self.preempted_req_ids = set(), set()
+        step_reqs = {}
         for req_id, n in out.num_scheduled_tokens.items():
-            self.requests[req_id].num_computed_tokens += n
+            req = step_reqs[req_id] = self.requests[req_id]
+            req.num_computed_tokens += n
+            req.num_tokens_in_flight += n
+            num_drafts = len(out.scheduled_spec_decode_tokens.get(req_id, ()))
+            if req.num_computed_tokens - num_drafts == req.num_tokens + req.num_output_placeholders:
+                req.num_output_placeholders += 1  # NOTE: the runner samples this step
+        self._uncommitted[id(out)] = (out, step_reqs)
         return out
+
+    def _num_new_tokens(self, req: Request) -> int:
+        """The tokens running `req` can compute now: the rest of its tokens, including
+        those the steps in flight will sample for it, unless those are known to end it."""
+        num_known = req.num_tokens + req.num_output_placeholders
+        if req.num_output_placeholders:
+            params = req.sampling_params
+            max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len
+            if req.num_output_tokens + req.num_output_placeholders >= max_tokens or (
+                self.stop_at_max_model_len and num_known >= self.max_model_len
+            ):
+                return 0
+        return num_known - req.num_computed_tokens
 
     def _schedule_running(self, out: SchedulerOutput) -> bool:
         preempted = False
@@ -161,7 +202,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = min(self._num_new_tokens(req), budget)
             if n <= 0:
                 i += 1
                 continue
@@ -291,7 +332,9 @@ class Scheduler:
                 req_id=req.req_id,
                 token_ids=list(req.all_token_ids),
                 num_prompt_tokens=req.num_prompt_tokens,
-                block_ids=self.kv.get_group_block_ids(req.req_id),
+                # NOTE: a snapshot: the live lists grow at the next schedule(), which
+                # may run before this step's runner reads them (async scheduling).
+                block_ids=tuple(list(ids) for ids in self.kv.get_group_block_ids(req.req_id)),
                 num_computed_tokens=num_computed,
                 sampling_params=req.sampling_params,
                 want_prompt_logprobs=want_prompt_logprobs,
@@ -396,17 +439,23 @@ class Scheduler:
         outputs: list[EngineCoreOutput] = []
         now = time.monotonic()
         draft_token_ids = runner_out.draft_token_ids
-        for req_id in sched_out.num_scheduled_tokens:
-            req = self.requests.get(req_id)
-            if req is None or req.status != RequestStatus.RUNNING:
-                continue
+        _, step_reqs = self._uncommitted.pop(id(sched_out))
+        for req_id, n in sched_out.num_scheduled_tokens.items():
+            req = step_reqs[req_id]
+            if req is not self.requests.get(req_id):
+                continue  # NOTE: finished while the step ran: its tokens are dropped
+            req.num_tokens_in_flight -= n
             token_ids = runner_out.sampled_token_ids.get(req_id)
-            drafts = sched_out.scheduled_spec_decode_tokens.get(req_id)
-            if drafts:
-                self._reject_drafts(req, len(drafts), len(token_ids))
-            self.kv.cache_blocks(req)
-            req.spec_token_ids = draft_token_ids.get(req_id, [])
+            if token_ids:
+                req.num_output_placeholders -= 1
             prompt_lps = runner_out.prompt_logprobs.get(req_id)
+            if req.status == RequestStatus.RUNNING:
+                drafts = sched_out.scheduled_spec_decode_tokens.get(req_id)
+                if drafts:
+                    self._reject_drafts(req, len(drafts), len(token_ids))
+                # NOTE: the blocks of later steps in flight may not be written yet.
+                self.kv.cache_blocks(req, req.num_computed_tokens - req.num_tokens_in_flight)
+                req.spec_token_ids = draft_token_ids.get(req_id, [])
             if not token_ids:
                 if prompt_lps is not None:
                     outputs.append(EngineCoreOutput(req_id, [], new_prompt_logprobs=prompt_lps))
@@ -427,8 +476,8 @@ class Scheduler:
                 )
             )
             if status is not None:
-                self.running.remove(req)
-                self._free(req, status)
+                # NOTE: a request preempted while the step ran ends from the waiting queue.
+                self._finish(req, status)
         return outputs
 
     def _reject_drafts(self, req: Request, num_drafts: int, num_tokens: int) -> None:
@@ -463,10 +512,15 @@ class Scheduler:
         registered, so no cache entry names unwritten K/V). Requests this step swapped out
         are demoted to recompute, and its host-tier offloads forgotten: their copies may
         not have happened. The runner is told to drop the state of every request the step
-        touched (`finished_req_ids` of the next step).
+        touched (`finished_req_ids` of the next step). With several steps in flight, every
+        uncommitted one is rolled back, newest first.
         """
-        rolled_back = [self.requests[r] for r in sched_out.num_scheduled_tokens
-                       if r in self.requests and self.requests[r].status == RequestStatus.RUNNING]
+        _, step_reqs = self._uncommitted.pop(id(sched_out))
+        current = [req for req_id, req in step_reqs.items() if req is self.requests.get(req_id)]
+        for req in current:
+            # NOTE: every step in flight is rolled back: nothing of them will be committed.
+            req.num_tokens_in_flight = req.num_output_placeholders = 0
+        rolled_back = [req for req in current if req.status == RequestStatus.RUNNING]
         for req in rolled_back:
             self.running.remove(req)
             self._reset_to_scratch(req)
@@ -558,6 +612,23 @@ class Scheduler:
         assert {r.req_id for r in [*self.running, *waiting]} == self.requests.keys(), (
             "request map drift"
         )
+        self._check_in_flight(waiting)
+
+    def _check_in_flight(self, waiting: list[Request]) -> None:
+        """Each request's in-flight tokens are its share of the uncommitted steps; a
+        waiting request has none and no placeholders (its last step was committed)."""
+        in_flight: Counter[int] = Counter()
+        for out, step_reqs in self._uncommitted.values():
+            for req_id, n in out.num_scheduled_tokens.items():
+                in_flight[id(step_reqs[req_id])] += n
+        for req in [*self.running, *waiting]:
+            assert req.num_tokens_in_flight == in_flight[id(req)], (
+                f"{req.req_id}: {req.num_tokens_in_flight} tokens in flight, "
+                f"steps say {in_flight[id(req)]}")
+            assert 0 <= req.num_output_placeholders <= len(self._uncommitted), (
+                f"{req.req_id}: {req.num_output_placeholders} placeholders")
+        for req in waiting:
+            assert not req.num_output_placeholders, f"waiting {req.req_id} awaits a token"
 
 
 _WAITING_STATES = (RequestStatus.WAITING, RequestStatus.SWAPPED, RequestStatus.PREEMPTED)

@@ -7,12 +7,9 @@ logprobs) -> outputs.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import signal
-import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -27,7 +24,10 @@ from pagoda.core.kv_cache_spec import (
 )
 from pagoda.core.request import DEFAULT_SLA_CLASS, SLA_CLASS_RANKS, Request, RequestStatus
 from pagoda.core.scheduler import Scheduler, SchedulerStats
+from pagoda.core.scheduler_output import SchedulerOutput
 from pagoda.engine.output_processor import OutputKind, OutputProcessor
+from pagoda.engine.sigint import sigint_deferred
+from pagoda.engine.step_pipeline import StepPipeline
 from pagoda.models.loader import load_checkpoint
 from pagoda.omp_env import apply_openmp_defaults
 from pagoda.outputs import RequestOutput
@@ -35,6 +35,7 @@ from pagoda.sampling_params import SamplingParams
 from pagoda.spec_decode.adaptive import DraftLengthPolicy, costs_for_method
 from pagoda.worker.executor import get_executor_class
 from pagoda.worker.kv_compress import host_bytes_per_block
+from pagoda.worker.model_runner import ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +120,9 @@ class LLMEngine:
             None if host_tier is None else host_tier.num_slots,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
+        # None: one step at a time (the default); else async scheduling.
+        self.pipeline = StepPipeline(self.scheduler, self.executor) if (
+            s.async_scheduling) else None
 
     def _max_model_len(self, model_max: int) -> int:
         max_model_len = self.config.model.max_model_len or model_max
@@ -294,7 +298,9 @@ class LLMEngine:
         return self.executor.device
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Requests to serve, or (async scheduling) steps in flight to commit."""
+        return self.scheduler.has_unfinished_requests() or bool(
+            self.pipeline is not None and self.pipeline.in_flight)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.output_processor.requests)
@@ -310,28 +316,47 @@ class LLMEngine:
         or the output processor is updating its state is held until that update is done,
         so an interrupt always finds the engine consistent (one held past the commit is
         raised after it, and that step's outputs are dropped).
+
+        Async scheduling: commits the oldest step in flight, the next one already
+        submitted (engine/step_pipeline.py); a failure rolls back every step in flight.
         """
         self.failed_request_ids = []
-        sched_out = None
-        try:
-            with _sigint_deferred():
-                sched_out = self.scheduler.schedule()
-            runner_out = self.executor.execute_model(sched_out)
-        except BaseException:
-            if sched_out is None:  # NOTE: schedule() itself raised: nothing ran.
+        if self.pipeline is None:
+            sched_out, runner_out = self._execute_step()
+        else:
+            try:
+                sched_out, runner_out = self.pipeline.next_result()
+            except BaseException:
+                with sigint_deferred():
+                    self._note_failed(self.pipeline.roll_back())
                 raise
-            with _sigint_deferred():
-                failed = self.scheduler.rollback_step(sched_out)
-                parents = self.output_processor.child_to_parent
-                self.failed_request_ids = list(
-                    dict.fromkeys(parents[r][0] for r in failed if r in parents))
-            raise
-        with _sigint_deferred():
+        with sigint_deferred():
+            if self.pipeline is not None:
+                self.pipeline.pop_oldest()
             core_outputs = self.scheduler.update_from_output(sched_out, runner_out)
             outputs, stopped = self.output_processor.process(core_outputs, self.scheduler)
             if stopped:
                 self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         return outputs
+
+    def _execute_step(self) -> tuple[SchedulerOutput, ModelRunnerOutput]:
+        """Schedule one step and run it; rolled back if the run raises."""
+        sched_out = None
+        try:
+            with sigint_deferred():
+                sched_out = self.scheduler.schedule()
+            return sched_out, self.executor.execute_model(sched_out)
+        except BaseException:
+            if sched_out is None:  # NOTE: schedule() itself raised: nothing ran.
+                raise
+            with sigint_deferred():
+                self._note_failed(self.scheduler.rollback_step(sched_out))
+            raise
+
+    def _note_failed(self, failed: list[str]) -> None:
+        parents = self.output_processor.child_to_parent
+        self.failed_request_ids = list(dict.fromkeys(parents[r][0] for r in failed
+                                                     if r in parents))
 
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.get_stats()
@@ -347,27 +372,6 @@ def _shared_block_size(specs: list[KVCacheSpec]) -> int:
         raise ValueError(f"KV cache groups with different block sizes {sorted(sizes)} need a "
                          "manager per group, which pagoda does not have yet")
     return sizes.pop()
-
-
-@contextlib.contextmanager
-def _sigint_deferred() -> Iterator[None]:
-    """Hold a Ctrl-C that arrives inside the block and raise KeyboardInterrupt at its end.
-
-    Only on the main thread (the only one Python delivers signals to) and only while
-    SIGINT has Python's default handler; anything else is left alone.
-    """
-    if (threading.current_thread() is not threading.main_thread()
-            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
-        yield
-        return
-    received: list[int] = []
-    signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-    if received:
-        raise KeyboardInterrupt
 
 
 def _generation_eos_ids(generation_config: dict) -> set[int]:
