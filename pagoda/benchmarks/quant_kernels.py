@@ -146,6 +146,8 @@ def add_quant_kernels_args(p: argparse.ArgumentParser) -> None:
                    help="activation rows")
     p.add_argument("--shapes", nargs="+", default=None, metavar="KxN",
                    help="in x out shapes (default: SmolLM2's, with the 576x49152 head)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch / OpenMP threads for the per-call table (default: torch's)")
     p.add_argument("--no-kernels", action="store_true", help="skip the per-call table")
     p.add_argument("--decode", action="store_true", help="SmolLM2 single-stream decode too")
     p.add_argument("--model", default=None, help="GGUF file (default: the embedded SmolLM2)")
@@ -161,6 +163,8 @@ def add_quant_kernels_args(p: argparse.ArgumentParser) -> None:
 def run_quant_kernels(args: argparse.Namespace) -> dict:
     from pagoda.benchmarks import quant_decode
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     result: dict = {"cpu": _cpu_model(), "threads": torch.get_num_threads()}
     if not args.no_kernels:
         shapes = SMOLLM2_SHAPES if args.shapes is None else [

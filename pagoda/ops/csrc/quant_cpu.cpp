@@ -91,7 +91,9 @@ void quantize_acts(const T* x, int64_t m, int64_t k, int64_t kp, int64_t block, 
   a.d.assign(m * nb, 0.f);
   a.dsum.assign(m * nb, 0.f);
   const int nv = static_cast<int>(block / 16);
-#pragma omp parallel for schedule(static) if (m >= 8)
+  // NOTE: a parallel region costs more than quantizing a few rows (tens of microseconds a
+  // wake-up when the cores are shared), so only large batches quantize in parallel.
+#pragma omp parallel for schedule(static) if (m * kp >= (1 << 17))
   for (int64_t r = 0; r < m; ++r) {
     for (int64_t b = 0; b < nb && b * block < k; ++b) {
       const int64_t k0 = b * block;
