@@ -109,7 +109,9 @@ class TorchPagedAttention:
         kernel; where the tiled one cannot run, every row through the decode kernel as its
         own query row. None: no kernel runs here (the caller takes SDPA)."""
         nd = md.num_decode_tokens
-        split = self._tiled_split(md) if md.prefill_seq_lens is not None else None
+        tiled_kernel = (md.prefill_seq_lens is not None
+                        and ops.paged_prefill_attention.kernel_for(q) is not None)
+        split = self._tiled_split(md) if tiled_kernel else None
         if split is not None:
             arrays, rows = split
             args = (q, k_cache, v_cache, *arrays, self.scale, self.sliding_window, *scales)
