@@ -5,8 +5,9 @@ answers that copy long spans of the prompt (repeat, correct, rename, quote); (b)
 Each at concurrency 1, 4 and 16 (closed loop: max_num_seqs = concurrency, twice as many
 requests), greedy, bf16 by default. Configurations: speculation off, ngram with the adaptive
 rule and with fixed k, the quantized self-draft (`--self-draft rtn gptq`, each adaptive and
-with fixed k), a draft model when `--draft-model` is given, and vLLM's CPU build off and
-with its n-gram speculation when its interpreter is there (benchmarks/spec_vllm.py).
+with fixed k), a draft model when `--draft-model` is given (the same two), and vLLM's CPU
+build off and with its n-gram speculation when its interpreter is there
+(benchmarks/spec_vllm.py).
 
 Reported per run: output tokens/s, speedup over the same system's off, acceptance rate
 (accepted / draft tokens), mean accepted length (tokens per verification: 1 + accepted /
@@ -39,6 +40,8 @@ def add_spec_decode_args(p: argparse.ArgumentParser) -> None:
                    help="vLLM's interpreter (default: the conventional venvs; '' skips vLLM)")
     p.add_argument("--configs", nargs="+", default=None,
                    help="run only these pagoda configurations (off always runs)")
+    p.add_argument("--vllm-only", action="store_true", help="run only the vLLM rows")
+    p.add_argument("--vllm-kv-gib", type=int, default=1, help="vLLM's KV cache space")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--num-speculative-tokens", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=96)
@@ -62,8 +65,9 @@ def _configs(args: argparse.Namespace) -> dict[str, dict | None]:
         configs[f"self-draft {quantization}"] = spec
         configs[f"self-draft {quantization} fixed k"] = {**spec, "adaptive": False}
     if args.draft_model:
-        configs["draft_model"] = {"method": "draft_model", "model": args.draft_model,
-                                  "num_speculative_tokens": k}
+        configs["draft_model"] = spec = {"method": "draft_model", "model": args.draft_model,
+                                         "num_speculative_tokens": k}
+        configs["draft_model fixed k"] = {**spec, "adaptive": False}
     wanted = getattr(args, "configs", None)
     if wanted:
         unknown = sorted(set(wanted) - set(configs))
@@ -159,7 +163,7 @@ def _pagoda_runs(args: argparse.Namespace, records: list,
 
 def _vllm_runs(args: argparse.Namespace,
                prompts: dict[tuple[str, int], list[list[int]]]) -> list[dict]:
-    from pagoda.benchmarks.hf_baseline import resolve_model
+    from pagoda.benchmarks.hf_baseline import load_tokenizer, resolve_model
     from pagoda.benchmarks.spec_vllm import run_vllm_spec, vllm_configs
     from pagoda.benchmarks.vllm_peer import default_vllm_python, prepare_hf_dir
     from pagoda.config import EngineArgs
@@ -168,14 +172,20 @@ def _vllm_runs(args: argparse.Namespace,
     if not python or not Path(python).exists():
         print("  vLLM: no interpreter (--vllm-python), skipped")
         return []
-    model_dir = prepare_hf_dir(resolve_model(args.model), args.dtype)
+    src = resolve_model(args.model)
+    model_dir = prepare_hf_dir(src, args.dtype)
+    tok = None
     runs = []
     for name, spec in vllm_configs(args.num_speculative_tokens).items():
         for c in args.concurrency:
+            for w in args.workloads:
+                if (w, c) not in prompts:  # NOTE: --vllm-only: no pagoda run made them
+                    tok = tok or load_tokenizer(src)
+                    prompts[(w, c)] = _prompts(tok, w, c)
             workloads = {w: prompts[(w, c)] for w in args.workloads}
             result = run_vllm_spec(workloads, args.max_tokens, c,
                                    EngineArgs().max_num_batched_tokens, spec, model_dir,
-                                   args.dtype, python)
+                                   args.dtype, python, kv_space_gib=args.vllm_kv_gib)
             if "error" in result:
                 print(f"  vLLM {name}, concurrency {c}: {result['error']}\n"
                       f"{result['log_tail'][-800:]}", flush=True)
@@ -201,7 +211,7 @@ def run_spec_decode(args: argparse.Namespace) -> dict:
           f"concurrency {args.concurrency} (2x as many requests)  seed {args.seed}")
     records: list = []
     prompts: dict[tuple[str, int], list[list[int]]] = {}
-    runs = _pagoda_runs(args, records, prompts)
+    runs = [] if args.vllm_only else _pagoda_runs(args, records, prompts)
     runs += _vllm_runs(args, prompts)
     off = {(r["workload"], r["concurrency"]): r for r in runs if r["config"] == "off"}
     vllm_off = {(r["workload"], r["concurrency"]): r for r in runs if r["config"] == "vllm off"}

@@ -31,12 +31,12 @@ def vllm_configs(k: int) -> dict[str, dict | None]:
 
 def run_vllm_spec(workloads: dict[str, list[list[int]]], max_tokens: int, concurrency: int,
                   max_num_batched_tokens: int, speculative_config: dict | None,
-                  model_dir: Path, dtype: str, python: str,
+                  model_dir: Path, dtype: str, python: str, kv_space_gib: int = 1,
                   timeout_s: float = 1800.0) -> dict[str, Any]:
     """{workload: {tok_per_s, outputs, ...}} from one vLLM child, or {"error": ...}."""
     from pagoda.benchmarks.vllm_peer import vllm_env
 
-    env = vllm_env(python, kv_space_gib=4, threads_bind=None, preload=True)
+    env = vllm_env(python, kv_space_gib=kv_space_gib, threads_bind=None, preload=True)
     spec = {"model": str(model_dir), "dtype": dtype, "max_num_seqs": concurrency,
             "max_num_batched_tokens": max_num_batched_tokens, "max_tokens": max_tokens,
             "speculative_config": speculative_config, "workloads": workloads}

@@ -15,9 +15,9 @@ commit's rollback, the multi-token query's attention); P the proposing of the ne
 E(k) / c(B, k) over [0, num_speculative_tokens]: a step speculates only where the tokens the
 drafts save (a E(k - 1) more per request) pay for what verifying and proposing them cost,
 and k = 0 otherwise (at a = 0 always). The acceptance rate is an exponential moving average
-over verifications; while the rule says 0 at a rate where a = 1 would pay, one probe in
-`PROBE_INTERVAL` steps (two steps at k = 1: a step's k caps both its verification and its
-proposals) lets the estimate recover.
+over verifications; while the rule says 0 at a rate where a = 1 would gain at least
+`PROBE_MIN_GAIN`, one probe in `PROBE_INTERVAL` steps (two steps at k = 1: a step's k caps
+both its verification and its proposals) lets the estimate recover.
 
 Measured by `pagoda bench spec --configs "ngram fixed k" "self-draft rtn fixed k"
 --max-tokens 64` (SmolLM2-135M bf16, AMD EPYC, 2 CPUs shared with other jobs; its cost
@@ -31,8 +31,10 @@ concurrency 4, grounded (4.08 tokens per verification, 2.31x) gives nu = 0.056, 
 (1.43 tokens, a = 0.3, 0.95x, a loss) stops speculating for nu >= 0.046; nu = 0.06. With
 these, ngram at a = 0.9 (grounded) verifies 4 drafts at 1, 4 and 16 streams (0 at 64);
 at a = 0.3 (chat) 2 alone and none at 4 or 16; the self-draft at the acceptance it reaches
-here (0.8-0.9) never speculates: its k forwards cost more than the tokens they save (only
-a perfect draft alone would gain, 1%, so its probes run only for a single stream).
+here (0.8-0.9) never speculates: its k forwards cost more than the tokens they save (a
+perfect draft alone would gain 1%, below PROBE_MIN_GAIN: no probes either; before that
+margin its single-stream probes, each catching the draft up on every token since the last
+one, measured 0.63-0.82x of off). docs/spec_decode.md has the figures.
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 PROBE_INTERVAL = 16
+# A probe costs what the rule does not charge (a draft model's catch-up on every token
+# since its last proposal): probe only where perfect drafts would gain at least this.
+PROBE_MIN_GAIN = 1.25
 _EMA_WEIGHT = 0.1
 _PRIOR_ACCEPTANCE = 0.6
 
@@ -98,6 +103,13 @@ def best_num_drafts(acceptance: float, num_reqs: int, max_k: int,
                key=lambda k: (expected_tokens(acceptance, k) / costs.step(num_reqs, k), -k))
 
 
+def speculation_gain(acceptance: float, num_reqs: int, max_k: int,
+                     costs: StepCosts = DEFAULT_COSTS) -> float:
+    """Tokens per unit time at the best k over those of speculation off (>= 1)."""
+    k = best_num_drafts(acceptance, num_reqs, max_k, costs)
+    return expected_tokens(acceptance, k) * costs.step(num_reqs, 0) / costs.step(num_reqs, k)
+
+
 @dataclass
 class SpecDecodeCounters:
     """vLLM's spec-decode counters, cumulative."""
@@ -128,7 +140,7 @@ class DraftLengthPolicy:
         num_reqs = max(num_reqs, 1)
         k = best_num_drafts(self.acceptance, num_reqs, self.max_k, self.costs)
         if k == 0 and self._num_steps % PROBE_INTERVAL in (0, 1) and (
-                best_num_drafts(1.0, num_reqs, self.max_k, self.costs) > 0):
+                speculation_gain(1.0, num_reqs, self.max_k, self.costs) >= PROBE_MIN_GAIN):
             # NOTE: the load would allow speculating, only the estimate says no: probe.
             # Two steps: a step's k caps both its verification and its proposals, so the
             # first proposes one draft per request and the second verifies it.

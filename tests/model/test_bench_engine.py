@@ -82,20 +82,23 @@ def test_bench_spec_reports_every_config_and_same_greedy_output(tiny, tmp_path) 
 
     args = argparse.Namespace(model=str(tiny), draft_model=str(tiny), dtype="float32",
                               self_draft=["rtn"], calib_data="calib", vllm_python="",
+                              vllm_only=False, vllm_kv_gib=1,
                               num_speculative_tokens=3, max_tokens=8, concurrency=[1, 2],
                               workloads=["grounded"], seed=0,
                               output_json=str(tmp_path / "spec.json"))
     report = run_spec_decode(args)
     runs = report["runs"]
     assert {r["config"] for r in runs} == {"off", "ngram", "ngram fixed k", "self-draft rtn",
-                                           "self-draft rtn fixed k", "draft_model"}
+                                           "self-draft rtn fixed k", "draft_model",
+                                           "draft_model fixed k"}
     assert all(r["same_output"] for r in runs)
     for r in runs:
         if r["config"] == "self-draft rtn fixed k":
             assert r["acceptance"] > 0
             assert 0 < r["weight_bytes"]["draft_extra"] < r["weight_bytes"]["target"]
     assert report["cost_model"]["num_steps"] > 0
-    (draft,) = [r for r in runs if r["config"] == "draft_model" and r["concurrency"] == 1]
+    (draft,) = [r for r in runs if r["config"] == "draft_model fixed k"
+                and r["concurrency"] == 1]
     # The target as its own draft: all accepted; 8 tokens = 1 (prefill) + 4 (k = 3) + 3
     # (k cut to 2 by max_tokens): 3.5 tokens per verification.
     assert draft["acceptance"] == 1.0 and draft["mean_accepted_len"] == pytest.approx(3.5)

@@ -13,11 +13,13 @@ from pagoda.core.request import Request, RequestStatus
 from pagoda.core.scheduler import Scheduler, SchedulerOutput
 from pagoda.sampling_params import SamplingParams
 from pagoda.spec_decode.adaptive import (
+    PROBE_MIN_GAIN,
     DraftLengthPolicy,
     StepCosts,
     best_num_drafts,
     costs_for_method,
     expected_tokens,
+    speculation_gain,
 )
 from pagoda.worker.model_runner import ModelRunnerOutput
 
@@ -249,7 +251,15 @@ def test_rule_charges_verification_and_proposing() -> None:
     assert best_num_drafts(0.25, 4, 4, verify) == 0
     assert best_num_drafts(0.9, 1, 4, verify) == 4
     assert best_num_drafts(0.9, 1, 4, dear) == 0
-    assert best_num_drafts(1.0, 1, 4, dear) == 0  # so no probes either
+    assert best_num_drafts(1.0, 1, 4, dear) == 0
+    # A perfect draft that would gain under PROBE_MIN_GAIN is not probed for.
+    marginal = StepCosts(token=0.042, verify=0.06, per_draft=0.89, per_draft_request=0.072,
+                         per_request=0.018)
+    assert best_num_drafts(1.0, 1, 4, marginal) == 4
+    assert 1.0 < speculation_gain(1.0, 1, 4, marginal) < PROBE_MIN_GAIN
+    policy = DraftLengthPolicy(4, costs=marginal)
+    policy.acceptance = 0.0
+    assert not any(policy.num_drafts_for_step(1) for _ in range(40))
     assert verify.step(4, 0) == pytest.approx(1.08)
     assert verify.step(4, 2) == pytest.approx(1 + 0.02 * 12 + 0.4)
     assert costs_for_method("a test's proposer").per_draft == 0.0
