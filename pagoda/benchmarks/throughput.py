@@ -107,6 +107,8 @@ def add_throughput_args(parser: argparse.ArgumentParser) -> None:
                    help="comma-separated: defaults (vLLM's max_num_seqs 256, "
                    "max_num_batched_tokens 4096) and/or pagoda-limits (this run's values); "
                    "default both")
+    p.add_argument("--gguf-native", choices=["auto", "on", "off"], default=EngineArgs.gguf_native,
+                   help="pagoda's GGUF linears: native blocks or dequantized (a .gguf model)")
     p.add_argument("--no-roofline", action="store_true", help="skip measuring the machine")
     p.add_argument("--output-json", help="write setup and results here")
 
@@ -183,6 +185,7 @@ def run_pagoda(workload: Workload, args: argparse.Namespace,
         "kv_cache_memory_bytes": args.kv_cache_gib << 30,
         "seed": 0,
         "async_scheduling": args.async_scheduling,
+        "gguf_native": args.gguf_native,
     }
     start = time.perf_counter()
     llm = LLM(model=args.model, **engine_kwargs)
@@ -298,6 +301,8 @@ def build_setup(args: argparse.Namespace, src: ModelSource, workload: Workload) 
             "max_num_seqs": args.max_num_seqs,
             "max_num_batched_tokens": args.max_num_batched_tokens,
             "kv_cache_gib": args.kv_cache_gib,
+            "gguf_native": args.gguf_native,
+            "async_scheduling": args.async_scheduling,
         },
         "systems": args.systems,
         "hf_batch_sizes": args.hf_batch_sizes,
