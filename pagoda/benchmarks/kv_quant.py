@@ -90,12 +90,11 @@ def decode_attention_ms(kv: str, shape, batch: int, context: int,
     return wall * 1e3, cpu * 1e3
 
 
-def perplexity(model: str | None, kv: str, ids: list[int], window: int) -> float:
-    """exp(mean NLL) of `ids` in windows of `window` tokens (each scores all but its first)."""
-    from pagoda import LLM, SamplingParams
+def _windows_perplexity(llm, ids: list[int], window: int) -> float:
+    """Perplexity of ids scored in consecutive windows (each window's first token unscored),
+    through the engine's prompt logprobs."""
+    from pagoda import SamplingParams
 
-    llm = LLM(model=model, dtype="bfloat16", max_model_len=window + 1, kv_cache_dtype=kv,
-              enable_prefix_caching=False)
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
     windows = [{"prompt_token_ids": ids[i:i + window]} for i in range(0, len(ids), window)]
     nll, count = 0.0, 0
@@ -106,6 +105,15 @@ def perplexity(model: str | None, kv: str, ids: list[int], window: int) -> float
     return math.exp(nll / count)
 
 
+def perplexity(model: str | None, kv: str, ids: list[int], window: int) -> float:
+    """exp(mean NLL) of `ids` in windows of `window` tokens (each scores all but its first)."""
+    from pagoda import LLM
+
+    llm = LLM(model=model, dtype="bfloat16", max_model_len=window + 1, kv_cache_dtype=kv,
+              enable_prefix_caching=False)
+    return _windows_perplexity(llm, ids, window)
+
+
 def round_trip_perplexity(model: str | None, compression: str, ids: list[int], window: int,
                           chunk: int = 128) -> tuple[float, dict[str, float]]:
     """Perplexity (windows of `window` tokens, prefilled in chunks of `chunk`) with the
@@ -114,7 +122,7 @@ def round_trip_perplexity(model: str | None, compression: str, ids: list[int], w
     compressed copy of the blocks in use (ratio, MB/s at level 1)."""
     import zlib
 
-    from pagoda import LLM, SamplingParams
+    from pagoda import LLM
     from pagoda.worker.kv_compress import convert_blocks, host_layer_tensors, pool_format
 
     num_blocks = window // 16 + 4
@@ -138,13 +146,7 @@ def round_trip_perplexity(model: str | None, compression: str, ids: list[int], w
 
     if compression != "none":
         worker.execute_model = through_host
-    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
-    windows = [{"prompt_token_ids": ids[i:i + window]} for i in range(0, len(ids), window)]
-    nll, count = 0.0, 0
-    for out in llm.generate(windows, params, use_tqdm=False):
-        for tok, lp in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:], strict=True):
-            nll -= lp[tok].logprob
-            count += 1
+    ppl = _windows_perplexity(llm, ids, window)
     # NOTE: "none" keeps the device's own blocks (bf16: viewed as int16 to reach numpy).
     pools = worker.kv_caches if compression == "none" else host
     raw = b"".join(t[idx].contiguous().view(torch.uint8).numpy().tobytes()
@@ -153,7 +155,7 @@ def round_trip_perplexity(model: str | None, compression: str, ids: list[int], w
     packed = zlib.compress(raw, 1)
     seconds = time.perf_counter() - start
     lossless = {"zlib1_ratio": len(raw) / len(packed), "zlib1_mb_s": len(raw) / seconds / 1e6}
-    return math.exp(nll / count), lossless
+    return ppl, lossless
 
 
 def _host_rows(args, shape, ids) -> dict[str, dict[str, Any]]:
