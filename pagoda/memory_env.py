@@ -24,22 +24,35 @@ CACHE_CAPACITY_VARS = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
 # NOTE: fixed, so glibc stops raising it; larger blocks go to mmap and back to the system
 # at free. 4 MiB keeps a decode step's tensors in the heap (logits of 16 rows: 3 MiB).
 MMAP_THRESHOLD_BYTES = 4 << 20
-_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number (malloc.h)
+# NOTE: a fixed mmap threshold also stops glibc's dynamic trim threshold, which then stays
+# at 128 KiB: every free that leaves more than that at the heap's top gives the pages back,
+# and the next step faults them in again (a served c=1 prefill: ~14,000 minor faults a
+# request, +10-15% time to first token). Keeping up to 256 MiB of free top bounds RSS the
+# same way and ends the churn (docs/memory.md).
+TRIM_THRESHOLD_BYTES = 256 << 20
+_M_TRIM_THRESHOLD = -1  # glibc's mallopt parameter numbers (malloc.h)
+_M_MMAP_THRESHOLD = -3
 _mallopt_done = False
 
 
 def apply_memory_defaults() -> None:
     """Cap the GEMM primitive caches (unless the environment sets them) for oneDNN and
-    ideep, which read them at their first primitive, and fix glibc's mmap threshold
-    (unless MALLOC_MMAP_THRESHOLD_ or GLIBC_TUNABLES chose one; no-op off glibc)."""
+    ideep, which read them at their first primitive, and fix glibc's mmap and trim
+    thresholds (each unless MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ or
+    GLIBC_TUNABLES chose it; no-op off glibc)."""
     global _mallopt_done
     for var in CACHE_CAPACITY_VARS:
         os.environ.setdefault(var, GEMM_CACHE_CAPACITY)
-    if _mallopt_done or "MALLOC_MMAP_THRESHOLD_" in os.environ or (
-            "mmap_threshold" in os.environ.get("GLIBC_TUNABLES", "")):
+    if _mallopt_done:
         return
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:
         return
-    _mallopt_done = bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
+    tunables = os.environ.get("GLIBC_TUNABLES", "")
+    for env, tunable, param, value in (
+            ("MALLOC_MMAP_THRESHOLD_", "mmap_threshold", _M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES),
+            ("MALLOC_TRIM_THRESHOLD_", "trim_threshold", _M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)):
+        if env not in os.environ and tunable not in tunables:
+            libc.mallopt(param, value)
+    _mallopt_done = True
