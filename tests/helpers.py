@@ -89,3 +89,20 @@ def make_tiny_model(
         if item.is_file():
             shutil.copy(item, path / item.name)
     return path
+
+
+def spy_on_extension(ext: Any, monkeypatch: Any) -> list[str]:
+    """Put a spy in front of the loaded C++ extension `ext` (as `cpu_kernels._module`,
+    until `monkeypatch` undoes it); returns the list of the names looked up on it since,
+    in order: which kernels a path called."""
+    from pagoda.ops import cpu_kernels
+
+    calls: list[str] = []
+
+    class Spy:
+        def __getattr__(self, name: str) -> Any:
+            calls.append(name)
+            return getattr(ext, name)
+
+    monkeypatch.setattr(cpu_kernels, "_module", Spy())
+    return calls

@@ -153,6 +153,8 @@ class Scheduler:
         req.status = status
         self.preemptor.free(req)
         self.finished_req_ids.add(req.req_id)
+        # NOTE: preempted or rolled back since the last step, then ended: it will not come back.
+        self.preempted_req_ids.discard(req.req_id)
         del self.requests[req.req_id]
 
     def has_unfinished_requests(self) -> bool:
@@ -511,9 +513,11 @@ class Scheduler:
         be computed from scratch, holding no blocks (none of this step's blocks was
         registered, so no cache entry names unwritten K/V). Requests this step swapped out
         are demoted to recompute, and its host-tier offloads forgotten: their copies may
-        not have happened. The runner is told to drop the state of every request the step
-        touched (`finished_req_ids` of the next step). With several steps in flight, every
-        uncommitted one is rolled back, newest first.
+        not have happened. The runner is told to drop the batch state of every request the
+        step touched (`finished_req_ids` of the next step) but to keep the generators of
+        those that come back (`preempted_req_ids`): a seeded request continues its stream
+        from its committed tokens. With several steps in flight, every uncommitted one is
+        rolled back, newest first.
         """
         _, step_reqs = self._uncommitted.pop(id(sched_out))
         current = [req for req_id, req in step_reqs.items() if req is self.requests.get(req_id)]
@@ -534,6 +538,8 @@ class Scheduler:
         self.kv.discard_offloads(sched_out.blocks_to_offload)
         self.finished_req_ids |= sched_out.finished_req_ids
         self.finished_req_ids.update(req.req_id for req in rolled_back)
+        self.preempted_req_ids.update(r for r in sched_out.preempted_req_ids if r in self.requests)
+        self.preempted_req_ids.update(req.req_id for req in rolled_back)
         return [req.req_id for req in rolled_back]
 
     def _reset_to_scratch(self, req: Request) -> None:

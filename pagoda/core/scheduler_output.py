@@ -46,8 +46,9 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int = 0
     # Requests finished or preempted since the last step: the runner drops their state.
     finished_req_ids: set[str] = field(default_factory=set)
-    # Those of finished_req_ids that were preempted: they come back as new requests later,
-    # so the runner keeps their generators (a seeded stream resumes where it stopped).
+    # Those of finished_req_ids that were preempted or rolled back: they come back as new
+    # requests later, so the runner keeps their generators (a seeded stream resumes where
+    # its committed tokens leave it).
     preempted_req_ids: set[str] = field(default_factory=set)
     # KV block copies the runner performs before the forward, every device -> host copy
     # before any host -> device one. Swap preemption's pool: (device block, host block)

@@ -23,6 +23,7 @@ import os
 import shutil
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 
@@ -54,9 +55,9 @@ REQUIRED_ISA: dict[str, tuple[str, ...]] = {
     "paged_prefill_attention": ("avx512f",),  # NOTE: else prefill rows take the decode kernel
 }
 _lock = threading.Lock()
-_module: ModuleType | None = None
+_builds: dict[str, ModuleType | None] = {}  # name -> the loaded build; None: it failed
+_module: ModuleType | None = None  # this module's extension, once loaded
 _load_failed = False
-build_seconds: float | None = None  # wall time of the load in this process (build or cache hit)
 _allowed: dict[str, bool] = {}  # op -> the instruction-set decision, made once per process
 
 
@@ -104,8 +105,9 @@ def _cpu_flags_tag() -> str:
     return hashlib.sha256(" ".join(sorted(flags)).encode()).hexdigest()[:10]
 
 
-def _sources_tag() -> str:
-    """A short hash of the C++ sources, the compiler flags and the torch version.
+def build_name(prefix: str, inputs: Sequence[Path]) -> str:
+    """`prefix` + this CPU's flags tag + a short hash of the build's inputs (sources and
+    headers), the compiler flags and the torch version.
 
     NOTE: torch's loader keeps one build per name and rebuilds in place when the sources
     change; two checkouts (or two installed versions) sharing the cache dir would then
@@ -113,14 +115,14 @@ def _sources_tag() -> str:
     build be imported as is (`_import_built`).
     """
     digest = hashlib.sha256()
-    for path in [*_SOURCES, *_HEADERS]:
+    for path in inputs:
         digest.update(path.read_bytes())
     digest.update(" ".join([*_CFLAGS, *_LDFLAGS, torch.__version__]).encode())
-    return digest.hexdigest()[:8]
+    return f"{prefix}_{_cpu_flags_tag()}_{digest.hexdigest()[:8]}"
 
 
 def extension_name() -> str:
-    return f"pagoda_paged_attention_cpu_{_cpu_flags_tag()}_{_sources_tag()}"
+    return build_name("pagoda_paged_attention_cpu", [*_SOURCES, *_HEADERS])
 
 
 def build_directory(name: str) -> Path:
@@ -160,41 +162,48 @@ def _remove_stale_lock(build_dir: Path) -> None:
             logger.warning("pagoda CPU kernels: removed a stale build lock %s", lock)
 
 
-def load_extension() -> ModuleType | None:
-    """Build (or load the cached build of) the extension; None if it cannot be built."""
-    global _module, _load_failed, build_seconds
-    if _module is not None or _load_failed or kernels_disabled():
-        return _module
+def load_built(name: str, sources: Sequence[Path], what: str) -> ModuleType | None:
+    """The extension `name` (from `build_name`) compiled from `sources`: the finished
+    build of an earlier process imported, else built here (a notice naming `what`), once
+    per process; None, with one warning and never retried, where it cannot be built."""
+    if name in _builds:
+        return _builds[name]
     with _lock:
-        if _module is not None or _load_failed:
-            return _module
-        start = time.perf_counter()
-        try:
-            from torch.utils.cpp_extension import load
+        if name not in _builds:
+            _builds[name] = _build_or_import(name, sources, what)
+        return _builds[name]
 
-            name = extension_name()
-            build_dir = build_directory(name)
-            _module = _import_built(name, build_dir)
-            if _module is None:
-                build_dir.mkdir(parents=True, exist_ok=True)
-                _remove_stale_lock(build_dir)
-                _ensure_ninja_on_path()
-                with build_notice("CPU kernels", expected_s=40):
-                    _module = load(
-                        name=name,
-                        sources=[str(p) for p in _SOURCES],
-                        extra_cflags=_CFLAGS,
-                        extra_ldflags=_LDFLAGS,
-                        build_directory=str(build_dir),
-                        verbose=False,
-                    )
-        except Exception as exc:  # noqa: BLE001 - any build failure means "use the reference"
-            _load_failed = True
-            logger.warning("pagoda CPU kernels unavailable, using the PyTorch path: %s", exc)
-            return None
-        build_seconds = time.perf_counter() - start
-        logger.info("pagoda CPU kernels loaded in %.1f s", build_seconds)
-        return _module
+
+def _build_or_import(name: str, sources: Sequence[Path], what: str) -> ModuleType | None:
+    start = time.perf_counter()
+    try:
+        from torch.utils.cpp_extension import load
+
+        build_dir = build_directory(name)
+        module = _import_built(name, build_dir)
+        if module is None:
+            build_dir.mkdir(parents=True, exist_ok=True)
+            _remove_stale_lock(build_dir)
+            _ensure_ninja_on_path()
+            with build_notice(what, expected_s=40):
+                module = load(name=name, sources=[str(p) for p in sources],
+                              extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS,
+                              build_directory=str(build_dir), verbose=False)
+    except Exception as exc:  # noqa: BLE001 - any build failure means "use the reference"
+        logger.warning("pagoda %s unavailable, using the reference: %s", what, exc)
+        return None
+    logger.info("pagoda %s loaded in %.1f s", what, time.perf_counter() - start)
+    return module
+
+
+def load_extension() -> ModuleType | None:
+    """The extension of the ops in `REQUIRED_ISA` (`load_built`); None if it cannot be
+    built or the kernels are disabled."""
+    global _module, _load_failed
+    if _module is None and not _load_failed and not kernels_disabled():
+        _module = load_built(extension_name(), _SOURCES, "CPU kernels")
+        _load_failed = _module is None
+    return _module
 
 
 def isa_allows(op: str, compiled: list[str] | tuple[str, ...], flags: frozenset[str]) -> bool:

@@ -15,18 +15,14 @@ for Q6_K) before the integer dot products (llama.cpp's scheme), at every row cou
 panel kernel (csrc/quant_cpu.cpp) beats dequantize + the dense bf16 GEMM from one row to
 hundreds (`pagoda bench kernels`), so there is no second path.
 
-The extension is a second module beside cpu_kernels' (whose sources belong to other ops):
-the same build rules (named by CPU flags and sources, built once under a lock, a failed
-build never retried in the process).
+The extension is a second module beside cpu_kernels' (whose sources belong to other ops),
+built by the same loader (`cpu_kernels.load_built`: named by CPU flags and sources, built
+once under a lock, a failed build never retried in the process).
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import sys
-import threading
-import time
 from pathlib import Path
 from types import ModuleType
 
@@ -45,52 +41,22 @@ DTYPES = frozenset({torch.bfloat16})
 EXACT_DTYPES = frozenset({torch.float32, torch.bfloat16})
 REQUIRED_ISA = ("avx512f", "avx512bw", "avx512vl")
 _SOURCES = [Path(__file__).parent / "csrc" / "quant_cpu.cpp"]
-_CFLAGS = ["-O3", "-march=native", "-fopenmp"]
-_LDFLAGS = ["-fopenmp"]
-_lock = threading.Lock()
 _module: ModuleType | None = None
 _load_failed = False
 _allowed: bool | None = None
 
 
 def extension_name() -> str:
-    digest = hashlib.sha256()
-    for path in _SOURCES:
-        digest.update(path.read_bytes())
-    digest.update(" ".join([*_CFLAGS, *_LDFLAGS, torch.__version__]).encode())
-    return f"pagoda_quant_cpu_{cpu_kernels._cpu_flags_tag()}_{digest.hexdigest()[:8]}"
+    return cpu_kernels.build_name("pagoda_quant_cpu", _SOURCES)
 
 
 def load_extension() -> ModuleType | None:
     """Build (or import the finished build of) the quant extension; None if it cannot."""
     global _module, _load_failed
-    if _module is not None or _load_failed or cpu_kernels.kernels_disabled():
-        return _module
-    with _lock:
-        if _module is not None or _load_failed:
-            return _module
-        start = time.perf_counter()
-        try:
-            from torch.utils.cpp_extension import load
-
-            name = extension_name()
-            build_dir = cpu_kernels.build_directory(name)
-            _module = cpu_kernels._import_built(name, build_dir)
-            if _module is None:
-                build_dir.mkdir(parents=True, exist_ok=True)
-                cpu_kernels._remove_stale_lock(build_dir)
-                cpu_kernels._ensure_ninja_on_path()
-                print("pagoda: building quantized CPU kernels, once, ~40 s ...",
-                      file=sys.stderr, flush=True)
-                _module = load(name=name, sources=[str(p) for p in _SOURCES],
-                               extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS,
-                               build_directory=str(build_dir), verbose=False)
-        except Exception as exc:  # noqa: BLE001 - any build failure means "use the reference"
-            _load_failed = True
-            logger.warning("pagoda quant CPU kernels unavailable, using the reference: %s", exc)
-            return None
-        logger.info("pagoda quant CPU kernels loaded in %.1f s", time.perf_counter() - start)
-        return _module
+    if _module is None and not _load_failed and not cpu_kernels.kernels_disabled():
+        _module = cpu_kernels.load_built(extension_name(), _SOURCES, "quantized CPU kernels")
+        _load_failed = _module is None
+    return _module
 
 
 def isa_allows(compiled: list[str] | tuple[str, ...], flags: frozenset[str]) -> bool:

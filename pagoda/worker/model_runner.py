@@ -1,8 +1,9 @@
 """The model runner: one scheduler step -> one flat variable-length batch -> one forward.
 
 Per-request state lives in the persistent `InputBatch` (updated from the scheduler's diffs)
-and the per-request generators here (created from the request's seed, advanced only here;
-kept across a preemption so a seeded request resumes its stream). A step gathers token ids,
+and the seeded requests' generators (worker/seeded_generators.py: advanced only here, kept
+across a preemption or a rolled-back step, so a request that comes back continues its
+stream from its committed tokens). A step gathers token ids,
 positions and the slot mapping into buffers sized once, with numpy fancy indexing (no
 per-token Python loops); the attention backend builds its metadata from those arrays;
 logits are computed only where something is sampled (or prompt logprobs are wanted).
@@ -31,6 +32,7 @@ from pagoda.layers.sampler import Sampler, SamplingMetadata, compute_topk_logpro
 from pagoda.spec_decode.proposer import Proposer
 from pagoda.worker.block_copies import LayerCaches
 from pagoda.worker.input_batch import InputBatch
+from pagoda.worker.seeded_generators import SeededGenerators
 
 # (top ids [K+1], logprobs [K+1], rank of the sampled token) of one sampled token.
 TokenLogprobs = tuple[list[int], list[float], int]
@@ -105,7 +107,7 @@ class ModelRunner:
                                       growable=streaming)
         self.rejection_sampler = RejectionSampler()
         self.proposer = proposer
-        self.generators: dict[str, torch.Generator] = {}
+        self.generators = SeededGenerators()
         # Per-token buffers, sized once; a step uses their first T entries.
         self._input_ids = torch.zeros(max_num_batched_tokens, dtype=torch.int64)
         self._positions = torch.zeros(max_num_batched_tokens, dtype=torch.int64)
@@ -119,13 +121,11 @@ class ModelRunner:
         for req_id in out.finished_req_ids:
             batch.remove_request(req_id)
             if req_id not in out.preempted_req_ids:
-                self.generators.pop(req_id, None)
+                self.generators.remove(req_id)
         if self.proposer is not None and out.finished_req_ids:
             self.proposer.remove_requests(out.finished_req_ids)
         for new in out.scheduled_new_reqs:
-            seed = new.sampling_params.seed
-            if seed is not None and new.req_id not in self.generators:
-                self.generators[new.req_id] = torch.Generator().manual_seed(seed)
+            self.generators.add(new.req_id, new.sampling_params.seed, len(new.token_ids))
             slot = batch.add_request(new.req_id, new.token_ids, new.num_prompt_tokens,
                                      new.block_ids, new.sampling_params,
                                      new.want_prompt_logprobs)
@@ -264,6 +264,8 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[idx])
         slots = step.slots[rows]
         states = [batch.slots[s] for s in slots]
+        for s, state in zip(slots.tolist(), states):
+            self.generators.checkpoint(state.req_id, int(batch.num_tokens[s]))
         # NOTE: views into the persistent token array: only rows that use a penalty are
         # ever read in full (by the sampler), no history is copied here.
         md = SamplingMetadata.build(
@@ -315,6 +317,8 @@ class ModelRunner:
                                     self.eos_token_ids, self.vocab_size, logits.device)
         drafts = [batch.token_ids[s, batch.num_tokens[s] : batch.num_tokens[s] + k].tolist()
                   for s, k in zip(slots.tolist(), num_drafts.tolist())]
+        for s, state in zip(slots.tolist(), states):
+            self.generators.checkpoint(state.req_id, int(batch.num_tokens[s]))
         verdict = self.rejection_sampler(logits, md, drafts,
                                          [self.generators.get(s.req_id) for s in states])
         for r, (s, state, token_ids) in enumerate(zip(slots.tolist(), states,

@@ -12,6 +12,7 @@ import transformers
 
 from pagoda import LLM, SamplingParams
 from pagoda.ops import cpu_kernels
+from tests.helpers import spy_on_extension
 
 # (arch, config overrides, engine kwargs): plain; a sliding window shorter than the prompt;
 # a prompt prefilled in chunks that read earlier chunks back from the paged cache.
@@ -52,15 +53,8 @@ def test_fast_paths_are_as_accurate_as_pytorch_ops(
         logits = hf(torch.tensor([ids])).logits[0].double()
     oracle = logits.log_softmax(-1)[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
 
-    ext, calls = cpu_kernels.load_extension(), []
-
-    class Spy:
-        def __getattr__(self, name):
-            calls.append(name)
-            return getattr(ext, name)
-
     with monkeypatch.context() as m:
-        m.setattr(cpu_kernels, "_module", Spy())
+        calls = spy_on_extension(cpu_kernels.load_extension(), m)
         fast, fast_tokens = _prompt_logprobs(model_dir, ids, **engine_kwargs)
     assert ("paged_prefill_attention" in calls) == (overrides.get("head_dim") == 64)
     monkeypatch.setenv("PAGODA_DISABLE_CPU_KERNELS", "1")

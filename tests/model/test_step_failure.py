@@ -139,3 +139,66 @@ def test_ctrl_c_during_the_commit_is_held_until_the_scheduler_is_consistent(
     monkeypatch.undo()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+SEEDED = SamplingParams(temperature=1.0, seed=11, max_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def seeded_llm(model_path, prompts):
+    """`seeded_llm(async_scheduling) -> (LLM, prompt, its fault-free SEEDED tokens)`, one
+    LLM per setting for the module."""
+    built: dict[bool, tuple[LLM, list[int], list[int]]] = {}
+    prompt = prompts[1][:20]  # one prefill step, then one token a step
+
+    def get(async_scheduling: bool) -> tuple[LLM, list[int], list[int]]:
+        if async_scheduling not in built:
+            llm = LLM(str(model_path), **ENGINE, async_scheduling=async_scheduling)
+            (out,) = llm.generate([{"prompt_token_ids": prompt}], SEEDED, use_tqdm=False)
+            built[async_scheduling] = llm, prompt, out.outputs[0].token_ids
+        return built[async_scheduling]
+
+    return get
+
+
+def run_with_one_fault(engine, prompt: list[int]) -> list[int]:
+    """Serve `prompt` with SEEDED, stepping on after the one failure; its tokens."""
+    engine.add_request("s", {"prompt_token_ids": prompt}, SEEDED)
+    finals, failures = [], 0
+    while engine.has_unfinished_requests():
+        try:
+            finals += [o for o in engine.step() if o.finished]
+        except RuntimeError:
+            failures += 1
+            assert engine.failed_request_ids == ["s"]
+            engine.check_integrity()
+    assert failures == 1 and len(finals) == 1
+    return finals[0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("async_scheduling,after_sampling",
+                         [(False, False), (False, True), (True, True)],
+                         ids=["before-sampling", "after-sampling", "async-after-sampling"])
+def test_retried_seeded_request_continues_its_stream(
+    seeded_llm, monkeypatch: pytest.MonkeyPatch, async_scheduling: bool, after_sampling: bool,
+) -> None:
+    """The fourth token's step fails (before or after it sampled) and the engine steps on:
+    the seeded request's tokens equal a fault-free run's, so its generator neither restarts
+    from the seed (the runner used to drop it as if the request had finished) nor keeps
+    the failed step's draws."""
+    from pagoda.worker.model_runner import ModelRunner
+
+    llm, prompt, fault_free = seeded_llm(async_scheduling)
+    sample, calls = ModelRunner._sample, [0]
+
+    def faulty_sample(self, *args):
+        calls[0] += 1
+        if calls[0] == 4 and not after_sampling:
+            raise RuntimeError("injected fault")
+        sample(self, *args)
+        if calls[0] == 4:
+            raise RuntimeError("injected fault")
+
+    monkeypatch.setattr(ModelRunner, "_sample", faulty_sample)
+    assert run_with_one_fault(llm.llm_engine, prompt) == fault_free
+    assert llm.llm_engine.kv_cache_manager.usage == 0.0

@@ -13,6 +13,7 @@ from pagoda.layers.norm import RMSNorm
 from pagoda.layers.rotary import apply_rotary
 from pagoda.ops import cpu_kernels
 from pagoda.ops.reference import write_kv
+from tests.helpers import spy_on_extension
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -137,15 +138,8 @@ def test_silu_and_mul_matches_pytorch(ext, dtype: torch.dtype, rows: int) -> Non
 
 # ---- the layers' dispatch --------------------------------------------------------------
 def test_layers_use_fused_ops_for_bf16_only(ext, monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list[str] = []
-
-    class Spy:
-        def __getattr__(self, name):
-            calls.append(name)
-            return getattr(ext, name)
-
     assert cpu_kernels.kernel_for("fused_ops") is ext  # the ISA decision, made before the spy
-    monkeypatch.setattr(cpu_kernels, "_module", Spy())
+    calls = spy_on_extension(ext, monkeypatch)
     norm = RMSNorm(64, 1e-6)
     for dtype, fused in ((torch.bfloat16, True), (torch.float32, False)):
         calls.clear()

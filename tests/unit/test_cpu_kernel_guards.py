@@ -14,6 +14,7 @@ from pagoda import ops
 from pagoda.attention.torch_paged import TorchPagedAttention
 from pagoda.layers.norm import RMSNorm
 from pagoda.ops import cpu_kernels, reference, registry
+from tests.helpers import spy_on_extension
 from tests.unit.test_cpu_paged_attention import _kernel, _make_case, _metadata, _naive
 
 
@@ -97,21 +98,9 @@ def _mock_flags(monkeypatch: pytest.MonkeyPatch, drop: set[str]) -> None:
     registry.refresh()  # as an engine start on such a CPU would
 
 
-def _spy_on(ext, monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    calls: list[str] = []
-
-    class Spy:
-        def __getattr__(self, name):
-            calls.append(name)
-            return getattr(ext, name)
-
-    monkeypatch.setattr(cpu_kernels, "_module", Spy())
-    return calls
-
-
 def test_cpu_without_avx512bw_vl_uses_the_reference(ext, monkeypatch) -> None:
     _mock_flags(monkeypatch, {"avx512bw", "avx512vl"})
-    calls = _spy_on(ext, monkeypatch)
+    calls = spy_on_extension(ext, monkeypatch)
     x = torch.randn(3, 64).to(torch.bfloat16)
     r = torch.randn(3, 64).to(torch.bfloat16)
     norm = RMSNorm(64).to(torch.bfloat16)
@@ -131,7 +120,7 @@ def test_cpu_without_avx512bw_vl_uses_the_reference(ext, monkeypatch) -> None:
 def test_cpu_without_avx512_uses_the_reference_everywhere(ext, monkeypatch) -> None:
     """Flags lacking what the build used (never SIGILL): only portable builds may run."""
     _mock_flags(monkeypatch, {f for f in cpu_kernels.cpu_flags() if f.startswith("avx512")})
-    calls = _spy_on(ext, monkeypatch)
+    calls = spy_on_extension(ext, monkeypatch)
     case = _make_case(_seq_lens(4), 2, 2, torch.float32)
     out = ops.paged_attention(*case, 0.125)
     torch.testing.assert_close(out.double(), _naive(*case, None), atol=1e-5, rtol=1e-5)

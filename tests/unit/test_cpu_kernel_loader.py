@@ -1,5 +1,6 @@
-"""Loading the C++ extension: a finished build is imported without torch's build lock (a
-lock left by a killed process must not hang the next engine start), stale locks go."""
+"""Loading the C++ extensions (one loader for cpu_kernels' and quant_cpu's): a finished
+build is imported without torch's build lock (a lock left by a killed process must not
+hang the next engine start), stale locks go."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ def test_finished_build_loads_despite_a_leftover_lock(tmp_path, monkeypatch) -> 
     monkeypatch.setattr(cpu_kernels, "build_directory", lambda _name: build_dir)
     monkeypatch.setattr(cpu_kernels, "_module", None)
     monkeypatch.setattr(cpu_kernels, "_load_failed", False)
+    monkeypatch.setattr(cpu_kernels, "_builds", {})
     monkeypatch.setattr(torch.utils.cpp_extension, "load", no_torch_loader)
     module = cpu_kernels.load_extension()
     assert module is not None and module.kernel_isa() == ext.kernel_isa()
@@ -45,3 +47,26 @@ def test_only_stale_locks_are_removed(tmp_path) -> None:
     os.utime(lock, (old, old))
     cpu_kernels._remove_stale_lock(tmp_path)
     assert not lock.exists()
+
+
+def test_both_extensions_load_through_the_one_loader(monkeypatch) -> None:
+    """cpu_kernels' and quant_cpu's extensions: one loader, each build once per process,
+    a failed build remembered (never retried), the names unchanged by the move."""
+    from pagoda.ops import quant_cpu
+
+    calls: list[str] = []
+
+    def failing_build(name, sources, what):
+        calls.append(name)
+
+    monkeypatch.delenv("PAGODA_DISABLE_CPU_KERNELS", raising=False)
+    monkeypatch.setattr(cpu_kernels, "_builds", {})
+    monkeypatch.setattr(cpu_kernels, "_build_or_import", failing_build)
+    for module in (cpu_kernels, quant_cpu):
+        monkeypatch.setattr(module, "_module", None)
+        monkeypatch.setattr(module, "_load_failed", False)
+        assert module.load_extension() is None and module.load_extension() is None
+    assert calls == [cpu_kernels.extension_name(), quant_cpu.extension_name()]
+    assert cpu_kernels.load_built(calls[1], [], "again") is None and len(calls) == 2
+    assert calls[0].startswith("pagoda_paged_attention_cpu_")
+    assert calls[1].startswith("pagoda_quant_cpu_")
