@@ -5,9 +5,9 @@ answers that copy long spans of the prompt (repeat, correct, rename, quote); (b)
 Each at concurrency 1, 4 and 16 (closed loop: max_num_seqs = concurrency, twice as many
 requests), greedy, bf16 by default. Configurations: speculation off, ngram with the adaptive
 rule and with fixed k, the quantized self-draft (`--self-draft rtn gptq`, each adaptive and
-with fixed k), a draft model when `--draft-model` is given (the same two), and vLLM's CPU
-build off and with its n-gram speculation when its interpreter is there
-(benchmarks/spec_vllm.py).
+with fixed k; `--self-draft-layers N`: also a draft of the target's first N layers), a
+draft model when `--draft-model` is given (the same two), and vLLM's CPU build off and
+with its n-gram speculation when its interpreter is there (benchmarks/spec_vllm.py).
 
 Reported per run: output tokens/s, speedup over the same system's off, acceptance rate
 (accepted / draft tokens), mean accepted length (tokens per verification: 1 + accepted /
@@ -35,6 +35,8 @@ def add_spec_decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-model", default=None, help="also run method draft_model with it")
     p.add_argument("--self-draft", nargs="*", default=["rtn"], choices=["rtn", "gptq"],
                    help="quantized_self_draft rows, by quantization (none: no rows)")
+    p.add_argument("--self-draft-layers", nargs="*", type=int, default=[],
+                   help="also self-draft rows whose draft is the target's first N layers")
     p.add_argument("--calib-data", default="calib", help="the gptq self-draft's text")
     p.add_argument("--vllm-python", default=None,
                    help="vLLM's interpreter (default: the conventional venvs; '' skips vLLM)")
@@ -64,6 +66,10 @@ def _configs(args: argparse.Namespace) -> dict[str, dict | None]:
             spec["calib_data"] = args.calib_data
         configs[f"self-draft {quantization}"] = spec
         configs[f"self-draft {quantization} fixed k"] = {**spec, "adaptive": False}
+        for n in getattr(args, "self_draft_layers", []):
+            shallow = {**spec, "num_layers": n}
+            configs[f"self-draft {quantization} {n}L"] = shallow
+            configs[f"self-draft {quantization} {n}L fixed k"] = {**shallow, "adaptive": False}
     if args.draft_model:
         configs["draft_model"] = spec = {"method": "draft_model", "model": args.draft_model,
                                          "num_speculative_tokens": k}
@@ -175,27 +181,30 @@ def _vllm_runs(args: argparse.Namespace,
     src = resolve_model(args.model)
     model_dir = prepare_hf_dir(src, args.dtype)
     tok = None
+    for c in args.concurrency:
+        for w in args.workloads:
+            if (w, c) not in prompts:  # NOTE: --vllm-only: no pagoda run made them
+                tok = tok or load_tokenizer(src)
+                prompts[(w, c)] = _prompts(tok, w, c)
+    workloads = {c: {w: prompts[(w, c)] for w in args.workloads} for c in args.concurrency}
     runs = []
     for name, spec in vllm_configs(args.num_speculative_tokens).items():
-        for c in args.concurrency:
-            for w in args.workloads:
-                if (w, c) not in prompts:  # NOTE: --vllm-only: no pagoda run made them
-                    tok = tok or load_tokenizer(src)
-                    prompts[(w, c)] = _prompts(tok, w, c)
-            workloads = {w: prompts[(w, c)] for w in args.workloads}
-            result = run_vllm_spec(workloads, args.max_tokens, c,
-                                   EngineArgs().max_num_batched_tokens, spec, model_dir,
-                                   args.dtype, python, kv_space_gib=args.vllm_kv_gib)
-            if "error" in result:
-                print(f"  vLLM {name}, concurrency {c}: {result['error']}\n"
-                      f"{result['log_tail'][-800:]}", flush=True)
-                continue
-            for workload, r in result.items():
+        print(f"  vLLM {name}: starting its engine", flush=True)
+        result = run_vllm_spec(workloads, args.max_tokens, EngineArgs().max_num_batched_tokens,
+                               spec, model_dir, args.dtype, python,
+                               kv_space_gib=args.vllm_kv_gib)
+        if "error" in result:
+            print(f"  vLLM {name}: {result['error']}\n{result['log_tail'][-800:]}", flush=True)
+            continue
+        print(f"  vLLM {name}: engine built in {result['load_s']:.0f} s", flush=True)
+        for c, by_workload in result["runs"].items():
+            for workload, r in by_workload.items():
                 counters = r.pop("counters")
-                drafts, draft_tokens = counters.get("num_drafts"), counters.get("num_draft_tokens")
+                drafts = counters.get("num_drafts")
+                draft_tokens = counters.get("num_draft_tokens")
                 accepted = counters.get("num_accepted_tokens")
                 runs.append({"system": "vllm", "config": name, "concurrency": c,
-                             "workload": workload, **r,
+                             "workload": workload, **r, "vllm_load_s": result["load_s"],
                              "acceptance": accepted / draft_tokens if draft_tokens else None,
                              "mean_accepted_len": 1 + accepted / drafts if drafts else None})
                 print(f"  done: {name}, concurrency {c}, {workload}: "
@@ -211,8 +220,11 @@ def run_spec_decode(args: argparse.Namespace) -> dict:
           f"concurrency {args.concurrency} (2x as many requests)  seed {args.seed}")
     records: list = []
     prompts: dict[tuple[str, int], list[list[int]]] = {}
-    runs = [] if args.vllm_only else _pagoda_runs(args, records, prompts)
-    runs += _vllm_runs(args, prompts)
+    # NOTE: vLLM first: its engines' start (minutes here) is the part a busy machine
+    # stretches most, and its rows need only the prompts.
+    runs = _vllm_runs(args, prompts)
+    if not args.vllm_only:
+        runs += _pagoda_runs(args, records, prompts)
     off = {(r["workload"], r["concurrency"]): r for r in runs if r["config"] == "off"}
     vllm_off = {(r["workload"], r["concurrency"]): r for r in runs if r["config"] == "vllm off"}
     for r in runs:

@@ -85,6 +85,9 @@ class Request:
     # Draft tokens the proposer guessed to follow all_token_ids (speculative decoding);
     # not part of the sequence until the step that verifies them accepts them.
     spec_token_ids: list[int] = field(default_factory=list)
+    # This request's own per-draft acceptance rate (spec_decode/adaptive.py), None before
+    # its first verification.
+    spec_acceptance: float | None = None
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     num_preemptions: int = 0

@@ -165,7 +165,8 @@ class Scheduler:
         out = SchedulerOutput()
         self.waiting.order_running(self.running)
         if self.draft_length_policy is not None:
-            k = self.draft_length_policy.num_drafts_for_step(len(self.running))
+            k = self.draft_length_policy.num_drafts_for_step(
+                len(self.running), [r.spec_acceptance for r in self.running])
             self._num_drafts_this_step = out.num_spec_tokens = k
         preempted = self._schedule_running(out)
         if not preempted:
@@ -243,13 +244,15 @@ class Scheduler:
 
     def _drafts_to_verify(self, req: Request, n: int, budget: int) -> list[int]:
         """The draft tokens `req` verifies this step: only in decode (its one new token
-        is its last), at most the step's k, what the budget leaves, and one fewer than the
-        tokens it may still produce (the step also emits one target token)."""
+        is its last), at most the step's k and its own (by its acceptance rate), what the
+        budget leaves, and one fewer than the tokens it may still produce (the step also
+        emits one target token)."""
         if not req.spec_token_ids or n != 1 or req.num_computed_tokens != req.num_tokens - 1:
             return []
         params = req.sampling_params
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len
         k = min(len(req.spec_token_ids), self._num_drafts_this_step, budget - 1,
+                self.draft_length_policy.num_drafts_for_request(req.spec_acceptance),
                 max_tokens - req.num_output_tokens - 1,
                 self.max_model_len - req.num_tokens - 1)
         return req.spec_token_ids[:k] if k > 0 else []
@@ -489,7 +492,8 @@ class Scheduler:
         num_accepted = num_tokens - 1
         req.num_computed_tokens -= num_drafts - num_accepted
         self.kv.free_uncomputed_tail(req)
-        self.draft_length_policy.observe(num_drafts, num_accepted)
+        req.spec_acceptance = self.draft_length_policy.observe(num_drafts, num_accepted,
+                                                               req.spec_acceptance)
 
     def _append_tokens(
         self, req: Request, token_ids: list[int]

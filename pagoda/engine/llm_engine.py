@@ -110,7 +110,7 @@ class LLMEngine:
             stop_at_max_model_len=not self.streaming,
             draft_length_policy=None if config.speculative is None else DraftLengthPolicy(
                 config.speculative.num_speculative_tokens, config.speculative.adaptive,
-                costs_for_method(config.speculative.method)),
+                costs_for_method(config.speculative.method, self._draft_depth(config))),
         )
         swap_pool = self.scheduler.preemptor.host_pool
         host_tier = self.kv_cache_manager.host_tier
@@ -160,6 +160,13 @@ class LLMEngine:
                 f"gpu_memory_utilization)"
             )
         return num_blocks
+
+    def _draft_depth(self, config: EngineConfig) -> float:
+        """A self-draft's layers over the target's (1: a draft as deep as the target)."""
+        layers = config.speculative.num_layers
+        if layers is None:
+            return 1.0
+        return min(layers / int(self.hf_config.num_hidden_layers), 1.0)
 
     def _num_host_blocks(self) -> int:
         """Swap preemption's host pool size: `swap_space` GiB, only in swap mode."""

@@ -14,10 +14,14 @@ commit's rollback, the multi-token query's attention); P the proposing of the ne
 (ngram: a lookup per request; a draft model: k batched forwards of the draft). k maximises
 E(k) / c(B, k) over [0, num_speculative_tokens]: a step speculates only where the tokens the
 drafts save (a E(k - 1) more per request) pay for what verifying and proposing them cost,
-and k = 0 otherwise (at a = 0 always). The acceptance rate is an exponential moving average
-over verifications; while the rule says 0 at a rate where a = 1 would gain at least
-`PROBE_MIN_GAIN`, one probe in `PROBE_INTERVAL` steps (two steps at k = 1: a step's k caps
-both its verification and its proposals) lets the estimate recover.
+and k = 0 otherwise (at a = 0 always). k is chosen per request, from that request's own
+acceptance rate (an exponential moving average over its verifications, starting from the
+rate over all requests): one request's drafts may pay where another's do not (a chat answer
+that quotes a phrase beside one that never repeats), and a single rate for the batch either
+speculates for both or for neither; the step's k, the most any request gets, also caps the
+proposer's next guesses. While the rule says 0 for a request at a rate where a = 1 would gain
+at least `PROBE_MIN_GAIN`, one probe in `PROBE_INTERVAL` steps (two steps at k = 1: a step's
+k caps both its verification and its proposals) lets its estimate recover.
 
 Measured by `pagoda bench spec --configs "ngram fixed k" "self-draft rtn fixed k"
 --max-tokens 64` (SmolLM2-135M bf16, AMD EPYC, 2 CPUs shared with other jobs; its cost
@@ -39,13 +43,18 @@ one, measured 0.63-0.82x of off). docs/spec_decode.md has the figures.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 PROBE_INTERVAL = 16
 # A probe costs what the rule does not charge (a draft model's catch-up on every token
 # since its last proposal): probe only where perfect drafts would gain at least this.
 PROBE_MIN_GAIN = 1.25
 _EMA_WEIGHT = 0.1
+# A request's own estimate moves faster: a few of its verifications outweigh the prior
+# (the rate over all requests when it first verifies).
+_OWN_EMA_WEIGHT = 0.25
 _PRIOR_ACCEPTANCE = 0.6
 
 
@@ -84,9 +93,12 @@ PROPOSE_COSTS: dict[str, tuple[float, float, float]] = {
 DEFAULT_COSTS = StepCosts(TOKEN_COST_RATIO, VERIFY_COST_RATIO)
 
 
-def costs_for_method(method: str) -> StepCosts:
+def costs_for_method(method: str, draft_depth: float = 1.0) -> StepCosts:
+    """The rule's costs for `method`; `draft_depth`: a draft model's layers over the
+    target's (a self-draft of the first layers), which scales its proposing cost (a
+    forward of this small model on a CPU costs per layer)."""
     return StepCosts(TOKEN_COST_RATIO, VERIFY_COST_RATIO,
-                     *PROPOSE_COSTS.get(method, (0.0, 0.0, 0.0)))
+                     *(draft_depth * c for c in PROPOSE_COSTS.get(method, (0.0, 0.0, 0.0))))
 
 
 def expected_tokens(acceptance: float, k: int) -> float:
@@ -121,7 +133,15 @@ class SpecDecodeCounters:
 
 
 class DraftLengthPolicy:
-    """The scheduler's choice of k per step (see the module docstring) and the counters."""
+    """The scheduler's choice of k per request and step (see the module docstring) and the
+    counters.
+
+    Per step: `num_drafts_for_step(B, estimates)` first (the step's k: the most drafts any
+    request may verify, which also caps the proposer's next guesses), then
+    `num_drafts_for_request(estimate)` for each decoding request. An estimate is the
+    request's own acceptance rate (`observe`'s return), None before its first
+    verification: then the rate over all requests stands in for it.
+    """
 
     def __init__(self, num_speculative_tokens: int, adaptive: bool = True,
                  costs: StepCosts = DEFAULT_COSTS) -> None:
@@ -131,24 +151,38 @@ class DraftLengthPolicy:
         self.acceptance = _PRIOR_ACCEPTANCE
         self.counters = SpecDecodeCounters(num_accepted_tokens_per_pos=[0] * self.max_k)
         self._num_steps = 0
+        self._num_reqs = 1
+        self._probing = False
 
-    def num_drafts_for_step(self, num_reqs: int) -> int:
-        """k for a step whose batch holds `num_reqs` running requests."""
+    def num_drafts_for_step(self, num_reqs: int,
+                            estimates: Iterable[float | None] = (None,)) -> int:
+        """The step's k for a batch of `num_reqs` running requests whose acceptance
+        estimates are `estimates`: the largest k any of them gets."""
         self._num_steps += 1
+        self._num_reqs = max(num_reqs, 1)
         if not self.adaptive:
             return self.max_k
-        num_reqs = max(num_reqs, 1)
-        k = best_num_drafts(self.acceptance, num_reqs, self.max_k, self.costs)
-        if k == 0 and self._num_steps % PROBE_INTERVAL in (0, 1) and (
-                speculation_gain(1.0, num_reqs, self.max_k, self.costs) >= PROBE_MIN_GAIN):
+        self._probing = self._num_steps % PROBE_INTERVAL in (0, 1) and (
+            speculation_gain(1.0, self._num_reqs, self.max_k, self.costs) >= PROBE_MIN_GAIN)
+        return max((self.num_drafts_for_request(e) for e in estimates), default=0)
+
+    def num_drafts_for_request(self, estimate: float | None) -> int:
+        """k for one request of this step, by its own acceptance estimate."""
+        if not self.adaptive:
+            return self.max_k
+        a = self.acceptance if estimate is None else estimate
+        k = _best_num_drafts_rounded(round(a, 2), self._num_reqs, self.max_k, self.costs)
+        if k == 0 and self._probing:
             # NOTE: the load would allow speculating, only the estimate says no: probe.
             # Two steps: a step's k caps both its verification and its proposals, so the
             # first proposes one draft per request and the second verifies it.
             return 1
         return k
 
-    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
-        """One request's verification: `num_accepted` of its `num_draft_tokens` drafts."""
+    def observe(self, num_draft_tokens: int, num_accepted: int,
+                estimate: float | None = None) -> float:
+        """One request's verification: `num_accepted` of its `num_draft_tokens` drafts;
+        returns that request's new acceptance estimate (`estimate`: its previous one)."""
         c = self.counters
         c.num_drafts += 1
         c.num_draft_tokens += num_draft_tokens
@@ -159,4 +193,13 @@ class DraftLengthPolicy:
         # over drafts looked at (the accepted ones plus the rejected one, if any).
         looked_at = min(num_accepted + 1, num_draft_tokens)
         rate = num_accepted / looked_at
+        own = self.acceptance if estimate is None else estimate
         self.acceptance += _EMA_WEIGHT * (rate - self.acceptance)
+        return own + _OWN_EMA_WEIGHT * (rate - own)
+
+
+@lru_cache(maxsize=4096)
+def _best_num_drafts_rounded(acceptance: float, num_reqs: int, max_k: int,
+                             costs: StepCosts) -> int:
+    """best_num_drafts at an acceptance rounded to 0.01 (each request asks every step)."""
+    return best_num_drafts(acceptance, num_reqs, max_k, costs)

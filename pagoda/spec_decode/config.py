@@ -21,7 +21,7 @@ _DEFAULT_PROMPT_LOOKUP = {"prompt_lookup_max": 4, "prompt_lookup_min": 1}
 METHOD_FIELDS = {
     "ngram": ("prompt_lookup_max", "prompt_lookup_min"),
     "draft_model": ("model",),
-    "quantized_self_draft": ("quantization", "bits", "group_size", "calib_data"),
+    "quantized_self_draft": ("quantization", "bits", "group_size", "calib_data", "num_layers"),
 }
 
 
@@ -43,6 +43,9 @@ class SpeculativeConfig:
     bits: int | None = None
     group_size: int | None = None
     calib_data: str | None = None
+    # quantized_self_draft: the draft's depth, the target's first `num_layers` decoder layers
+    # and then its final norm and LM head (early exit); None: every layer.
+    num_layers: int | None = None
     # Choose k per step from the acceptance rate and the batch's load (spec_decode/adaptive.py);
     # False: always num_speculative_tokens (cut to the budget and the request's limits).
     adaptive: bool = True

@@ -16,12 +16,17 @@ dense weight as any linear does and, once loaded, replaces it by a group-quantiz
 The grid has a zero point per group (asymmetric: it spends no code on a side of zero the
 group does not reach). Every other module of the draft (embedding, LM head, norms, rotary
 tables) is replaced by the target's own, shared: what the draft adds to the weights in
-memory is its quantized linears only (`draft_extra_weight_bytes`).
+memory is its quantized linears only (`draft_extra_weight_bytes`). With `num_layers` N the
+draft is the target's first N decoder layers only, then the target's final norm and LM head
+(early exit): a draft that costs about N / L of a full one per token.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import copy
+import dataclasses
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -34,6 +39,9 @@ from pagoda.quant.unquantized import UnquantizedLinearMethod
 from pagoda.spec_decode.config import SpeculativeConfig
 from pagoda.spec_decode.draft_model import DRAFT_BACKEND, DraftModelProposer
 from pagoda.spec_decode.proposer import register_proposer
+
+if TYPE_CHECKING:
+    from pagoda.models.loader import Checkpoint
 
 QUANTIZATIONS = ("rtn", "gptq")
 BITS = (2, 4, 8)
@@ -179,6 +187,39 @@ def draft_extra_weight_bytes(draft: nn.Module, target: nn.Module) -> int:
     return weight_bytes(nn.ModuleList([target, draft])) - weight_bytes(target)
 
 
+def _layer_index(name: str) -> int | None:
+    """N of a decoder layer's tensor `model.layers.N....`, None for any other tensor."""
+    parts = name.split(".")
+    if "layers" in parts[:-1]:
+        index = parts[parts.index("layers") + 1]
+        if index.isdigit():
+            return int(index)
+    return None
+
+
+def first_layers(ckpt: Checkpoint, num_layers: int) -> Checkpoint:
+    """`ckpt` cut to its first `num_layers` decoder layers (the config's count and per-layer
+    lists, and the weights streamed); ValueError naming the field if it has fewer."""
+    total = int(ckpt.hf_config.num_hidden_layers)
+    if num_layers > total:
+        raise ValueError(f"speculative_config.num_layers {num_layers} exceeds the target's "
+                         f"{total} decoder layers")
+    hf_config = copy.deepcopy(ckpt.hf_config)
+    hf_config.num_hidden_layers = num_layers
+    if getattr(hf_config, "layer_types", None):
+        hf_config.layer_types = list(hf_config.layer_types[:num_layers])
+    open_weights = ckpt.open_weights
+
+    def weights() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in open_weights():
+            index = _layer_index(name)
+            if index is None or index < num_layers:
+                yield name, tensor
+
+    return dataclasses.replace(ckpt, hf_config=hf_config, open_weights=weights,
+                               open_raw_tensors=None)
+
+
 @register_proposer("quantized_self_draft")
 class QuantizedSelfDraftProposer(DraftModelProposer):
     @classmethod
@@ -196,6 +237,10 @@ class QuantizedSelfDraftProposer(DraftModelProposer):
                               or (g < 1 and g != -1)):
             raise ValueError(f"speculative_config.group_size must be -1 or a positive integer, "
                              f"got {g!r}")
+        n = config.num_layers
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+            raise ValueError(f"speculative_config.num_layers must be a positive integer, "
+                             f"got {n!r}")
         if quantization == "gptq" and not config.calib_data:
             raise ValueError("speculative_config.calib_data is required for quantization gptq "
                              "(a .txt or .jsonl file, or 'calib' for the built-in corpus)")
@@ -220,6 +265,11 @@ class QuantizedSelfDraftProposer(DraftModelProposer):
         quantized = None
         if (config.quantization or "rtn") == "gptq":
             quantized = calibrate_gptq(str(ckpt.path), spec, config.calib_data)
+        if config.num_layers is not None:
+            ckpt = first_layers(ckpt, config.num_layers)
+            if quantized is not None:  # NOTE: the layers past the draft's are never built
+                quantized = {name: q for name, q in quantized.items()
+                             if (_layer_index(name) or 0) < config.num_layers}
         draft = build_model(ckpt, context.dtype, context.device, context.max_model_len,
                             DRAFT_BACKEND, quant_config=SelfDraftQuantConfig(spec, quantized))
         share_target_modules(draft, target)

@@ -158,13 +158,31 @@ class ModelRunner:
         self._prompt_logprobs(step, hidden, result)
         if len(step.sample_rows):
             speculating = step.num_drafts[step.sample_rows] > 0
-            if not speculating.all():
-                self._sample(step, step.sample_rows[~speculating], hidden, result)
-            if speculating.any():
-                self._verify(step, step.sample_rows[speculating], hidden, result)
+            plain, verifying = step.sample_rows[~speculating], step.sample_rows[speculating]
+            # NOTE: one LM-head pass over the positions sampled and verified: a step that
+            # mixes both would otherwise read the head's weights twice.
+            idx = self._logit_positions(step, plain, verifying)
+            logits = self.model.compute_logits(hidden[torch.from_numpy(idx).to(hidden.device)])
+            if len(plain):
+                self._sample(step, plain, logits[: len(plain)], result)
+            if len(verifying):
+                self._verify(step, verifying, logits[len(plain) :], result)
             if self.proposer is not None and out.num_spec_tokens > 0:
                 self._propose(step, out.num_spec_tokens, result)
         return result
+
+    def _logit_positions(self, step: StepBatch, plain: np.ndarray,
+                         verifying: np.ndarray) -> np.ndarray:
+        """The step's token positions to score: each plain row's last, then each verifying
+        row's k + 1 (its last token and its drafts), row after row."""
+        last = step.query_start_loc[plain + 1] - 1
+        if not len(verifying):
+            return last
+        counts = step.num_drafts[verifying] + 1
+        firsts = np.repeat(step.query_start_loc[verifying + 1] - counts, counts)
+        offsets = self._arange[: int(counts.sum())] - np.repeat(np.cumsum(counts) - counts,
+                                                                counts)
+        return np.concatenate([last, firsts + offsets])
 
     def _step_batch(self, out: SchedulerOutput) -> StepBatch:
         batch = self.input_batch
@@ -257,11 +275,10 @@ class ModelRunner:
                                f"{self.input_batch.num_blocks[step.slots[row]]}")
         return int(needed.max())
 
-    def _sample(self, step: StepBatch, rows: np.ndarray, hidden: torch.Tensor,
+    def _sample(self, step: StepBatch, rows: np.ndarray, logits: torch.Tensor,
                 result: ModelRunnerOutput) -> None:
+        """Rows without drafts: sample one token each from `logits` (one row per row)."""
         batch = self.input_batch
-        idx = torch.from_numpy(step.query_start_loc[rows + 1] - 1).to(hidden.device)
-        logits = self.model.compute_logits(hidden[idx])
         slots = step.slots[rows]
         states = [batch.slots[s] for s in slots]
         for s, state in zip(slots.tolist(), states):
@@ -290,20 +307,15 @@ class ModelRunner:
                     int(sampled.sampled_token_ranks[j]),
                 )]
 
-    def _verify(self, step: StepBatch, rows: np.ndarray, hidden: torch.Tensor,
+    def _verify(self, step: StepBatch, rows: np.ndarray, logits: torch.Tensor,
                 result: ModelRunnerOutput) -> None:
-        """Rows with drafts: the target's logits at each draft and after the last one
-        (virtual rows, each with its history extended by the drafts before it), the
-        rejection sampler's verdict, the accepted tokens appended."""
+        """Rows with drafts: the target's `logits` at each draft and after the last one
+        (virtual rows, each with its history extended by the drafts before it, row after
+        row), the rejection sampler's verdict, the accepted tokens appended."""
         batch = self.input_batch
         slots, num_drafts = step.slots[rows], step.num_drafts[rows]
-        counts = num_drafts + 1
-        firsts = np.repeat(step.query_start_loc[rows + 1] - counts, counts)
         bases = np.zeros(len(rows) + 1, dtype=np.int64)
-        np.cumsum(counts, out=bases[1:])
-        offsets = self._arange[: int(bases[-1])] - np.repeat(bases[:-1], counts)
-        idx = torch.from_numpy(firsts + offsets).to(hidden.device)
-        logits = self.model.compute_logits(hidden[idx])
+        np.cumsum(num_drafts + 1, out=bases[1:])
         states = [batch.slots[s] for s in slots]
         params, prompts, histories = [], [], []
         for s, state, k in zip(slots.tolist(), states, num_drafts.tolist()):

@@ -92,8 +92,28 @@ def test_smollm2_gguf_greedy_identical(smollm2_expected) -> None:  # noqa: F811
     llm.llm_engine.check_integrity()
 
 
+def test_first_layers_draft_greedy_identical(small) -> None:  # noqa: F811
+    """num_layers: the draft is the target's first layers, then its norm and LM head."""
+    path, prompts, expected = small
+    llm = LLM(str(path), dtype="float32", speculative_config={**RTN, "num_layers": 1})
+    worker = llm.llm_engine.executor.worker
+    target, draft = worker.model, worker.runner.proposer.model
+    assert (target.spec.num_layers, draft.spec.num_layers) == (2, 1)
+    assert len(self_draft_linears(draft)) == 4
+    assert draft.model.norm is target.model.norm and draft.lm_head is target.lm_head
+    assert len(worker.runner.proposer.kv_caches) == 1
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [[o.outputs[0].token_ids] for o in outs] == expected
+    stats = llm.llm_engine.get_stats()
+    assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
+    llm.llm_engine.check_integrity()
+
+
 @pytest.mark.parametrize(("change", "field"), [
     ({"group_size": 48}, "speculative_config.group_size"),
+    ({"num_layers": 3}, "speculative_config.num_layers"),
+    ({"num_layers": 0}, "speculative_config.num_layers"),
     ({"quantization": "gptq", "calib_data": "/nonexistent/calib.txt"},
      "speculative_config.calib_data"),
 ])

@@ -178,3 +178,33 @@ def test_no_benchmark_module_shadows_the_standard_library():
     folder = Path(vllm_peer.__file__).parent
     names = {p.stem for p in folder.glob("*.py")}
     assert not names & set(sys.stdlib_module_names)
+
+
+def test_vllm_spec_closed_loop_keeps_concurrency_in_flight():
+    """bench spec's vLLM child: c requests in flight, the next added as one finishes, each
+    output back at its prompt's index (whatever id vLLM uses inside)."""
+    from types import SimpleNamespace
+
+    from pagoda.benchmarks.spec_vllm import _closed_loop
+
+    class FakeEngine:
+        def __init__(self):
+            self.running, self.most = [], 0
+
+        def add_request(self, name, prompt, params):
+            self.running.append((name + "-x", prompt["prompt_token_ids"]))
+            self.most = max(self.most, len(self.running))
+            return name + "-x"
+
+        def has_unfinished_requests(self):
+            return bool(self.running)
+
+        def step(self):
+            rid, tokens = self.running.pop(0)
+            return [SimpleNamespace(request_id=rid, finished=True,
+                                    outputs=[SimpleNamespace(token_ids=tokens[::-1])])]
+
+    engine = FakeEngine()
+    prompts = [[i, i + 1] for i in range(5)]
+    assert _closed_loop(engine, prompts, None, 2, "t") == [p[::-1] for p in prompts]
+    assert engine.most == 2

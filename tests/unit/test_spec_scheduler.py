@@ -263,3 +263,32 @@ def test_rule_charges_verification_and_proposing() -> None:
     assert verify.step(4, 0) == pytest.approx(1.08)
     assert verify.step(4, 2) == pytest.approx(1 + 0.02 * 12 + 0.4)
     assert costs_for_method("a test's proposer").per_draft == 0.0
+    # A self-draft of half the target's layers is charged half its proposing.
+    half, full = costs_for_method("quantized_self_draft", 0.5), costs_for_method("draft_model")
+    assert half.per_draft == pytest.approx(full.per_draft / 2)
+    assert half.token == full.token and half.verify == full.verify
+
+
+def test_k_follows_each_requests_own_acceptance() -> None:
+    """Two requests in one batch, one whose drafts are always accepted and one whose drafts
+    never are: the first keeps verifying every draft, the second stops (but for probes).
+    One rate for the batch (about 0.5) would give both the same k."""
+    kv = KVCacheManager(64, BLOCK_SIZE, enable_caching=False)
+    sched = Scheduler(kv, 8, 64, 256, draft_length_policy=DraftLengthPolicy(4))
+    good, bad = make_request("good", 3, max_tokens=200), make_request("bad", 3, max_tokens=200)
+    sched.add_request(good)
+    sched.add_request(bad)
+    verified: dict[str, list[int]] = {"good": [], "bad": []}
+    for _ in range(30):
+        out = sched.schedule()
+        for req_id, counts in verified.items():
+            counts.append(len(out.scheduled_spec_decode_tokens.get(req_id, [])))
+        k = out.num_spec_tokens
+        commit(sched, out, accept={"bad": 0},
+               drafts={r: [20, 21, 22, 23][:k] for r in verified} if k else {})
+    # After a few verifications each request's own estimate rules its k.
+    assert verified["good"][-20:] == [4] * 20
+    assert max(verified["bad"][-20:]) <= 1  # probes verify one draft
+    assert sum(verified["bad"][-20:]) <= 2
+    assert good.spec_acceptance > 0.9
+    assert bad.spec_acceptance < 0.1
