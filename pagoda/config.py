@@ -295,6 +295,9 @@ class EngineArgs:
     speculative_config: dict | str | None = None
     # async: schedule the next step (and detokenize the last) while a step's forward runs.
     async_scheduling: bool = False
+    # split (issue 10): `pagoda serve` runs the engine in a child process (the API server
+    # keeps HTTP and tokenization); the server's only (LLM(...) runs in-process).
+    engine_process: bool = False
 
     @classmethod
     def add_cli_args(cls, p: argparse.ArgumentParser) -> None:
@@ -368,6 +371,9 @@ class EngineArgs:
         p.add_argument("--async-scheduling", action=bool_flag, default=d.async_scheduling,
                        help="schedule step N+1, and commit and detokenize step N - 1, while "
                        "step N's forward runs (the forward on a worker thread)")
+        p.add_argument("--engine-process", action=bool_flag, default=d.engine_process,
+                       help="serve: run the engine (model, scheduler, detokenization) in a "
+                       "child process of its own, apart from the HTTP server's")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:

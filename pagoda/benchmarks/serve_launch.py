@@ -23,8 +23,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-# "pagoda-async": pagoda with --async-scheduling.
-LAUNCHABLE = ("pagoda", "pagoda-async", "vllm")
+# pagoda's variants and their extra flags: "pagoda-async" with --async-scheduling,
+# "pagoda-core" with --engine-process (the engine in a process apart from the HTTP server).
+PAGODA_VARIANTS = {"pagoda": (), "pagoda-async": ("--async-scheduling",),
+                   "pagoda-core": ("--engine-process",)}
+LAUNCHABLE = (*PAGODA_VARIANTS, "vllm")
 
 
 @dataclass(slots=True)
@@ -38,25 +41,26 @@ class LaunchSpec:
 
 
 def parse_launch(text: str) -> list[str]:
-    """`"pagoda,vllm"` -> the systems in order; ValueError naming an unknown one."""
+    """`"pagoda,vllm"` -> the systems in order; ValueError naming an unknown one. A system
+    may repeat (`pagoda,pagoda-core,pagoda,pagoda-core`: alternating against drift)."""
     systems = [s.strip() for s in text.split(",") if s.strip()]
     unknown = [s for s in systems if s not in LAUNCHABLE]
     if unknown or not systems:
-        raise ValueError(f"--launch takes a comma-separated subset of {LAUNCHABLE}, got {text!r}")
-    return list(dict.fromkeys(systems))
+        raise ValueError(f"--launch takes a comma-separated list of {LAUNCHABLE}, got {text!r}")
+    return systems
 
 
 def pagoda_spec(model: str | None, port: int, dtype: str, max_num_seqs: int,
-                max_num_batched_tokens: int, async_scheduling: bool = False) -> LaunchSpec:
+                max_num_batched_tokens: int, variant: str = "pagoda") -> LaunchSpec:
+    """pagoda's server (`variant`: a key of PAGODA_VARIANTS) with the run's limits."""
     argv = [sys.executable, "-m", "pagoda.entrypoints.cli", "serve", "--port", str(port),
             "--dtype", dtype, "--max-num-seqs", str(max_num_seqs),
             "--max-num-batched-tokens", str(max_num_batched_tokens),
             "--no-enable-prefix-caching", "--disable-uvicorn-access-log"]
     if model:
         argv += ["--model", model]
-    if async_scheduling:
-        argv.append("--async-scheduling")
-    return LaunchSpec("pagoda-async" if async_scheduling else "pagoda", argv, port)
+    argv += PAGODA_VARIANTS[variant]
+    return LaunchSpec(variant, argv, port)
 
 
 def launch_specs(args: argparse.Namespace) -> list[LaunchSpec]:
@@ -70,11 +74,15 @@ def launch_specs(args: argparse.Namespace) -> list[LaunchSpec]:
     )
 
     specs, port = [], args.launch_port
-    for system in args.launch:
-        if system in ("pagoda", "pagoda-async"):
-            specs.append(pagoda_spec(args.launch_model, port, args.launch_dtype,
-                                     args.max_num_seqs, args.max_num_batched_tokens,
-                                     async_scheduling=system == "pagoda-async"))
+    for i, system in enumerate(args.launch):
+        # NOTE: a repeated system's runs are told apart by their turn: "pagoda #2".
+        turn = args.launch[:i].count(system) + 1
+        suffix = f" #{turn}" if turn > 1 else ""
+        if system in PAGODA_VARIANTS:
+            spec = pagoda_spec(args.launch_model, port, args.launch_dtype,
+                               args.max_num_seqs, args.max_num_batched_tokens, system)
+            spec.label += suffix
+            specs.append(spec)
             port += 1
             continue
         python = args.vllm_python or default_vllm_python()
@@ -89,7 +97,7 @@ def launch_specs(args: argparse.Namespace) -> list[LaunchSpec]:
             seqs, tokens = vllm_limits(mode, args.max_num_seqs, args.max_num_batched_tokens)
             argv = vllm_serve_argv(python, model_dir, port, args.launch_dtype, seqs, tokens,
                                    "vllm")
-            specs.append(LaunchSpec(f"vllm {mode}", argv, port, env))
+            specs.append(LaunchSpec(f"vllm {mode}{suffix}", argv, port, env))
             port += 1
     return specs
 

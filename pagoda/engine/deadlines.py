@@ -1,6 +1,6 @@
 """Request deadlines: a server-wide timeout and a maximum queue time per SLA class.
 
-The engine thread (async_engine.py) asks `expired()` before every step and aborts what it
+The engine's step loop (engine_core.py) asks `expired()` before every step and aborts what it
 returns through `LLMEngine.abort_request(..., reason="timeout")`, which frees the
 requests' KV blocks at once and ends their samples with finish_reason "timeout".
 
@@ -113,7 +113,7 @@ def request_stage(engine, request_id: str) -> str | None:
     "queue" if none was, None if the engine does not have the request.
 
     NOTE: reads engine internals (output_processor.requests, scheduler.requests), as
-    async_engine's `_running_request_ids` does; engine thread only.
+    engine_core's `_running_request_ids` does; engine thread only.
     """
     state = engine.output_processor.requests.get(request_id)
     if state is None:

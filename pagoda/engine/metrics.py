@@ -1,8 +1,10 @@
 """Prometheus metrics of the serving engine: vLLM's names under the `pagoda:` prefix, with the
 same `model_name` label, so that a vLLM dashboard ports by renaming `vllm:` to `pagoda:`.
 
-The engine thread (async_engine.py) feeds every step's DELTA outputs and scheduler stats;
-the HTTP layer counts error responses. Counting rules, exact so that tests can assert them:
+The engine's step loop (engine_core.py) feeds every step's DELTA outputs and scheduler
+stats (with --engine-process, its calls are replayed in the API process, where this
+registry lives: core_process.py); the HTTP layer counts error responses. Counting
+rules, exact so that tests can assert them:
 
 | metric                              | observed                                               |
 |-------------------------------------|--------------------------------------------------------|
@@ -135,7 +137,8 @@ class EngineMetrics:
     """All of the server's Prometheus collectors, registered in `registry`.
 
     Thread-safety: prometheus_client collectors are thread-safe; `_tracked` is touched
-    only by the engine thread (observe_* except observe_http_error).
+    only by the engine thread (observe_* except observe_http_error), or with
+    --engine-process only by the event loop, which replays the core's calls.
     """
 
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None,

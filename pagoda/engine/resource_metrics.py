@@ -12,6 +12,8 @@ so an idle server's rates fall back to zero without the engine thread doing anyt
 |                                  | the read before the window began (1.0 = one busy core)   |
 | process_resident_memory_bytes    | resident set size now (/proc/self/statm; elsewhere the   |
 |                                  | peak RSS, the only figure the standard library gives)    |
+|                                  | (both gauges: with --engine-process, the server's two    |
+|                                  | processes together, `watch_process`)                     |
 | gpu_utilization_perc             | NVML's utilisation of the engine's device (0..1); only   |
 |                                  | with pynvml importable                                   |
 | gpu_memory_used_bytes / _total_  | NVML's used / total memory of the device; without NVML,  |
@@ -84,6 +86,27 @@ class CumulativeRate:
         return (value - v0) / (now - t0) if now > t0 else 0.0
 
 
+def process_cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of process `pid` so far (Linux /proc); None if unreadable."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            # NOTE: after the ")" that ends the command name, utime and stime are the 12th
+            # and 13th fields (fields 14 and 15 of proc(5)).
+            rest = f.read().rpartition(")")[2].split()
+        return (int(rest[11]) + int(rest[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def process_resident_bytes(pid: int) -> int:
+    """The resident set size of process `pid` (Linux /proc); 0 if unreadable."""
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def resident_memory_bytes() -> int:
     """The process's resident set size (Linux: current; elsewhere: the peak)."""
     try:
@@ -154,7 +177,10 @@ class ResourceMetrics:
     def __init__(self, registry: CollectorRegistry, model_name: str, device: str = "cpu",
                  window_s: float = DEFAULT_WINDOW_S, gpu: GpuSampler | None = None) -> None:
         self.busy = SlidingWindow(window_s)
+        self.window_s = window_s
         self.cpu = CumulativeRate(time.process_time, window_s)
+        self._pids: list[int] = []  # watch_process
+        self._last_cpu: dict[int, float] = {}
 
         def gauge(name: str, doc: str, fn: Callable[[], float]) -> None:
             Gauge(PREFIX + name, doc, ["model_name"], registry=registry).labels(
@@ -163,9 +189,9 @@ class ResourceMetrics:
         gauge("engine_busy_fraction", "Fraction of wall time spent in engine steps.",
               lambda: min(self.busy.rate(), 1.0))
         gauge("process_cpu_usage", "Process CPU seconds per wall second (1 = one core).",
-              self.cpu.rate)
+              lambda: self.cpu.rate())
         gauge("process_resident_memory_bytes", "Resident set size of the server process.",
-              resident_memory_bytes)
+              lambda: resident_memory_bytes() + sum(map(process_resident_bytes, self._pids)))
         if device.startswith("cuda"):
             index = int(device.partition(":")[2] or 0)
             gpu = gpu if gpu is not None else GpuSampler(index)
@@ -179,3 +205,19 @@ class ResourceMetrics:
 
     def observe_step(self, duration_s: float, now: float | None = None) -> None:
         self.busy.add(duration_s, now)
+
+    def watch_process(self, pid: int) -> None:
+        """Counts process `pid` (the engine core) into the CPU and RSS gauges from now on."""
+        self._pids.append(pid)
+        self.cpu = CumulativeRate(self._cpu_seconds, self.window_s)
+
+    def _cpu_seconds(self) -> float:
+        total = time.process_time()
+        for pid in self._pids:
+            # NOTE: a process that is gone keeps its last reading, so the rate never drops
+            # below zero.
+            seconds = process_cpu_seconds(pid)
+            if seconds is not None:
+                self._last_cpu[pid] = seconds
+            total += self._last_cpu.get(pid, 0.0)
+        return total

@@ -1,9 +1,12 @@
 """resource_metrics.py: exact sliding windows on a fake clock, the busy fraction, and the
 GPU branch through mocks (no GPU on the test machine): NVML when pynvml is there (found by
-the device's UUID), torch.cuda's memory otherwise."""
+the device's UUID), torch.cuda's memory otherwise; another process watched (the engine
+core's) counted in."""
 
 from __future__ import annotations
 
+import os
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -14,6 +17,7 @@ from pagoda.engine.resource_metrics import (
     GpuSampler,
     ResourceMetrics,
     SlidingWindow,
+    process_cpu_seconds,
     resident_memory_bytes,
 )
 
@@ -125,3 +129,17 @@ def test_resource_gauges_cpu_and_gpu() -> None:
     values = gauges(torch_registry)
     assert "pagoda:gpu_utilization_perc" not in values
     assert values["pagoda:gpu_memory_used_bytes"] == 2 * GiB
+
+
+def test_watch_process_adds_its_cpu_and_rss() -> None:
+    """--engine-process: the gauges count the engine core's process too (here: this one
+    again, so that the expected figures are known)."""
+    pid = os.getpid()
+    assert process_cpu_seconds(pid) == pytest.approx(time.process_time(), abs=0.5)
+    assert process_cpu_seconds(2**22 + 12345) is None  # NOTE: above Linux's pid_max default
+    registry = CollectorRegistry()
+    metrics = ResourceMetrics(registry, "m", "cpu")
+    metrics.watch_process(pid)
+    assert gauges(registry)["pagoda:process_resident_memory_bytes"] == pytest.approx(
+        2 * resident_memory_bytes(), rel=0.2)
+    assert metrics._cpu_seconds() == pytest.approx(2 * time.process_time(), abs=1.0)

@@ -1,12 +1,10 @@
 """Test-only endpoints (--enable-debug-endpoints): engine integrity (orphan requests
-included), memory (RSS and the KV pool's resident bytes), fault injection in an engine
-step and in a handler."""
+included), memory (RSS and the KV pool's resident bytes, of the process the engine runs
+in), fault injection in an engine step and in a handler. The engine answers named RPCs
+(engine/core_rpcs.py), in its thread or its own process alike."""
 
 from __future__ import annotations
 
-import ctypes
-import gc
-from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI
@@ -20,19 +18,7 @@ def add_debug_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/debug/integrity")
     async def integrity() -> dict[str, Any]:
-        def check(engine: Any) -> dict[str, Any]:
-            try:
-                engine.check_integrity()
-                error = None
-            except AssertionError as e:
-                error = str(e) or "integrity check failed"
-            s = engine.get_stats()
-            return {"ok": error is None, "error": error, "num_running": s.num_running,
-                    "num_waiting": s.num_waiting, "kv_cache_usage": s.kv_cache_usage,
-                    "num_unfinished": engine.get_num_unfinished_requests(),
-                    "num_blocks": engine.num_blocks}
-
-        report = await state.engine.call(check)
+        report = await state.engine.rpc("integrity")
         # NOTE: a request the engine holds for no client is a leak the block accounting
         # cannot see (its blocks are all correctly counted as used).
         orphans = await state.engine.orphan_request_ids()
@@ -55,43 +41,4 @@ def add_debug_routes(app: FastAPI, state: ServerState) -> None:
     async def memory(trim: bool = False) -> dict[str, int]:
         """RSS and the pools' resident bytes; `trim`: first hand the C heap's free memory
         back to the system (malloc_trim), which tells a leak from allocator slack."""
-        # NOTE: the in-process executor's KV tensors, read on the engine thread.
-        pools = await state.engine.call(lambda e: e.executor.kv_pools())
-        out = {"rss_bytes": _rss_bytes(), "num_py_objects": len(gc.get_objects())}
-        if trim:
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-            out["rss_after_trim_bytes"] = _rss_bytes()
-        for name, pairs in pools.items():
-            spans = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
-                     for pair in pairs or [] for t in pair]
-            out[f"{name}_bytes"] = sum(b - a for a, b in spans)
-            out[f"{name}_resident_bytes"] = resident_bytes(spans)
-        return out
-
-
-def _rss_bytes() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
-def resident_bytes(spans: list[tuple[int, int]]) -> int:
-    """Resident bytes (Linux smaps) of the mappings overlapping the address `spans`.
-
-    NOTE: a zero-filled pool is allocated by mmap and counts towards RSS only as its pages
-    are first written: the KV pool's growth is not a leak, this tells the two apart.
-    Mappings are counted whole (a large tensor has its own), each at most once.
-    """
-    total, counted = 0, set()
-    start = end = 0
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        head = line.split(maxsplit=1)[0]
-        if "-" in head and not head.endswith(":"):
-            lo, hi = (int(x, 16) for x in head.split("-"))
-            start, end = lo, hi
-        elif head == "Rss:" and (start, end) not in counted and any(
-                a < end and start < b for a, b in spans):
-            counted.add((start, end))
-            total += int(line.split()[1]) * 1024
-    return total
+        return await state.engine.rpc("memory", trim=trim)

@@ -21,6 +21,7 @@ import os
 import signal
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import pagoda
 from pagoda.engine.async_engine import AsyncLLMEngine
+from pagoda.engine.core_client import EngineCoreClient
 from pagoda.engine.deadlines import DeadlineTracker, TimeoutPolicy
 from pagoda.engine.llm_engine import MAX_LOGPROBS
 from pagoda.engine.metrics import EngineMetrics
@@ -318,7 +320,6 @@ def build_state(args: argparse.Namespace) -> ServerState:
     from dataclasses import replace
 
     from pagoda.config import EngineArgs
-    from pagoda.engine.llm_engine import LLMEngine
 
     if args.model_tag and args.model and args.model_tag != args.model:
         raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
@@ -330,19 +331,15 @@ def build_state(args: argparse.Namespace) -> ServerState:
     chat_template = _load_chat_template(args.chat_template)
     config = replace(EngineArgs.from_cli_args(args), model=model).create_engine_config()
     policy = TimeoutPolicy(args.request_timeout, dict(args.sla_max_queue_time))
-    # NOTE: the model loads on the engine thread (see AsyncLLMEngine.build); the metrics,
-    # which need the served name, are attached before the thread starts stepping.
-    async_engine = AsyncLLMEngine.build(
-        lambda: LLMEngine(config), max_queued_requests=args.max_queued_requests
-    )
+    async_engine = _start_engine(args, config, policy)
     engine = async_engine.engine
     path = Path(engine.model_path)
     names = args.served_model_name or [model or (path.stem if path.suffix == ".gguf" else
                                                  path.name)]
     device = str(engine.device)
     metrics = async_engine.metrics = EngineMetrics(names[0], device=device)
-    if policy.enabled:
-        async_engine.deadlines = DeadlineTracker(policy)
+    if args.engine_process:
+        metrics.resources.watch_process(async_engine.process.pid)
     return ServerState(
         engine=async_engine,
         tokenizer=engine.tokenizer, model_names=names, model_root=engine.model_path,
@@ -350,6 +347,25 @@ def build_state(args: argparse.Namespace) -> ServerState:
         chat_template=chat_template, max_logprobs=args.max_logprobs,
         enable_debug=args.enable_debug_endpoints,
     )
+
+
+def _start_engine(args: argparse.Namespace, config: Any, policy: TimeoutPolicy) -> Any:
+    """The engine's front end, its model loaded: in a child process with --engine-process
+    (this process keeps HTTP and tokenization), else on an engine thread of this one."""
+    from pagoda.engine.llm_engine import LLMEngine
+
+    if args.engine_process:
+        return EngineCoreClient.spawn(
+            partial(LLMEngine, config), policy, max_queued_requests=args.max_queued_requests,
+            setup=partial(configure_logging, args.log_format))
+    # NOTE: the model loads on the engine thread (see AsyncLLMEngine.build); the metrics,
+    # which need the served name, are attached before the thread starts stepping.
+    async_engine = AsyncLLMEngine.build(
+        lambda: LLMEngine(config), max_queued_requests=args.max_queued_requests
+    )
+    if policy.enabled:
+        async_engine.deadlines = DeadlineTracker(policy)
+    return async_engine
 
 
 def run_server(args: argparse.Namespace) -> int:

@@ -25,7 +25,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from pagoda.engine.async_engine import (
-    AsyncLLMEngine,
+    EngineClient,
     EngineDeadError,
     EngineFaultError,
     EngineRequest,
@@ -49,7 +49,7 @@ SHUTDOWN_ERROR_TYPE = "service_unavailable"
 class ServerState:
     """Everything a handler needs; built once at start-up, read-only afterwards."""
 
-    engine: AsyncLLMEngine
+    engine: EngineClient  # AsyncLLMEngine, or core_client.EngineCoreClient
     tokenizer: Any
     model_names: list[str]
     model_root: str
