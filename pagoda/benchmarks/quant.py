@@ -126,7 +126,9 @@ def _quantized_dir(row: Row, args: argparse.Namespace) -> Path:
     method, sym = row.quantize  # type: ignore[misc]
     name = f"{method}-{'sym' if sym else 'asym'}-g{GROUP_SIZE}"
     if method != "rtn":
-        name += f"-n{args.calib_samples}-l{args.calib_seq_len}"
+        # The directory name holds every calibration setting, so a rerun reuses a directory
+        # only where it was calibrated the same way.
+        name += f"-{Path(args.calib_data).stem}-n{args.calib_samples}-l{args.calib_seq_len}"
     act_order = method == "gptq" and args.gptq_act_order
     damp = args.gptq_damp_percent
     if method == "gptq":

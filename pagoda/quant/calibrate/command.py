@@ -22,8 +22,9 @@ def add_quantize_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sym", action=argparse.BooleanOptionalAction, default=None,
                    help="symmetric grid (default: gptq and rtn symmetric, awq with zero point)")
     p.add_argument("--calib-data", default="calib",
-                   help="a .txt or .jsonl ({\"text\": ...} lines) file, or the built-in "
-                   "'calib' corpus (fortunes); unused by rtn")
+                   help="a .txt or .jsonl ({\"text\": ...} lines) file, or a built-in "
+                   "corpus: 'calib' (fortunes) or 'howto' (the Python HOWTOs and FAQ); "
+                   "unused by rtn")
     p.add_argument("--num-samples", type=int, default=128)
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--batch-size", type=int, default=8, help="calibration samples per forward")
