@@ -65,6 +65,8 @@ def add_quant_args(p: argparse.ArgumentParser) -> None:
                    help="the GPTQ row quantizes with act_order (desc_act)")
     p.add_argument("--gptq-damp-percent", type=float, default=0.01,
                    help="the GPTQ row's dampening (fraction of the Hessian's mean diagonal)")
+    p.add_argument("--awq-search-tokens", type=int, default=4096,
+                   help="the AWQ row's scale search: calibration tokens it scores")
     p.add_argument("--seq-len", type=int, default=512, help="perplexity window")
     p.add_argument("--stride", type=int, default=256)
     p.add_argument("--max-eval-tokens", type=int, default=8192)
@@ -126,11 +128,15 @@ def _quantized_dir(row: Row, args: argparse.Namespace) -> Path:
     method, sym = row.quantize  # type: ignore[misc]
     name = f"{method}-{'sym' if sym else 'asym'}-g{GROUP_SIZE}"
     if method != "rtn":
-        name += f"-n{args.calib_samples}-l{args.calib_seq_len}"
+        # The directory name holds every calibration setting, so a rerun reuses a directory
+        # only where it was calibrated the same way.
+        name += f"-{Path(args.calib_data).stem}-n{args.calib_samples}-l{args.calib_seq_len}"
     act_order = method == "gptq" and args.gptq_act_order
     damp = args.gptq_damp_percent
     if method == "gptq":
         name += f"-damp{damp:g}" + ("-act" if act_order else "")
+    if method == "awq":
+        name += f"-s{args.awq_search_tokens}"
     out = Path(args.work_dir) / name
     if (out / "config.json").is_file():
         print(f"  reusing {out}", flush=True)
@@ -141,7 +147,8 @@ def _quantized_dir(row: Row, args: argparse.Namespace) -> Path:
     start = time.perf_counter()
     quantize_to_dir(None, out, method, 4, GROUP_SIZE, act_order, sym, args.calib_data,
                     args.calib_samples, args.calib_seq_len, damp_percent=damp,
-                    loaded=(copy.deepcopy(hf_model), tokenizer, source_dir))
+                    loaded=(copy.deepcopy(hf_model), tokenizer, source_dir),
+                    awq_search_tokens=args.awq_search_tokens)
     print(f"  quantized into {out} in {time.perf_counter() - start:.0f} s", flush=True)
     return out
 
@@ -312,7 +319,8 @@ def run_quant(args: argparse.Namespace) -> dict[str, Any]:
           f"({BUILTIN_CORPORA.get(args.eval_data, 'file')}), {len(eval_ids)} tokens, "
           f"windows {args.seq_len} / stride {args.stride}; calibration: {args.calib_data}, "
           f"{args.calib_samples} x {args.calib_seq_len} tokens; group size {GROUP_SIZE}; "
-          f"gptq damp {args.gptq_damp_percent:g}, act_order {args.gptq_act_order}; "
+          f"gptq damp {args.gptq_damp_percent:g}, act_order {args.gptq_act_order}; awq "
+          f"search on {args.awq_search_tokens} tokens; "
           f"decode: {args.decode_tokens} tokens after a 32-token prompt; throughput: "
           f"{QUICK_NUM_REQUESTS} requests, in {QUICK_INPUT_LEN}, out {QUICK_OUTPUT_LEN}, "
           "seed 0", flush=True)

@@ -1,10 +1,13 @@
 """Real text available offline, for calibrating quantization and for measuring perplexity.
 
-Two built-in corpora, both shipped by Debian packages (scripts/setup.sh installs them), and
+Three built-in corpora, all shipped by Debian packages (scripts/setup.sh installs them), and
 deliberately different texts so that a quantizer is never scored on what it calibrated on:
 
   "calib"  the English quotations of the `fortunes` package (/usr/share/games/fortunes:
            literature, wisdom, people, humorists, ...), one quotation per paragraph
+  "howto"  the Python HOWTOs and FAQ from `python3-doc` (.../_sources/howto, faq): text of
+           the evaluation text's kind (reStructuredText prose with Python examples) but none
+           of its pages, for calibrating a model that is scored on "eval"
   "eval"   the Python tutorial's reStructuredText sources from `python3-doc`
            (/usr/share/doc/python3.*/html/_sources/tutorial), chapters in file order
 
@@ -27,7 +30,9 @@ FORTUNE_FILES = (
     "education", "work", "miscellaneous", "platitudes", "pets", "food", "kids", "law",
     "medicine", "men-women", "news", "sports", "art", "songs-poems", "fortunes", "goedel",
 )
-PYTHON_TUTORIAL_GLOB = "/usr/share/doc/python3*/html/_sources/tutorial/*.rst.txt"
+PYTHON_SOURCES_GLOB = "/usr/share/doc/python3*/html/_sources"
+PYTHON_TUTORIAL_GLOB = PYTHON_SOURCES_GLOB + "/tutorial/*.rst.txt"
+HOWTO_SECTIONS = ("howto", "faq")  # file order within each; their index pages left out
 # Tutorial chapters in reading order (the index and appendix are link lists, left out).
 TUTORIAL_CHAPTERS = (
     "appetite", "interpreter", "introduction", "controlflow", "datastructures", "modules",
@@ -37,6 +42,7 @@ TUTORIAL_CHAPTERS = (
 
 BUILTIN_CORPORA = {
     "calib": "fortunes (Debian package `fortunes`)",
+    "howto": "the Python HOWTOs and FAQ (Debian package `python3-doc`)",
     "eval": "the Python tutorial (Debian package `python3-doc`)",
 }
 
@@ -60,20 +66,44 @@ def _fortunes_text(root: str = FORTUNES_DIR) -> str:
     return "\n\n".join(quotes) + "\n"
 
 
-def _tutorial_text(pattern: str = PYTHON_TUTORIAL_GLOB) -> str:
-    by_chapter: dict[str, str] = {}
+def _rst_files(pattern: str) -> dict[str, str]:
+    """Page name -> path, the first path of each name (python3-doc's sources are reachable
+    through several /usr/share/doc/python3* directories)."""
+    by_name: dict[str, str] = {}
     for path in sorted(glob.glob(pattern)):
-        by_chapter.setdefault(Path(path).name.split(".")[0], path)
+        by_name.setdefault(Path(path).name.split(".")[0], path)
+    return by_name
+
+
+def _joined(paths: list[str]) -> str:
+    parts = []
+    for path in paths:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            parts.append(f.read().strip())
+    return "\n\n".join(parts) + "\n"
+
+
+def _tutorial_text(pattern: str = PYTHON_TUTORIAL_GLOB) -> str:
+    by_chapter = _rst_files(pattern)
     chapters = [by_chapter[c] for c in TUTORIAL_CHAPTERS if c in by_chapter]
     if not chapters:
         raise CorpusNotFoundError(
             "corpus 'eval' needs the Debian package `python3-doc` (no "
             f"{pattern}): apt-get install python3-doc, or pass a text file")
-    parts = []
-    for path in chapters:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            parts.append(f.read().strip())
-    return "\n\n".join(parts) + "\n"
+    return _joined(chapters)
+
+
+def _howto_text(root: str = PYTHON_SOURCES_GLOB) -> str:
+    pages = []
+    for section in HOWTO_SECTIONS:
+        files = _rst_files(f"{root}/{section}/*.rst.txt")
+        pages.extend(path for name, path in sorted(files.items()) if name != "index")
+    if not pages:
+        raise CorpusNotFoundError(
+            "corpus 'howto' needs the Debian package `python3-doc` (no "
+            f"{root}/{{{','.join(HOWTO_SECTIONS)}}}): apt-get install python3-doc, or pass a "
+            "text file")
+    return _joined(pages)
 
 
 def _file_text(path: str) -> str:
@@ -104,22 +134,29 @@ def _file_text(path: str) -> str:
 
 
 def load_text(source: str) -> str:
-    """The text of a built-in corpus ("calib", "eval") or of a user .txt / .jsonl file.
-    CorpusNotFoundError names the package to install or the missing file."""
+    """The text of a built-in corpus ("calib", "howto", "eval") or of a user .txt / .jsonl
+    file. CorpusNotFoundError names the package to install or the missing file."""
     if source == "calib":
         return _fortunes_text()
+    if source == "howto":
+        return _howto_text()
     if source == "eval":
         return _tutorial_text()
     return _file_text(source)
 
 
 def token_windows(token_ids: list[int], num_samples: int, seq_len: int) -> list[list[int]]:
-    """Up to `num_samples` consecutive non-overlapping windows of `seq_len` tokens from the
-    start of the text (deterministic: the same text gives the same calibration set)."""
+    """Up to `num_samples` non-overlapping windows of `seq_len` tokens spread evenly over the
+    text: the first at its start, the others (tokens - seq_len) // (count - 1) tokens apart
+    (deterministic: the same text gives the same calibration set). Spread rather than
+    consecutive, so that a small calibration set samples the whole corpus (every fortune
+    file, every HOWTO) instead of its first pages."""
     if seq_len < 2:
         raise ValueError(f"seq_len must be at least 2, got {seq_len}")
     count = min(num_samples, len(token_ids) // seq_len)
     if count == 0:
         raise ValueError(
             f"the text has {len(token_ids)} tokens, fewer than one window of {seq_len}")
-    return [token_ids[i * seq_len : (i + 1) * seq_len] for i in range(count)]
+    # count * seq_len <= len(token_ids), so the gap is at least seq_len: no overlap.
+    gap = (len(token_ids) - seq_len) // (count - 1) if count > 1 else 0
+    return [token_ids[i * gap : i * gap + seq_len] for i in range(count)]

@@ -91,14 +91,37 @@ def perplexity(llm: Any, token_ids: list[int], seq_len: int = 1024,
                             len(windows), seconds)
 
 
+def transformers_perplexity(model: Any, token_ids: list[int], seq_len: int = 1024,
+                            stride: int = 512) -> PerplexityResult:
+    """The same windows scored by a transformers causal LM in memory (the oracle, and the
+    way to score a model `pagoda quantize` leaves in memory against its reloaded OUT_DIR)."""
+    import torch
+
+    windows = sliding_windows(len(token_ids), seq_len, stride)
+    nll_sum = 0.0
+    num_scored = 0
+    start = time.perf_counter()
+    for w in windows:
+        ids = torch.tensor([token_ids[w.begin : w.end]])
+        with torch.no_grad():
+            logprobs = torch.log_softmax(model(ids).logits[0].float(), dim=-1)
+        first = w.end - w.begin - w.num_scored  # the first scored position in the window
+        targets = ids[0, first:]
+        # NOTE: the token at position p is predicted by the logits at p - 1.
+        nll_sum -= logprobs[first - 1 : -1].gather(1, targets.unsqueeze(1)).double().sum().item()
+        num_scored += w.num_scored
+    return PerplexityResult(math.exp(nll_sum / num_scored), num_scored, nll_sum,
+                            len(windows), time.perf_counter() - start)
+
+
 def add_perplexity_args(p: Any) -> None:
     """`pagoda eval perplexity` flags beyond the engine's."""
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                    help="HF directory or .gguf file, as --model (default: the embedded model)")
     p.add_argument("--data", default="eval",
                    help="a .txt file, a .jsonl file of {\"text\": ...} lines, or a built-in "
-                   "corpus: 'eval' (the Python tutorial, package python3-doc) or 'calib' "
-                   "(fortunes)")
+                   "corpus: 'eval' (the Python tutorial, package python3-doc), 'howto' "
+                   "(the Python HOWTOs and FAQ) or 'calib' (fortunes)")
     p.add_argument("--seq-len", type=int, default=1024, help="tokens per window")
     p.add_argument("--stride", type=int, default=512, help="tokens between window starts")
     p.add_argument("--max-eval-tokens", type=int, default=None,

@@ -1,9 +1,15 @@
-"""`pagoda bench quant`'s own arithmetic: resident weight bytes and the issue's targets."""
+"""`pagoda bench quant`'s own arithmetic: resident weight bytes, the issue's targets, and the
+reuse of calibrated directories."""
 
 from __future__ import annotations
 
+import argparse
+from pathlib import Path
+
 from pagoda import LLM
+from pagoda.benchmarks import quant
 from pagoda.benchmarks.quant import _holds_weight_class, targets, weight_bytes
+from pagoda.quant.calibrate import command, export
 from pagoda.quant.calibrate.command import quantize_to_dir
 from tests.model.test_perplexity import TEXT
 
@@ -45,3 +51,29 @@ def test_targets_compare_against_the_better_rtn():
     assert lines[3].startswith("PASS  gptq int4 g64 decode")
     assert lines[4].startswith("PASS  rtn int4 g64 asym throughput")
     assert lines[6].startswith("FAIL  awq int4 g64 throughput")
+
+
+def test_calibrated_dirs_are_reused_only_when_calibrated_the_same_way(tmp_path, monkeypatch):
+    calls = []
+
+    def fake_quantize(model, out, method, *args, **kwargs):
+        calls.append(Path(out).name)
+        Path(out).mkdir(parents=True)
+        (Path(out) / "config.json").write_text("{}")
+
+    monkeypatch.setattr(command, "quantize_to_dir", fake_quantize)
+    monkeypatch.setattr(export, "load_float_model", lambda _m: (object(), None, None))
+    monkeypatch.setattr(quant, "_FLOAT_MODEL", [])
+    parser = argparse.ArgumentParser()
+    quant.add_quant_args(parser)
+    args = parser.parse_args(["--work-dir", str(tmp_path)])
+    gptq = next(r for r in quant.ROWS if r.name == "gptq int4 g64")
+    first = quant._quantized_dir(gptq, args)
+    assert quant._quantized_dir(gptq, args) == first and len(calls) == 1
+    args.calib_data = "howto"
+    assert quant._quantized_dir(gptq, args) != first and len(calls) == 2
+    args.gptq_damp_percent = 0.1
+    assert "damp0.1" in quant._quantized_dir(gptq, args).name and len(calls) == 3
+    awq = next(r for r in quant.ROWS if r.name == "awq int4 g64")
+    args.awq_search_tokens = 1024
+    assert quant._quantized_dir(awq, args).name == "awq-asym-g64-howto-n128-l512-s1024"

@@ -11,7 +11,12 @@ import transformers
 
 from pagoda import LLM
 from pagoda.eval.corpus import load_text
-from pagoda.eval.perplexity import perplexity, sliding_windows, tokenize_text
+from pagoda.eval.perplexity import (
+    perplexity,
+    sliding_windows,
+    tokenize_text,
+    transformers_perplexity,
+)
 
 TEXT = (
     "The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins "
@@ -22,6 +27,7 @@ TEXT = (
 
 
 def hf_perplexity(path, ids: list[int], seq_len: int, stride: int) -> tuple[float, int]:
+    """Token by token from transformers' logits (an independent count of the windows)."""
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     nll, count = 0.0, 0
     for w in sliding_windows(len(ids), seq_len, stride):
@@ -45,6 +51,10 @@ def test_perplexity_matches_transformers(tiny_model, seq_len, stride):
     expected, count = hf_perplexity(path, ids, seq_len, stride)
     assert result.num_tokens_scored == count
     assert result.perplexity == pytest.approx(expected, rel=1e-5)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    in_memory = transformers_perplexity(model.eval(), ids, seq_len, stride)
+    assert in_memory.num_tokens_scored == count
+    assert in_memory.perplexity == pytest.approx(expected, rel=1e-5)
     assert llm.llm_engine.kv_cache_manager.usage == 0.0
 
 

@@ -281,3 +281,66 @@ def test_gptq_v1_checkpoint_keeps_a_grid_without_negative_weights(tiny_model, tm
             qt, w = quantized[prefix], model.model.layers[0].mlp.down_proj.weight[:, :GROUP]
             err = (qt.dequantize()[:, :GROUP] - w).abs()
             assert bool((err <= 0.5 * qt.scales[:, :1] + 1e-6).all())
+
+
+def _layer_outputs(model, ids: torch.Tensor) -> list[torch.Tensor]:
+    """Every decoder layer's output in the model's own forward (hooks, not hidden_states,
+    whose last entry is the final norm's output)."""
+    outputs: list[torch.Tensor] = []
+
+    def keep(_module, _inputs, out):
+        outputs.append((out[0] if isinstance(out, tuple) else out).detach())
+
+    hooks = [layer.register_forward_hook(keep) for layer in model.model.layers]
+    try:
+        hf_logits(model, ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    return outputs
+
+
+def test_layer_runner_is_the_model_forward(tiny_model):
+    # The calibration forward must be the model's own: a wrong causal mask or rotary
+    # position would give every Hessian wrong inputs. 5 samples in batches of 2 also runs
+    # the remainder batch's mask.
+    path = tiny_model("LlamaForCausalLM")
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    ids = random_ids(5, 40)
+    want = _layer_outputs(model, ids)
+    hidden = model.model.embed_tokens(ids).detach()
+    layer_runner = LayerRunner(model, hidden, batch_size=2)
+    for layer, expected in zip(model.model.layers, want):
+        hidden = layer_runner.run(layer, hidden)
+        torch.testing.assert_close(hidden, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_each_layer_is_calibrated_on_the_quantized_layers_before_it(tiny_model, monkeypatch):
+    # Layer 1's first Hessian comes from the hidden states that the *quantized* layer 0
+    # produces (GPTQ's standard), not from the float model's.
+    path = tiny_model("LlamaForCausalLM")
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    float_model = copy.deepcopy(model)
+    ids = random_ids(4, 32)
+    hessians = []
+    gptq_quantize = runner.gptq_quantize
+
+    def recording(weight, hessian, spec, **kwargs):
+        hessians.append(hessian.clone())
+        return gptq_quantize(weight, hessian, spec, **kwargs)
+
+    monkeypatch.setattr(runner, "gptq_quantize", recording)
+    runner.quantize_model(model, ids, CalibrationConfig("gptq", QuantSpec(4, GROUP, False),
+                                                        batch_size=3))
+
+    def qkv_hessian(m):
+        acc = HessianAccumulator(m.config.hidden_size)
+        handle = m.model.layers[1].self_attn.q_proj.register_forward_pre_hook(
+            lambda _m, inputs: acc.add(inputs[0].detach()))
+        hf_logits(m, ids)
+        handle.remove()
+        return acc.hessian
+
+    layer1_first = hessians[len(SHARED_INPUTS)]
+    torch.testing.assert_close(layer1_first, qkv_hessian(model), rtol=1e-5, atol=1e-8)
+    assert not torch.allclose(layer1_first, qkv_hessian(float_model), rtol=1e-4, atol=1e-6)

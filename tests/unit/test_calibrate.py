@@ -10,6 +10,7 @@ import torch
 from pagoda.quant.calibrate import awq
 from pagoda.quant.calibrate.gptq import HessianAccumulator, gptq_quantize
 from pagoda.quant.calibrate.rtn import QuantSpec, fit_params, quantize_rtn
+from pagoda.quant.calibrate.runner import CalibrationConfig, _Features
 
 
 def correlated_inputs(tokens: int, k: int, rank: int = 16, seed: int = 0) -> torch.Tensor:
@@ -112,3 +113,27 @@ def test_awq_search_never_worse_than_rtn():
     clipped = quantize_rtn(awq.apply_clip(w, bound, spec), spec).dequantize()
     xs = x[:: max(1, x.shape[0] // awq.CLIP_TOKENS)][: awq.CLIP_TOKENS]
     assert output_error(xs, w, clipped) <= output_error(xs, w, quantize_rtn(w, spec).dequantize())
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"method": "smoothquant"}, "method must be one of"),
+    ({"spec": QuantSpec(3, 32, True)}, "bits must be 2, 4 or 8"),
+    ({"method": "rtn", "act_order": True}, "act_order is a GPTQ option"),
+    ({"damp_percent": 0.0}, "damp_percent"),
+    ({"method": "awq", "spec": QuantSpec(4, 32, True)}, "zero point"),
+    ({"method": "awq", "spec": QuantSpec(4, 32, False), "awq_search_tokens": 0},
+     "awq_search_tokens"),
+])
+def test_calibration_config_errors_name_the_field(kwargs, match):
+    fields = {"method": "gptq", "spec": QuantSpec(4, 32, True), **kwargs}
+    with pytest.raises(ValueError, match=match):
+        CalibrationConfig(**fields)
+
+
+def test_awq_search_sees_an_evenly_strided_subsample():
+    feats = _Features(10, max_rows=3)
+    feats.add("x", torch.arange(6.0).reshape(6, 1))  # tokens 0-5, then 6-9 in a second batch
+    feats.add("x", torch.arange(6.0, 10.0).reshape(4, 1))
+    rows, mean = feats.get("x")
+    assert rows.flatten().tolist() == [0.0, 4.0, 8.0]
+    assert mean.item() == pytest.approx(4.5)

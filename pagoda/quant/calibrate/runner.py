@@ -27,7 +27,7 @@ from pagoda.quant.calibrate.rtn import QuantizedTensor, QuantSpec, quantize_rtn
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 METHODS = ("gptq", "awq", "rtn")
-AWQ_SEARCH_TOKENS = 4096  # calibration tokens AWQ's scale search evaluates (evenly strided)
+AWQ_SEARCH_TOKENS = 4096  # default: calibration tokens AWQ's scale search evaluates (strided)
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +37,9 @@ class CalibrationConfig:
     act_order: bool = False
     batch_size: int = 8  # calibration samples per forward
     damp_percent: float = 0.01  # gptq: dampening, this fraction of mean(diag(H))
+    # awq: at most this many calibration tokens (evenly strided) in the scale search, whose
+    # cost is 20 block forwards over them per scaling; the means see every token.
+    awq_search_tokens: int = AWQ_SEARCH_TOKENS
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -47,6 +50,8 @@ class CalibrationConfig:
             raise ValueError("act_order is a GPTQ option")
         if not 0 < self.damp_percent <= 1:
             raise ValueError(f"damp_percent must lie in (0, 1], got {self.damp_percent}")
+        if self.awq_search_tokens < 1:
+            raise ValueError(f"awq_search_tokens must be positive, got {self.awq_search_tokens}")
         if self.method == "awq" and (self.spec.bits != 4 or self.spec.sym):
             raise ValueError("awq writes AutoAWQ's GEMM layout: 4 bits with a zero point "
                              "(--no-sym)")
@@ -157,10 +162,10 @@ def _gptq_layer(layer: torch.nn.Module, runner: LayerRunner, hidden: torch.Tenso
 
 class _Features:
     """Per capture point: the mean |x| per channel over every token, and an evenly strided
-    subsample of at most AWQ_SEARCH_TOKENS token rows."""
+    subsample of at most `max_rows` token rows."""
 
-    def __init__(self, num_tokens: int) -> None:
-        self.step = max(1, -(-num_tokens // AWQ_SEARCH_TOKENS))
+    def __init__(self, num_tokens: int, max_rows: int = AWQ_SEARCH_TOKENS) -> None:
+        self.step = max(1, -(-num_tokens // max_rows))
         self.abs_sum: dict[str, torch.Tensor] = {}
         self.rows: dict[str, list[torch.Tensor]] = {}
         self.count: dict[str, int] = {}
@@ -221,7 +226,7 @@ def _awq_scales(layer: torch.nn.Module, feats: _Features, spec: QuantSpec) -> di
 def _awq_layer(layer: torch.nn.Module, runner: LayerRunner, hidden: torch.Tensor,
                cfg: CalibrationConfig) -> dict[str, QuantizedTensor]:
     points = ("self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj")
-    feats = _Features(hidden.shape[0] * hidden.shape[1])
+    feats = _Features(hidden.shape[0] * hidden.shape[1], cfg.awq_search_tokens)
     hooks = _capture(layer, points, feats.add)
     try:
         runner.run(layer, hidden)
