@@ -4,9 +4,9 @@ kernels`): a llama GGUF dequantized to bf16 at load against its blocks run nativ
 group-wise int4 directory (GPTQ / AWQ / RTN, `--wq-model`), and llama.cpp on the same GGUF
 in its own interpreter.
 
-The pagoda engines live side by side in one process and are measured in turns (a run of
-each, `repeats` times; the fastest of each), so a change of load on the shared machine hits
-them alike.
+The pagoda engines live side by side in one process and are measured in turns with
+llama.cpp (a run of each, llama.cpp in its own process, `repeats` times; the fastest of
+each), so a change of load on the shared machine hits them alike.
 """
 
 from __future__ import annotations
@@ -76,11 +76,12 @@ def decode_table(args: argparse.Namespace) -> dict[str, float]:
                "native GGUF blocks": LLM(model=str(path), gguf_native="on", **common)}
     if args.wq_model:
         engines[f"int4 {Path(args.wq_model).name}"] = LLM(model=args.wq_model, **common)
-    result = dict.fromkeys(engines, float("inf"))
+    result = dict.fromkeys([*engines, *(["llama.cpp"] if args.llama_python else [])],
+                           float("inf"))
     for _ in range(args.repeats):
         for name, llm in engines.items():
             result[name] = min(result[name], pagoda_decode_ms(llm, args.tokens))
-    if args.llama_python:
-        result["llama.cpp"] = llama_cpp_decode_ms(args.llama_python, path, args.tokens,
-                                                  args.repeats)
+        if args.llama_python:
+            result["llama.cpp"] = min(result["llama.cpp"], llama_cpp_decode_ms(
+                args.llama_python, path, args.tokens, 1))
     return result

@@ -4,8 +4,10 @@ Part 1, per SmolLM2 shape (in -> out) and rows M: ms per call of the bf16 packed
 (oneDNN, the unquantized path: also the floor of any dequantize-then-GEMM path, which adds
 the dequantization to it), torch's own int4 ops (`_weight_int4pack_mm_for_cpu` in bf16,
 `_dyn_quant_matmul_4bit` in float32), and the wquant ops as dispatched here (GGUF Q4_1 /
-Q8_0 / Q4_K / Q6_K, group-wise int4 g64, W8A8 int8), each also as its time over the bf16
-GEMM's in the same run (`x bf16`).
+Q8_0 / Q4_K / Q6_K, group-wise int4 g64, W8A8 int8), and `gguf Q4_1 bf16 tiles`, the
+dequantize-then-GEMM alternative (per tile of TILE_ROWS output rows the Q4_1 layout
+dequantized into a bf16 scratch, then oneDNN's GEMM; not dispatched), each also as its time
+over the bf16 GEMM's in the same run (`x bf16`).
 
 Part 2 (`--decode`): single-stream greedy decode ms/token of the embedded SmolLM2 GGUF in
 bf16 (its weights dequantized at load) and with its Q4_1 / Q8_0 blocks run natively
@@ -26,10 +28,13 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from pagoda.ops import quant_layouts, wquant
+from pagoda.ops import quant_cpu, quant_layouts, wquant
 
-SMOLLM2_SHAPES = [(576, 576), (576, 1536), (1536, 576), (576, 192), (576, 49152)]
-RATIO_OF = ("gguf Q4_1", "wq int4 g64")  # the rows' `x bf16` columns
+# in -> out: o_proj, up, down, k/v, the fused qkv and gate_up the model runs, the tied head.
+SMOLLM2_SHAPES = [(576, 576), (576, 1536), (1536, 576), (576, 192), (576, 960), (576, 3072),
+                  (576, 49152)]
+RATIO_OF = ("gguf Q4_1", "gguf Q4_1 bf16 tiles", "wq int4 g64")  # `x bf16` columns
+TILE_ROWS = 1024  # output rows per dequantized tile of the bf16-tiles row
 
 
 def _time_ms(fn: Callable[[], object], budget_s: float = 0.3, max_calls: int = 400) -> float:
@@ -102,6 +107,11 @@ def _kernels(k: int, n: int) -> dict[str, Callable[[torch.Tensor], object]]:
             continue  # K-quant super-blocks are 256 wide: only 1536 -> 576 here
         w = q41 if qtype == quant_layouts.Q4_1 else _gguf(qtype, n, k, rng)
         fns[f"gguf {name}"] = lambda x, w=w: wquant.gguf_linear(x, w)
+    if (ext := quant_cpu.resolve()) is not None and "cpp" in q41.kernel_data:
+        lay = q41.kernel_data["cpp"]
+        # The dequantize-a-tile-then-bf16-GEMM alternative (not dispatched: measured here).
+        fns["gguf Q4_1 bf16 tiles"] = lambda x: ext.q_linear_tiles(
+            x, lay.codes, lay.scales, lay.offsets, 4, 32, 32, False, n, None, TILE_ROWS)
     g = torch.Generator().manual_seed(0)
     wq = wquant.GroupQuantWeight(torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g),
                                  torch.rand(n, k // 64, generator=g),
@@ -115,10 +125,16 @@ def _kernels(k: int, n: int) -> dict[str, Callable[[torch.Tensor], object]]:
     return fns
 
 
-def kernel_table(shapes: list[tuple[int, int]], ms: list[int]) -> list[dict]:
+def kernel_table(shapes: list[tuple[int, int]], ms: list[int],
+                 only: list[str] | None = None) -> list[dict]:
+    """Per shape and M the ms per call of each kernel (those whose name holds one of
+    `only`, and always the bf16 GEMM, when given)."""
     rows = []
     for k, n in shapes:
         fns = _kernels(k, n)
+        if only:
+            fns = {name: fn for name, fn in fns.items()
+                   if name == "bf16 packed" or any(o in name for o in only)}
         for m in ms:
             x = torch.randn(m, k).to(torch.bfloat16)
             row = {"shape": f"{k}->{n}", "M": m}
@@ -148,6 +164,9 @@ def add_quant_kernels_args(p: argparse.ArgumentParser) -> None:
                    help="in x out shapes (default: SmolLM2's, with the 576x49152 head)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch / OpenMP threads for the per-call table (default: torch's)")
+    p.add_argument("--only", nargs="+", default=None, metavar="NAME",
+                   help="time only the kernels whose name holds one of these (e.g. Q4_1 "
+                        "int4), beside the bf16 GEMM")
     p.add_argument("--no-kernels", action="store_true", help="skip the per-call table")
     p.add_argument("--decode", action="store_true", help="SmolLM2 single-stream decode too")
     p.add_argument("--model", default=None, help="GGUF file (default: the embedded SmolLM2)")
@@ -169,7 +188,7 @@ def run_quant_kernels(args: argparse.Namespace) -> dict:
     if not args.no_kernels:
         shapes = SMOLLM2_SHAPES if args.shapes is None else [
             tuple(int(v) for v in s.lower().split("x")) for s in args.shapes]
-        result["kernels"] = kernel_table(shapes, args.m)
+        result["kernels"] = kernel_table(shapes, args.m, args.only)
         print_markdown(result["kernels"])
     if args.decode:
         result["decode"] = quant_decode.decode_table(args)

@@ -41,6 +41,8 @@ def add_step_profile_args(p: argparse.ArgumentParser) -> None:
     """The flags of `pagoda bench profile`."""
     p.add_argument("--model", default=None, help="HF folder or .gguf file (default: embedded)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--gguf-native", choices=["auto", "on", "off"], default="auto",
+                   help="a GGUF model's linears from their blocks or dequantized at load")
     p.add_argument("--num-seqs", type=int, default=DEFAULT_NUM_SEQS)
     p.add_argument("--context-len", type=int, default=DEFAULT_CONTEXT_LEN)
     p.add_argument("--prefill-tokens", type=int, default=DEFAULT_PREFILL_TOKENS)
@@ -72,6 +74,7 @@ def _engine(args: argparse.Namespace) -> Any:
     max_len = max(args.context_len + _decode_max_tokens(args), per_prefill + 1,
                   args.single_context_len + args.steps + 8)
     llm = LLM(model=args.model, dtype=args.dtype, seed=args.seed, enable_prefix_caching=False,
+              gguf_native=args.gguf_native,
               max_num_seqs=max(args.num_seqs, args.prefill_seqs),
               max_num_batched_tokens=_budget(args), max_model_len=-(-max_len // 16) * 16)
     return llm.llm_engine
@@ -207,7 +210,8 @@ def run_step_profile(args: argparse.Namespace) -> dict[str, Any]:
     engine = _engine(args)
     inst = StepInstrumentation(engine)
     report: dict[str, Any] = {"machine": machine_section(), "model": engine.model_path,
-                              "dtype": args.dtype}
+                              "dtype": args.dtype,
+                              "gguf_native": args.gguf_native}
     report["decode"] = profile_decode(engine, inst, args.num_seqs, args.context_len,
                                       args.steps, args.seed, "d", _decode_max_tokens(args))
     report["prefill"] = profile_prefill(engine, inst, args.prefill_tokens, args.prefill_seqs,

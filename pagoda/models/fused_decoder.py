@@ -10,7 +10,9 @@ the same order: the result is bit for bit the op-by-op one (tests/unit/test_fuse
 Attention stays the backend's call, so every step (decode, prefill, mixed) takes this path.
 
 Eligible: every projection unquantized with a oneDNN-packed weight (bf16, or fp16 where
-oneDNN packs it), no q/k norm, tensor parallel size 1, and the fused rotary + cache write in
+oneDNN packs it) or quantized with the CPU quant kernels' panel layout prepared (GGUF
+native blocks, group-wise GPTQ / AWQ / RTN codes without an act_order permutation: the
+calls the Python layers send to quant_cpu's q_linear), no q/k norm, tensor parallel size 1, and the fused rotary + cache write in
 use (the cache in the model's dtype or quantized). Otherwise, and with
 `PAGODA_DISABLE_FUSED_LAYERS=1`, the model runs op by op.
 """
@@ -24,6 +26,9 @@ import torch
 from torch import nn
 
 from pagoda import ops
+from pagoda.ops import quant_cpu
+from pagoda.quant.gguf import GGUFLinearMethod
+from pagoda.quant.group_quant import GroupQuantLinearMethod
 from pagoda.quant.unquantized import UnquantizedLinearMethod, is_packed
 
 KVCache = tuple[torch.Tensor, ...]
@@ -37,13 +42,24 @@ def _packed_dense(linear: nn.Module) -> bool:
     )
 
 
+def _quant_layout(linear: nn.Module) -> Any:
+    """The panel layout the Python layer's q_linear call would use, or None."""
+    method, weight = linear.quant_method, getattr(linear, "quant_weight", None)
+    if not isinstance(method, GGUFLinearMethod | GroupQuantLinearMethod) or weight is None:
+        return None
+    if linear.tp_size != 1 or getattr(weight, "perm", None) is not None:
+        return None
+    # NOTE: the op-by-op path takes the kernel only while it resolves (not disabled).
+    return weight.kernel_data.get(quant_cpu.NAME) if quant_cpu.resolve() is not None else None
+
+
 def _eligible(layer: nn.Module, dtype: torch.dtype) -> bool:
     attn, mlp = layer.self_attn, layer.mlp
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
     return (
         not attn.qk_norm
-        and all(_packed_dense(m) for m in linears)
+        and all(_packed_dense(m) or _quant_layout(m) is not None for m in linears)
         and all(n.weight.dtype == dtype and n.weight.is_contiguous() for n in norms)
     )
 
@@ -64,13 +80,23 @@ class FusedDecoderStack:
         self.mlp_qkv: Callable[..., Any] = ext.decoder_mlp_qkv
 
     @staticmethod
-    def _layer(ext: Any, layer: nn.Module) -> Any:
+    def _weight(ext: Any, linear: nn.Module) -> Any:
+        lay = _quant_layout(linear)
+        if lay is None:
+            return linear.weight
+        return ext.QuantWeight(codes=lay.codes, scales=lay.scales, offsets=lay.offsets,
+                               bits=lay.bits, block=lay.block, group=lay.group,
+                               zero_form=lay.zero_form, n=lay.shape[0])
+
+    @classmethod
+    def _layer(cls, ext: Any, layer: nn.Module) -> Any:
         attn, mlp = layer.self_attn, layer.mlp
         return ext.DecoderLayer(
             input_norm=layer.input_layernorm.weight.detach(),
             post_norm=layer.post_attention_layernorm.weight.detach(),
-            qkv_w=attn.qkv_proj.weight, o_w=attn.o_proj.weight,
-            gate_up_w=mlp.gate_up_proj.weight, down_w=mlp.down_proj.weight,
+            qkv_w=cls._weight(ext, attn.qkv_proj), o_w=cls._weight(ext, attn.o_proj),
+            gate_up_w=cls._weight(ext, mlp.gate_up_proj),
+            down_w=cls._weight(ext, mlp.down_proj),
             qkv_b=attn.qkv_proj.bias, o_b=attn.o_proj.bias,
             gate_up_b=mlp.gate_up_proj.bias, down_b=mlp.down_proj.bias,
             eps=layer.post_attention_layernorm.eps, num_heads=attn.num_heads,

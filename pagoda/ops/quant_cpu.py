@@ -88,7 +88,9 @@ def _takes(dtype: torch.dtype | None, dtypes: frozenset[torch.dtype]) -> bool:
 
 def _prepare_gguf(w: wquant.GGUFWeight, dtype: torch.dtype | None) -> None:
     if w.qtype in quant_layouts.GGUF_BLOCK and _takes(dtype, DTYPES):
-        w.kernel_data[NAME] = quant_layouts.from_gguf(w.raw, w.qtype, tuple(w.shape))
+        if w.layout is None:
+            w.layout = quant_layouts.from_gguf(w.raw, w.qtype, tuple(w.shape))
+        w.kernel_data[NAME] = w.layout
 
 
 def wq_supported(w: wquant.GroupQuantWeight) -> bool:

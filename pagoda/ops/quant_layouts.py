@@ -55,13 +55,32 @@ class BlockLayout:
         """float32 [N, G]: the zeros (zero_form) or the offsets m."""
         return self.offsets[:, : self.shape[0]].T.float()
 
+    def row_codes(self, rows: torch.Tensor) -> torch.Tensor:
+        """uint8 [len(rows), K]: the codes of output rows `rows` (int64) only."""
+        panels, kp = self.codes.shape[0], self.codes.shape[1] // (2 * self.bits)
+        p, lane = rows // PANEL, rows % PANEL
+        if self.bits == 8:
+            c = self.codes.view(panels, kp // 4, PANEL, 4)[p, :, lane]
+        else:
+            v = self.codes.view(panels, kp // 8, PANEL, 4)[p, :, lane]
+            c = torch.stack([v & 0x0F, v >> 4], dim=2)
+        return c.reshape(len(rows), kp)[:, : self.shape[1]]
+
+    def _values(self, q: torch.Tensor, s: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """codes [R, K] and per-group scales / offsets [R, G] -> float32 weights [R, K]."""
+        g = torch.arange(q.shape[1], device=q.device) // self.group
+        q, s, o = q.to(torch.float32), s[:, g], o[:, g]
+        return (q - o) * s if self.zero_form else s * q + o
+
     def dequantize(self) -> torch.Tensor:
         """The float32 weight [N, K] (float32 arithmetic, as the formats define it)."""
-        k = self.shape[1]
-        g = torch.arange(k, device=self.codes.device) // self.group
-        q = self.unpack_codes().to(torch.float32)
-        s, o = self.scale_rows()[:, g], self.offset_rows()[:, g]
-        return (q - o) * s if self.zero_form else s * q + o
+        return self._values(self.unpack_codes(), self.scale_rows(), self.offset_rows())
+
+    def dequantize_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """float32 [len(rows), K]: rows `rows` (int64) of `dequantize()`, computed alone."""
+        cols = rows.to(self.codes.device)
+        return self._values(self.row_codes(cols), self.scales[:, cols].T.float(),
+                            self.offsets[:, cols].T.float())
 
 
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -184,6 +203,32 @@ def from_gguf(raw: torch.Tensor, qtype: int, shape: tuple[int, int]) -> BlockLay
                 torch.from_numpy(np.ascontiguousarray(s, dtype=np.float32).reshape(n, -1)),
                 torch.from_numpy(np.ascontiguousarray(offset, dtype=np.float32).reshape(n, -1)),
                 bits, group=block, zero_form=qtype in ZERO_FORM, block=block)
+
+
+# The types whose blocks the layout holds bit for bit (K-quants' sub-block scales are kept
+# only as products, which do not convert back).
+REPACKABLE = frozenset({Q4_0, Q4_1, Q8_0})
+
+
+def _f16_bytes(v: torch.Tensor) -> np.ndarray:
+    """float32 [N, nb] (float16 values) -> uint8 [N, nb, 2]."""
+    return v.cpu().numpy().astype(np.float16)[..., None].view(np.uint8)
+
+
+def to_gguf(lay: BlockLayout, qtype: int) -> torch.Tensor:
+    """The raw blocks uint8 [N, bytes per row] a REPACKABLE type's layout was built from."""
+    if qtype not in REPACKABLE:
+        raise ValueError(f"GGUF type {qtype}: the layout does not hold its blocks exactly")
+    n, k = lay.shape
+    codes = lay.unpack_codes().cpu().numpy().reshape(n, k // 32, 32)
+    parts = [_f16_bytes(lay.scale_rows())]
+    if qtype == Q8_0:
+        parts.append((codes.astype(np.int16) - 128).astype(np.int8).view(np.uint8))
+    else:
+        if qtype == Q4_1:
+            parts.append(_f16_bytes(lay.offset_rows()))
+        parts.append(codes[..., :16] | (codes[..., 16:] << 4))
+    return torch.from_numpy(np.concatenate(parts, axis=-1).reshape(n, -1))
 
 
 def int8_codes(qweight: torch.Tensor) -> torch.Tensor:

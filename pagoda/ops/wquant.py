@@ -125,19 +125,39 @@ class Fp8Weight:
 
 @dataclass(eq=False)
 class GGUFWeight:
-    """One GGUF tensor kept in its blocks: `raw` uint8 [N, bytes per row] of quant type
-    `qtype` (a gguf.GGMLQuantizationType value), logical shape [N, K]."""
+    """One GGUF tensor of quant type `qtype` (a gguf.GGMLQuantizationType value), logical
+    shape [N, K]: its raw blocks `raw` uint8 [N, bytes per row], and/or `layout`, the CPU
+    kernels' panel layout of the same values (set by their preparer). Where the layout
+    holds the blocks exactly (REPACKABLE types) the loader drops `raw`: `blocks()` rebuilds
+    them bit for bit, and the reference dequantizes the layout (the same float32 values
+    gguf's dequantization gives)."""
 
-    raw: torch.Tensor
+    raw: torch.Tensor | None
     qtype: int
     shape: tuple[int, int]
     kernel_data: dict[str, Any] = field(default_factory=dict)
+    layout: quant_layouts.BlockLayout | None = None
+
+    def blocks(self) -> torch.Tensor:
+        """The raw blocks uint8 [N, bytes per row] (rebuilt from the layout when dropped)."""
+        if self.raw is not None:
+            return self.raw
+        return quant_layouts.to_gguf(self.layout, self.qtype)
 
     def dequantize(self) -> torch.Tensor:
+        if self.raw is None:
+            return self.layout.dequantize()
         from gguf.quants import dequantize
 
         values = dequantize(self.raw.cpu().numpy(), self.qtype)
         return torch.from_numpy(values.reshape(self.shape).copy()).to(self.raw.device)
+
+    def dequantize_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """float32 [len(rows), K]: the dequantized rows `rows` (int64) only."""
+        if self.raw is None:
+            return self.layout.dequantize_rows(rows)
+        picked = self.raw.index_select(0, rows)
+        return GGUFWeight(picked, self.qtype, (len(rows), self.shape[1])).dequantize()
 
 
 def _linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

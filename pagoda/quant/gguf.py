@@ -1,9 +1,10 @@
 """GGUF linears run from their blocks (`--gguf-native on|auto`), without a dequantized copy.
 
 A GGUF file quantizes each tensor with its own ggml type. Linear layers whose checkpoint
-modules are all of one type in NATIVE_TYPES keep that tensor's blocks as their `weight`
+modules are all of one type in NATIVE_TYPES load that tensor's blocks as their `weight`
 (uint8 [N, bytes per row]: a row's blocks are independent, so shards and q/k's rotary
-un-permutation move whole rows) and compute through `wquant.gguf_linear`. Everything else
+un-permutation move whole rows) and compute through `wquant.gguf_linear` (after loading,
+Q4_0 / Q4_1 / Q8_0 hold only the kernels' layout, GGUFLinearMethod). Everything else
 (norms, the token embedding, other types, a packed layer whose parts differ in type, e.g.
 Q4_K_M's Q6_K v_proj beside Q4_K q/k) is dequantized at load as before.
 
@@ -33,11 +34,12 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import nn
 
 from pagoda.config import GGUF_NATIVE_MODES
-from pagoda.ops import wquant
+from pagoda.ops import quant_layouts, wquant
 from pagoda.quant.base import (
     QuantizationConfig,
     QuantizeMethodBase,
     register_quantization_config,
+    replace_param,
     set_weight_attrs,
 )
 
@@ -101,7 +103,13 @@ class GGUFNativeConfig(QuantizationConfig):
 
 
 class GGUFLinearMethod(QuantizeMethodBase):
-    """One GGUF tensor's blocks as `weight` uint8 [N, K / block * block bytes]."""
+    """One GGUF tensor's blocks as `weight` uint8 [N, K / block * block bytes], as loaded.
+
+    After loading, where the kernels' panel layout holds the blocks bit for bit (Q4_0,
+    Q4_1, Q8_0: quant_layouts.REPACKABLE) `weight` holds the layout's codes instead and the
+    raw blocks are dropped: one copy of the weight (Q4_1 0.625 bytes a weight: half a byte
+    a code, a float16 scale and offset per 32). `state_dict()` and `.to()` (through
+    `restore_loaded_layout`) see the blocks rebuilt, bit for bit."""
 
     def __init__(self, qtype: GGMLQuantizationType) -> None:
         self.qtype = qtype
@@ -130,10 +138,19 @@ class GGUFLinearMethod(QuantizeMethodBase):
         layer.quant_weight = None
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
+        if layer.quant_weight is not None:
+            return  # NOTE: `weight` may hold the layout's codes now, not blocks
         raw = layer.weight.data
         k = raw.shape[1] // self.type_size * self.block_size
         weight = wquant.GGUFWeight(raw, int(self.qtype), (raw.shape[0], k))
         wquant.prepare("gguf_linear", weight, raw.device.type, getattr(layer, "params_dtype", None))
+        lay = weight.layout
+        # NOTE: checked, not assumed: a block the layout would not give back (a NaN scale)
+        # keeps the raw blocks.
+        if (lay is not None and self.qtype in quant_layouts.REPACKABLE
+                and torch.equal(quant_layouts.to_gguf(lay, self.qtype), raw.cpu())):
+            replace_param(layer, "weight", lay.codes)  # one copy of the codes: the layout's
+            weight.raw = None
         layer.quant_weight = weight
 
     def apply(
@@ -142,7 +159,16 @@ class GGUFLinearMethod(QuantizeMethodBase):
         return wquant.gguf_linear(x, layer.quant_weight, bias)
 
     def restore_loaded_layout(self, layer: nn.Module) -> None:
+        weight = layer.quant_weight
+        if weight is not None and weight.raw is None:
+            replace_param(layer, "weight", weight.blocks())
         layer.quant_weight = None
+
+    def state_dict_tensor(self, layer: nn.Module, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        weight = layer.quant_weight
+        if name == "weight" and weight is not None and weight.raw is None:
+            return weight.blocks()
+        return tensor
 
 
 class GGUFEmbeddingMethod(GGUFLinearMethod):
@@ -150,7 +176,6 @@ class GGUFEmbeddingMethod(GGUFLinearMethod):
     gguf_linear, lookups dequantize the looked-up rows to the model's dtype."""
 
     def embedding(self, layer: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
-        rows = layer.weight.index_select(0, input_ids.reshape(-1))
-        hidden = layer.quant_weight.shape[1]
-        values = wquant.GGUFWeight(rows, int(self.qtype), (rows.shape[0], hidden)).dequantize()
-        return values.to(layer.params_dtype).reshape(*input_ids.shape, hidden)
+        weight = layer.quant_weight
+        values = weight.dequantize_rows(input_ids.reshape(-1))
+        return values.to(layer.params_dtype).reshape(*input_ids.shape, weight.shape[1])

@@ -62,6 +62,29 @@ def test_fused_layers_equal_op_by_op(
     assert fused == plain
 
 
+def test_fused_layers_with_int4_projections_equal_op_by_op(
+    tiny_model, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """RTN int4 g32 (GPTQ format): the projections run the quant kernel inside the
+    whole-layer calls, bit for bit as op by op."""
+    from pagoda.ops import quant_cpu
+    from pagoda.quant.calibrate.command import quantize_to_dir
+
+    _needs_fused_kernels()
+    if quant_cpu.resolve() is None:
+        pytest.skip("the quant CPU kernels do not run here")
+    out = tmp_path / "rtn"
+    quantize_to_dir(str(tiny_model("LlamaForCausalLM")), out, "rtn", 4, 32)
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 49152, (n,), generator=gen).tolist() for n in (33, 7)]
+    fused, stack = _run(out, prompts)
+    assert stack is not None, "the fused stack did not apply"
+    monkeypatch.setenv("PAGODA_DISABLE_FUSED_LAYERS", "1")
+    plain, no_stack = _run(out, prompts)
+    assert no_stack is None
+    assert fused == plain
+
+
 def test_fused_stack_only_where_it_applies(tiny_model) -> None:
     _needs_fused_kernels()
     model_dir = tiny_model("LlamaForCausalLM")
@@ -81,7 +104,7 @@ def test_decoder_layer_refuses_dense_weights() -> None:
     _needs_fused_kernels()
     ext = cpu_kernels.kernel_for("fused_ops")
     w, n = torch.zeros(8, 8, dtype=torch.bfloat16), torch.ones(8, dtype=torch.bfloat16)
-    with pytest.raises(RuntimeError, match="oneDNN-packed"):
+    with pytest.raises(RuntimeError, match="oneDNN-packed or QuantWeight"):
         ext.DecoderLayer(input_norm=n, post_norm=n, qkv_w=w, o_w=w, gate_up_w=w, down_w=w,
                          qkv_b=None, o_b=None, gate_up_b=None, down_b=None, eps=1e-5,
                          num_heads=1, num_kv_heads=1, head_dim=8)

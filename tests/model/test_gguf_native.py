@@ -133,6 +133,12 @@ def test_auto_bf16_runs_the_kernels_and_float32_builds_no_kernel_layout():
     assert isinstance(qkv.quant_weight, wquant.GGUFWeight) and "cpp" in qkv.quant_weight.kernel_data
     x = torch.randn(3, 576).to(torch.bfloat16)
     assert wquant.gguf_linear.select(x, qkv.quant_weight) is not wquant.gguf_linear.reference
+    # The layout holds the Q4_1 blocks bit for bit, so it is the only copy: 0.625 bytes a
+    # weight; state_dict() shows the blocks as loaded (float32 keeps them, no layout).
+    lay = qkv.quant_weight.layout
+    assert qkv.quant_weight.raw is None and qkv.weight.data_ptr() == lay.codes.data_ptr()
+    nbytes = sum(t.numel() * t.element_size() for t in (lay.codes, lay.scales, lay.offsets))
+    assert nbytes / (960 * 576) == pytest.approx(0.625)
     # The tied head (Q8_0 token table) runs from its blocks too; its lookups give exactly
     # the dense bf16 table's rows.
     embed = model.model.embed_tokens
@@ -145,4 +151,33 @@ def test_auto_bf16_runs_the_kernels_and_float32_builds_no_kernel_layout():
     assert logits.shape == (3, 49152) and logits.dtype == torch.bfloat16
     # float32 never runs the kernels (int8 activations): its native layers hold only blocks.
     native32 = build_model(load_checkpoint(None), torch.float32, CPU, 64, gguf_native="on")
-    assert not native32.model.layers[0].self_attn.qkv_proj.quant_weight.kernel_data
+    qkv32 = native32.model.layers[0].self_attn.qkv_proj
+    assert not qkv32.quant_weight.kernel_data and qkv32.quant_weight.raw is not None
+    assert torch.equal(qkv.state_dict()["weight"], qkv32.weight)
+    assert embed.quant_weight.raw is None  # Q8_0: the lookups read the layout
+
+
+def test_fused_layers_run_native_projections_as_op_by_op(mixed_gguf, monkeypatch):
+    """bf16 with the kernels: the whole-layer calls (models/fused_decoder.py) take every
+    native type and the dequantized packed layer beside them, bit for bit the op-by-op run."""
+    from pagoda.ops import cpu_kernels, quant_cpu
+
+    if quant_cpu.resolve() is None or cpu_kernels.kernel_for("fused_ops") is None:
+        pytest.skip("the quant or fused-op CPU kernels do not run here")
+
+    def run():
+        llm = LLM(str(mixed_gguf), dtype="bfloat16", max_model_len=128, gguf_native="on")
+        outs = llm.generate(["Hello there", "Once upon a time, in a land"],
+                            SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True,
+                                           logprobs=0, prompt_logprobs=0), use_tqdm=False)
+        stack = llm.llm_engine.executor.worker.model.fused_stack()
+        return stack, [(o.outputs[0].token_ids,
+                        [next(iter(p.values())).logprob for p in o.prompt_logprobs[1:]],
+                        [next(iter(d.values())).logprob for d in o.outputs[0].logprobs])
+                       for o in outs]
+
+    stack, fused = run()
+    assert stack is not None
+    monkeypatch.setenv("PAGODA_DISABLE_FUSED_LAYERS", "1")
+    no_stack, plain = run()
+    assert no_stack is None and fused == plain

@@ -118,6 +118,24 @@ def test_gguf_layout_dequantizes_exactly(qext, qtype: int) -> None:
     torch.testing.assert_close(lay.dequantize(), _deq(w), rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("qtype", list(QUANTIZABLE), ids=list(QUANTIZABLE.values()))
+def test_gguf_layout_gives_back_the_blocks_and_gguf_values(qtype: int) -> None:
+    """Q4_0 / Q4_1 / Q8_0: the layout alone rebuilds the raw blocks bit for bit and
+    dequantizes to exactly gguf's values, whole or by rows (the loader drops `raw`)."""
+    rng = np.random.default_rng(qtype)
+    raw = torch.from_numpy(np.ascontiguousarray(
+        gguf_quants.quantize(rng.standard_normal((37, 96)).astype(np.float32), qtype)))
+    lay = quant_layouts.from_gguf(raw, qtype, (37, 96))
+    assert torch.equal(quant_layouts.to_gguf(lay, qtype), raw)
+    dropped = wquant.GGUFWeight(None, qtype, (37, 96), layout=lay)
+    full = wquant.GGUFWeight(raw, qtype, (37, 96)).dequantize()
+    assert torch.equal(dropped.dequantize(), full) and torch.equal(dropped.blocks(), raw)
+    rows = torch.tensor([36, 0, 17, 17, 5])
+    assert torch.equal(dropped.dequantize_rows(rows), full[rows])
+    with pytest.raises(ValueError, match="does not hold its blocks"):
+        quant_layouts.to_gguf(lay, quant_layouts.Q4_K)
+
+
 def _group_weight(bits: int, n: int, k: int, group: int, perm: bool, seed: int,
                   zero_shift: float = 0.0):
     g = torch.Generator().manual_seed(seed)

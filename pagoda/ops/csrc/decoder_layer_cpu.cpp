@@ -11,8 +11,10 @@
 //
 // These are the kernels the Python layers call, in the same order on the same tensors (the
 // GEMMs are mkldnn::_linear_pointwise on the oneDNN-packed weights, as
-// quant/unquantized.py's packed_linear), so the result is bit for bit that of the Python
-// path. What a call saves is the Python between the kernels: module calls, op dispatch and
+// quant/unquantized.py's packed_linear, or for a quantized projection (`QuantWeight`: the
+// panel layout of ops/quant_layouts.py) the quant extension's q_linear, which
+// ops/csrc/quant_cpu.cpp registers as the op pagoda_quant::q_linear), so the result is bit
+// for bit that of the Python path. What a call saves is the Python between the kernels: module calls, op dispatch and
 // argument parsing, ~10 small calls per layer, which at one token per step cost as much as
 // a third of the GEMMs' time. residual is updated in place.
 
@@ -23,6 +25,7 @@
 #include <optional>
 #include <string_view>
 #include <tuple>
+#include <variant>
 
 namespace pagoda_layer {
 
@@ -41,9 +44,36 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w,
                  std::string_view(""));
 }
 
+// A quantized projection's panel layout (quant_layouts.BlockLayout): the q_linear arguments.
+struct QuantWeight {
+  torch::Tensor codes, scales, offsets;
+  int64_t bits, block, group;
+  bool zero_form;
+  int64_t n;  // output features
+};
+
+// A projection's weight: oneDNN-packed [out, in], or quantized.
+using Weight = std::variant<torch::Tensor, QuantWeight>;
+
+using QLinearFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                             const at::Tensor&, int64_t, int64_t, int64_t, bool, int64_t,
+                             const std::optional<at::Tensor>&);
+
+// x [T, K] @ W^T (+ b), through the kernel the Python layers call for this weight.
+at::Tensor project(const at::Tensor& x, const Weight& w, const std::optional<at::Tensor>& b) {
+  const auto* q = std::get_if<QuantWeight>(&w);
+  if (q == nullptr) return packed_linear(x, std::get<torch::Tensor>(w), b);
+  // NOTE: looked up on first use: the quant extension is loaded before a QuantWeight exists.
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("pagoda_quant::q_linear", "")
+                             .typed<QLinearFn>();
+  return op.call(x.reshape({-1, x.size(-1)}).contiguous(), q->codes, q->scales, q->offsets,
+                 q->bits, q->block, q->group, q->zero_form, q->n, b);
+}
+
 struct DecoderLayer {
   torch::Tensor input_norm, post_norm;  // [hidden] RMSNorm weights
-  torch::Tensor qkv_w, o_w, gate_up_w, down_w;  // oneDNN-packed [out, in]
+  Weight qkv_w, o_w, gate_up_w, down_w;  // [out, in]
   std::optional<torch::Tensor> qkv_b, o_b, gate_up_b, down_b;
   double eps;
   int64_t num_heads, num_kv_heads, head_dim;
@@ -57,7 +87,7 @@ QKV decoder_qkv(const DecoderLayer& l, const torch::Tensor& x, const torch::Tens
                 const torch::Tensor& slot_mapping, std::optional<torch::Tensor> k_scale,
                 std::optional<torch::Tensor> v_scale) {
   const int64_t nq = l.num_heads, nqk = l.num_heads + l.num_kv_heads;
-  auto qkv = packed_linear(x, l.qkv_w, l.qkv_b).view({x.size(0), nqk + l.num_kv_heads, l.head_dim});
+  auto qkv = project(x, l.qkv_w, l.qkv_b).view({x.size(0), nqk + l.num_kv_heads, l.head_dim});
   pagoda_fused::rotary_and_cache(qkv, cos, sin, positions, k_cache, v_cache, slot_mapping,
                                  l.num_heads, l.num_kv_heads, k_scale, v_scale);
   return {qkv.slice(1, 0, nq), qkv.slice(1, nq, nqk), qkv.slice(1, nqk)};
@@ -65,10 +95,10 @@ QKV decoder_qkv(const DecoderLayer& l, const torch::Tensor& x, const torch::Tens
 
 torch::Tensor decoder_mlp(const DecoderLayer& l, const torch::Tensor& attn,
                           const torch::Tensor& residual) {
-  auto x = packed_linear(attn, l.o_w, l.o_b);
+  auto x = project(attn, l.o_w, l.o_b);
   pagoda_fused::fused_add_rms_norm(x, residual, l.post_norm, l.eps);
-  auto act = pagoda_fused::silu_and_mul(packed_linear(x, l.gate_up_w, l.gate_up_b));
-  return packed_linear(act, l.down_w, l.down_b);
+  auto act = pagoda_fused::silu_and_mul(project(x, l.gate_up_w, l.gate_up_b));
+  return project(act, l.down_w, l.down_b);
 }
 
 QKV decoder_mlp_qkv(const DecoderLayer& l, const DecoderLayer& next, const torch::Tensor& attn,
@@ -83,14 +113,16 @@ QKV decoder_mlp_qkv(const DecoderLayer& l, const DecoderLayer& next, const torch
                      v_scale);
 }
 
-DecoderLayer make_layer(torch::Tensor input_norm, torch::Tensor post_norm, torch::Tensor qkv_w,
-                        torch::Tensor o_w, torch::Tensor gate_up_w, torch::Tensor down_w,
+DecoderLayer make_layer(torch::Tensor input_norm, torch::Tensor post_norm, Weight qkv_w,
+                        Weight o_w, Weight gate_up_w, Weight down_w,
                         std::optional<torch::Tensor> qkv_b, std::optional<torch::Tensor> o_b,
                         std::optional<torch::Tensor> gate_up_b,
                         std::optional<torch::Tensor> down_b, double eps, int64_t num_heads,
                         int64_t num_kv_heads, int64_t head_dim) {
   for (const auto* w : {&qkv_w, &o_w, &gate_up_w, &down_w}) {
-    TORCH_CHECK(w->is_mkldnn(), "DecoderLayer: the projection weights must be oneDNN-packed");
+    const auto* dense = std::get_if<torch::Tensor>(w);
+    TORCH_CHECK(dense == nullptr || dense->is_mkldnn(),
+                "DecoderLayer: the projection weights must be oneDNN-packed or QuantWeight");
   }
   TORCH_CHECK(input_norm.dim() == 1 && post_norm.sizes() == input_norm.sizes(),
               "DecoderLayer: the norm weights must be [hidden]");
@@ -105,8 +137,17 @@ DecoderLayer make_layer(torch::Tensor input_norm, torch::Tensor post_norm, torch
 void register_decoder_layer(pybind11::module& m) {
   namespace py = pybind11;
   using pagoda_layer::DecoderLayer;
+  using pagoda_layer::QuantWeight;
+  py::class_<QuantWeight>(m, "QuantWeight",
+                          "A quantized projection's panel layout (ops/quant_layouts.py)")
+      .def(py::init([](torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets,
+                       int64_t bits, int64_t block, int64_t group, bool zero_form, int64_t n) {
+             return QuantWeight{codes, scales, offsets, bits, block, group, zero_form, n};
+           }),
+           py::arg("codes"), py::arg("scales"), py::arg("offsets"), py::arg("bits"),
+           py::arg("block"), py::arg("group"), py::arg("zero_form"), py::arg("n"));
   py::class_<DecoderLayer>(m, "DecoderLayer",
-                           "One decoder layer's norm weights and packed projections")
+                           "One decoder layer's norm weights and projections")
       .def(py::init(&pagoda_layer::make_layer), py::arg("input_norm"), py::arg("post_norm"),
            py::arg("qkv_w"), py::arg("o_w"), py::arg("gate_up_w"), py::arg("down_w"),
            py::arg("qkv_b"), py::arg("o_b"), py::arg("gate_up_b"), py::arg("down_b"),

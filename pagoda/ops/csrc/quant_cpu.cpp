@@ -25,6 +25,7 @@
 // the reference elsewhere; quant_isa() reports what was compiled).
 
 #include <torch/extension.h>
+#include <torch/library.h>
 
 #include <omp.h>
 
@@ -47,6 +48,19 @@ constexpr int kRowTile = 4;     // activation rows sharing one decode of the wei
 constexpr int kPanelTile = 2;   // panels per task
 
 enum Kind : int { kF32 = 0, kF16 = 1, kU8 = 2 };
+
+struct Weights {
+  const uint8_t* codes;
+  int64_t panel_bytes;
+  const void* sc;
+  const void* off;
+  int sc_kind;
+  int off_kind;
+  bool zero_form;
+  int64_t np;      // padded N
+  int64_t groups;  // G
+  int64_t bpg;     // activation blocks per group (all of them when G == 1)
+};
 
 std::vector<std::string> quant_isa() {
   std::vector<std::string> isa;
@@ -150,18 +164,6 @@ inline __m512 load16(const void* base, int kind, int64_t idx) {
       _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(base) + idx))));
 }
 
-struct Weights {
-  const uint8_t* codes;
-  int64_t panel_bytes;
-  const void* sc;
-  const void* off;
-  int sc_kind;
-  int off_kind;
-  bool zero_form;
-  int64_t np;      // padded N
-  int64_t groups;  // G
-  int64_t bpg;     // activation blocks per group (all of them when G == 1)
-};
 
 // The two code registers of 8 columns of one panel: columns c..c+3 and c+4..c+7.
 template <int BITS>
@@ -292,6 +294,36 @@ void q_linear_impl(const Weights& w, const QuantActs& a, int64_t m, const Output
   }
 }
 
+// Rows [t0, t0 + tn) of the layout (t0 a multiple of 16) dequantized and transposed into
+// wt [K, tn] bf16: w = s * q + m in float32 (m = -s * z), rounded once to bf16.
+template <int BITS>
+void dequant_t(const Weights& w, int64_t group, int64_t k, int64_t t0, int64_t tn, uint16_t* wt) {
+  const __m512i lo8 = _mm512_set1_epi32(0xFF);
+#pragma omp parallel for schedule(static)
+  for (int64_t p = t0 / kPanel; p < (t0 + tn + kPanel - 1) / kPanel; ++p) {
+    const uint8_t* cp = w.codes + p * w.panel_bytes;
+    const int64_t col0 = p * kPanel - t0;
+    const __mmask16 mask = first_lanes(tn - col0);
+    __m512 s = _mm512_setzero_ps(), m = _mm512_setzero_ps();
+    for (int64_t c = 0; c < k; c += 8) {
+      if (c % group == 0) {
+        const int64_t idx = (w.groups == 1 ? 0 : c / group) * w.np + p * kPanel;
+        s = load16(w.sc, w.sc_kind, idx);
+        const __m512 o = load16(w.off, w.off_kind, idx);
+        m = w.zero_form ? _mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), s), o) : o;
+      }
+      __m512i v[2];
+      decode8<BITS>(cp + c * 2 * BITS, v[0], v[1]);
+      for (int j = 0; j < 8 && c + j < k; ++j) {
+        const __m512i q = _mm512_and_si512(
+            _mm512_srlv_epi32(v[j >> 2], _mm512_set1_epi32(8 * (j & 3))), lo8);
+        const __m512 y = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), s, m);
+        _mm256_mask_storeu_epi16(wt + (c + j) * tn + col0, mask, to_bf16(y));
+      }
+    }
+  }
+}
+
 #endif  // PAGODA_Q_AVX512
 
 int kind_of(const at::Tensor& t) {
@@ -304,10 +336,10 @@ int kind_of(const at::Tensor& t) {
   return kF32;
 }
 
-// y[M, n] = x[M, K] @ w.T (+ bias), w in the panel layout above; out has x's dtype.
-at::Tensor q_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sc,
-                    const at::Tensor& off, int64_t bits, int64_t block, int64_t group,
-                    bool zero_form, int64_t n, const c10::optional<at::Tensor>& bias) {
+// The layout's tensors checked against x [M, K] (and n), as the kernels read them.
+Weights checked_weights(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sc,
+                        const at::Tensor& off, int64_t bits, int64_t block, int64_t group,
+                        bool zero_form, int64_t n) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [M, K] matrix");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               "x must be float32 or bfloat16");
@@ -329,16 +361,25 @@ at::Tensor q_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tens
   TORCH_CHECK(groups >= 1 && (groups == 1 || (group % block == 0 && (groups - 1) * group < kp &&
                                               groups * group >= x.size(1))),
               "groups of ", group, " columns do not fit blocks of ", block);
-  at::Tensor b;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->numel() == n, "bias must have ", n, " elements");
-    b = bias->to(at::kFloat).contiguous();
-  }
-  const int64_t m = x.size(0), k = x.size(1);
+  return Weights{codes.data_ptr<uint8_t>(), codes.size(1), sc.data_ptr(), off.data_ptr(),
+                 sc_kind, off_kind, zero_form, np, groups, groups == 1 ? nb : group / block};
+}
+
+at::Tensor float_bias(const c10::optional<at::Tensor>& bias, int64_t n) {
+  if (!bias.has_value()) return at::Tensor();
+  TORCH_CHECK(bias->numel() == n, "bias must have ", n, " elements");
+  return bias->to(at::kFloat).contiguous();
+}
+
+// y[M, n] = x[M, K] @ w.T (+ bias), w in the panel layout above; out has x's dtype.
+at::Tensor q_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sc,
+                    const at::Tensor& off, int64_t bits, int64_t block, int64_t group,
+                    bool zero_form, int64_t n, const c10::optional<at::Tensor>& bias) {
+  const Weights w = checked_weights(x, codes, sc, off, bits, block, group, zero_form, n);
+  const at::Tensor b = float_bias(bias, n);
+  const int64_t m = x.size(0), k = x.size(1), kp = codes.size(1) / (2 * bits);
   at::Tensor out = at::empty({m, n}, x.options());
 #if defined(PAGODA_Q_AVX512)
-  const Weights w{codes.data_ptr<uint8_t>(), codes.size(1), sc.data_ptr(), off.data_ptr(),
-                  sc_kind, off_kind, zero_form, np, groups, groups == 1 ? nb : group / block};
   const Output o{out.data_ptr(), x.scalar_type() == at::kBFloat16, n,
                  b.defined() ? b.data_ptr<float>() : nullptr};
   QuantActs a;
@@ -347,6 +388,36 @@ at::Tensor q_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tens
   if (bits == 4) q_linear_impl<4, 32>(w, a, m, o);
   else if (block == 32) q_linear_impl<8, 32>(w, a, m, o);
   else q_linear_impl<8, 16>(w, a, m, o);
+#else
+  TORCH_CHECK(false, "pagoda quant kernels were built without AVX-512");
+#endif
+  return out;
+}
+
+// The same product through a bf16 GEMM: per tile of `tile` output rows (a multiple of 16),
+// the weights dequantized into a bf16 scratch [K, tile], then x @ scratch (+ bias).
+at::Tensor q_linear_tiles(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sc,
+                          const at::Tensor& off, int64_t bits, int64_t block, int64_t group,
+                          bool zero_form, int64_t n, const c10::optional<at::Tensor>& bias,
+                          int64_t tile) {
+  const Weights w = checked_weights(x, codes, sc, off, bits, block, group, zero_form, n);
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && tile > 0 && tile % kPanel == 0,
+              "the tiled path takes bf16 x and tiles of whole panels");
+  const at::Tensor b = float_bias(bias, n);
+  const int64_t m = x.size(0), k = x.size(1);
+  at::Tensor out = at::empty({m, n}, x.options());
+#if defined(PAGODA_Q_AVX512)
+  at::Tensor scratch = at::empty({k * std::min(tile, n)}, x.options());
+  for (int64_t t0 = 0; t0 < n; t0 += tile) {
+    const int64_t tn = std::min(tile, n - t0);
+    at::Tensor wt = scratch.narrow(0, 0, k * tn).view({k, tn});
+    auto* dst = reinterpret_cast<uint16_t*>(wt.data_ptr<at::BFloat16>());
+    if (bits == 4) dequant_t<4>(w, group, k, t0, tn, dst);
+    else dequant_t<8>(w, group, k, t0, tn, dst);
+    at::Tensor y = b.defined() ? at::addmm(b.narrow(0, t0, tn).to(at::kBFloat16), x, wt)
+                               : at::mm(x, wt);
+    out.narrow(1, t0, tn).copy_(y);
+  }
 #else
   TORCH_CHECK(false, "pagoda quant kernels were built without AVX-512");
 #endif
@@ -406,8 +477,14 @@ at::Tensor i8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
 
 }  // namespace pagoda_quant
 
+// NOTE: also a dispatcher op, so that the other extension's whole-layer calls
+// (decoder_layer_cpu.cpp) can run quantized projections without linking against this one.
+TORCH_LIBRARY(pagoda_quant, m) { m.def("q_linear", &pagoda_quant::q_linear); }
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q_linear", &pagoda_quant::q_linear, "x @ w.T for panel-packed codes (int8 activations)");
+  m.def("q_linear_tiles", &pagoda_quant::q_linear_tiles,
+        "q_linear through per-tile bf16 dequantization and a bf16 GEMM");
   m.def("i8_linear", &pagoda_quant::i8_linear, "W8A8 with a dynamic per-token activation scale");
   m.def("kernel_isa", [] { return std::map<std::string, std::vector<std::string>>{
       {"quant", pagoda_quant::quant_isa()}}; }, "op -> the /proc/cpuinfo flags its vector path uses");
