@@ -70,10 +70,10 @@ def test_calibrated_dirs_are_reused_only_when_calibrated_the_same_way(tmp_path, 
     gptq = next(r for r in quant.ROWS if r.name == "gptq int4 g64")
     first = quant._quantized_dir(gptq, args)
     assert quant._quantized_dir(gptq, args) == first and len(calls) == 1
-    args.calib_data = "howto"
+    args.calib_data = "calib"
     assert quant._quantized_dir(gptq, args) != first and len(calls) == 2
     args.gptq_damp_percent = 0.1
     assert "damp0.1" in quant._quantized_dir(gptq, args).name and len(calls) == 3
     awq = next(r for r in quant.ROWS if r.name == "awq int4 g64")
     args.awq_search_tokens = 1024
-    assert quant._quantized_dir(awq, args).name == "awq-asym-g64-howto-n128-l512-s1024"
+    assert quant._quantized_dir(awq, args).name == "awq-asym-g64-calib-n128-l512-s1024"
