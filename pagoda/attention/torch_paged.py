@@ -25,6 +25,7 @@ from pagoda.attention.backend import (
     register_backend,
 )
 from pagoda.attention.sinks import sink_attention
+from pagoda.layers.rotary import rotate_by
 
 # A request whose query rows times G (query heads per kv head) are fewer takes the decode
 # kernel's rows instead of the tiled prefill kernel, which computes lane blocks of 16 query
@@ -174,21 +175,36 @@ class TorchPagedAttention:
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         md: AttentionMetadata,
     ) -> torch.Tensor:
-        """Every request through `sink_attention` (the PyTorch path; no kernel yet)."""
+        """Every row as a query row through `ops.paged_attention` with the sinks' query
+        (`_sink_rows`) where the step has a table per token, else the decode rows so and each
+        prefill through `sink_attention` (the PyTorch path)."""
+        if md.token_seq_lens is not None:
+            out = self._sink_rows(q, k_cache, v_cache, md.token_block_tables,
+                                  md.token_seq_lens, None)
+            return out.view(q.shape[0], -1)
         out = torch.empty_like(q)
         num_sinks, window, inv_freq = self.sinks
-        args = (k_cache, v_cache)
         nd = md.num_decode_tokens
-        lens = md.decode_seq_lens.tolist() if nd else []
-        for i, seq_len in enumerate(lens):
-            out[i : i + 1] = sink_attention(q[i : i + 1], seq_len - 1, *args,
-                                            md.decode_block_tables[i], num_sinks, window,
-                                            inv_freq, self.scale)
+        if nd:
+            out[:nd] = self._sink_rows(q[:nd], k_cache, v_cache, md.decode_block_tables,
+                                       md.decode_seq_lens, md.decode_max_seq_len)
         for seq in md.prefills:
             s = slice(seq.query_start, seq.query_start + seq.query_len)
-            out[s] = sink_attention(q[s], seq.seq_len - seq.query_len, *args, seq.block_table,
-                                    num_sinks, window, inv_freq, self.scale)
+            out[s] = sink_attention(q[s], seq.seq_len - seq.query_len, k_cache, v_cache,
+                                    seq.block_table, num_sinks, window, inv_freq, self.scale)
         return out.view(q.shape[0], -1)
+
+    def _sink_rows(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int | None,
+    ) -> torch.Tensor:
+        """Query rows q [R, H, D] (row r at position seq_lens[r] - 1) over their sinks and
+        window: the sinks read with the query rotated back by the evicted tokens."""
+        num_sinks, window, inv_freq = self.sinks
+        evicted = (seq_lens - (num_sinks + window)).clamp(min=0)
+        q_sink = rotate_by(q, -evicted, inv_freq)
+        return ops.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, self.scale,
+                                   window, max_seq_len, None, None, q_sink, num_sinks)
 
     def _prefill(
         self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_start: int = 0

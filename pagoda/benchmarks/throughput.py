@@ -75,6 +75,8 @@ def add_throughput_args(parser: argparse.ArgumentParser) -> None:
                    help="pagoda with async scheduling (EngineArgs.async_scheduling)")
     p.add_argument("--kv-cache-dtypes", default="auto", help="comma-separated "
                    "--kv-cache-dtype values: pagoda runs once per value (e.g. auto,int8,fp8)")
+    p.add_argument("--vllm-kv-cache-dtypes", default="auto", help="comma-separated vLLM "
+                   "kv_cache_dtype values: vLLM runs once per value and mode (e.g. auto,fp8)")
     p.add_argument(
         "--threads",
         type=int,
@@ -212,9 +214,11 @@ def run_pagoda(workload: Workload, args: argparse.Namespace,
 
 
 def run_vllm_system(
-    workload: Workload, src: ModelSource, args: argparse.Namespace, mode: str
+    workload: Workload, src: ModelSource, args: argparse.Namespace, mode: str,
+    kv_cache_dtype: str = "auto",
 ) -> dict[str, Any]:
-    """vLLM in `mode` (VLLM_MODES): at its own limits or at this run's."""
+    """vLLM in `mode` (VLLM_MODES): at its own limits or at this run's; its KV cache in
+    `kv_cache_dtype` (vLLM's values)."""
     from pagoda.benchmarks.vllm_peer import (
         default_vllm_python,
         prepare_hf_dir,
@@ -238,19 +242,27 @@ def run_vllm_system(
         kv_space_gib=args.kv_cache_gib,
         threads_bind=f"0-{args.threads - 1}" if args.threads else None,
         preload=not args.no_vllm_preload,
+        kv_cache_dtype=kv_cache_dtype,
     )
 
 
 def _runs(args: argparse.Namespace) -> list[tuple[str, str, str]]:
     """(result name, system name for run_system, KV cache dtype) per run: pagoda once per
-    --kv-cache-dtypes value, vLLM once per --vllm-modes value."""
-    kvs = [k.strip() for k in str(args.kv_cache_dtypes).split(",") if k.strip()] or ["auto"]
+    --kv-cache-dtypes value, vLLM once per --vllm-modes and --vllm-kv-cache-dtypes value."""
+    def values(text: str) -> list[str]:
+        return [k.strip() for k in str(text).split(",") if k.strip()] or ["auto"]
+
+    kvs = {"pagoda": values(args.kv_cache_dtypes),
+           "vllm": values(getattr(args, "vllm_kv_cache_dtypes", "auto"))}
     runs = []
     for name in run_names(args.systems, args.vllm_modes):
-        if name != "pagoda":
-            runs.append((name, name, "auto"))
-            continue
-        runs += [(name if kv == "auto" else f"pagoda kv={kv}", name, kv) for kv in kvs]
+        system = name.partition(" ")[0]
+        for kv in kvs.get(system, ["auto"]):
+            label = name
+            if kv != "auto":
+                # NOTE: "vllm (MODE, kv=fp8)": the table titles its column by the parenthesis.
+                label = f"{name[:-1]}, kv={kv})" if system == "vllm" else f"{name} kv={kv}"
+            runs.append((label, name, kv))
     return runs
 
 
@@ -272,7 +284,8 @@ def run_system(
                 max_requests=args.hf_max_requests,
                 sort_by_length=args.hf_sort_by_length,
             )
-        return run_vllm_system(workload, src, args, name.partition("(")[2].rstrip(")"))
+        return run_vllm_system(workload, src, args, name.partition("(")[2].rstrip(")"),
+                               kv_cache_dtype)
     except Exception as error:  # noqa: BLE001 - one failed system is a result, not a crash
         traceback.print_exc()
         return {"system": name, "error": repr(error), "valid": False}

@@ -175,12 +175,14 @@ def run_vllm(
     kv_space_gib: int = 4,
     threads_bind: str | None = None,
     preload: bool = True,
+    kv_cache_dtype: str = "auto",
 ) -> dict[str, Any]:
     """Run the workload under vLLM in a subprocess; its timings, or an "error" entry."""
     env = vllm_env(python, kv_space_gib, threads_bind, preload)
     settings = {
         "model": str(model_dir),
         "dtype": dtype,
+        "kv_cache_dtype": kv_cache_dtype,
         "max_num_seqs": max_num_seqs,
         "max_num_batched_tokens": max_num_batched_tokens,
         **{
@@ -229,6 +231,7 @@ def _child_main(spec_path: str) -> None:
         dtype=spec["dtype"],
         max_num_seqs=spec["max_num_seqs"],
         max_num_batched_tokens=spec["max_num_batched_tokens"],
+        kv_cache_dtype=spec.get("kv_cache_dtype", "auto"),
         seed=0,
     )
     load_s = time.perf_counter() - start

@@ -9,7 +9,9 @@ with a plain PyTorch reference (reference.py) that runs on any device.
                    num_heads, num_kv_heads)
   write_kv(k, v, k_cache, v_cache, slot_mapping)  writes k, v into their slots
   paged_attention(q, k_cache, v_cache, block_tables, seq_lens, scale,
-                  sliding_window=None, max_seq_len=None) -> [B, H, D]
+                  sliding_window=None, max_seq_len=None, k_scale=None, v_scale=None,
+                  q_sink=None, num_sink_tokens=0) -> [B, H, D]; q_sink: attention sinks'
+                  query for positions [0, num_sink_tokens) (attention/sinks.py)
   paged_prefill_attention(q, k_cache, v_cache, block_tables, query_starts, query_lens,
                   seq_lens, scale, sliding_window=None) -> [T, H, D]: several requests'
                   query rows, each causal over its paged context

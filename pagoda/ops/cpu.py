@@ -76,12 +76,17 @@ def _paged_attention(
     max_seq_len: int | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    q_sink: torch.Tensor | None = None,
+    num_sink_tokens: int = 0,
 ) -> torch.Tensor:
     q = q.contiguous()
     out = torch.empty_like(q)
     window = -1 if sliding_window is None else int(sliding_window)
+    if q_sink is not None:
+        q_sink = q_sink.contiguous()
     ext.paged_decode_attention(
-        out, q, k_cache, v_cache, block_tables, seq_lens, float(scale), window, k_scale, v_scale
+        out, q, k_cache, v_cache, block_tables, seq_lens, float(scale), window, k_scale, v_scale,
+        q_sink, int(num_sink_tokens),
     )
     return out
 

@@ -119,9 +119,13 @@ def paged_attention(
     max_seq_len: int | None = None,  # max(seq_lens), when the caller knows it (no sync)
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    q_sink: torch.Tensor | None = None,  # [B, H, D]: attention sinks' query
+    num_sink_tokens: int = 0,
 ) -> torch.Tensor:
     """One query row per sequence over positions [max(0, len - window), len) of its paged
-    context: [B, H, D] in q's dtype."""
+    context: [B, H, D] in q's dtype. With q_sink (attention sinks, attention/sinks.py):
+    positions [0, min(S, len)) are read with q_sink and the window's others with q, in one
+    softmax (S = num_sink_tokens)."""
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max())
     b, h, d = q.shape
@@ -132,6 +136,9 @@ def paged_attention(
     valid = key_pos[None, :] < lens
     if sliding_window is not None:
         valid &= key_pos[None, :] > lens - 1 - sliding_window
+    if q_sink is not None:
+        return _sink_rows(q, q_sink, keys, values, valid, key_pos < num_sink_tokens, lens,
+                          scale)
     out = F.scaled_dot_product_attention(
         q.unsqueeze(2),  # [B, H, 1, D]
         keys.transpose(1, 2),
@@ -141,6 +148,23 @@ def paged_attention(
         enable_gqa=h != k_cache.shape[2],
     )
     return out.view(b, h, d)
+
+
+def _sink_rows(q: torch.Tensor, q_sink: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+               valid: torch.Tensor, sink: torch.Tensor, lens: torch.Tensor, scale: float
+               ) -> torch.Tensor:
+    """paged_attention's sinks case: keys / values [B, L, Hk, D], valid [B, L] (the window),
+    sink [L] (positions below S); float32 softmax, [B, H, D] in q's dtype."""
+    group = q.shape[1] // keys.shape[2]
+    kx = keys.float().repeat_interleave(group, dim=2)  # [B, L, H, D]
+    vx = values.float().repeat_interleave(group, dim=2)
+    scores = torch.where(sink[None, None, :],
+                         torch.einsum("bhd,blhd->bhl", q_sink.float(), kx),
+                         torch.einsum("bhd,blhd->bhl", q.float(), kx)) * scale
+    keep = valid | (sink[None, :] & (torch.arange(sink.shape[0], device=q.device)[None, :]
+                                     < lens))
+    probs = torch.softmax(scores.masked_fill(~keep[:, None, :], float("-inf")), dim=-1)
+    return torch.einsum("bhl,blhd->bhd", probs, vx).to(q.dtype)
 
 
 def paged_prefill_attention(

@@ -79,6 +79,17 @@ def test_throughput_runs_vllm_once_per_mode():
     assert names == ["pagoda", "vllm (defaults)", "vllm (pagoda-limits)", "transformers"]
 
 
+def test_throughput_runs_each_kv_cache_dtype_per_system():
+    args = _throughput_args("--vllm-modes", "pagoda-limits", "--kv-cache-dtypes", "auto,int8",
+                            "--vllm-kv-cache-dtypes", "auto,fp8")
+    args.systems = ["pagoda", "vllm"]  # NOTE: as run_throughput splits --systems
+    assert throughput._runs(args) == [
+        ("pagoda", "pagoda", "auto"), ("pagoda kv=int8", "pagoda", "int8"),
+        ("vllm (pagoda-limits)", "vllm (pagoda-limits)", "auto"),
+        ("vllm (pagoda-limits, kv=fp8)", "vllm (pagoda-limits)", "fp8"),
+    ]
+
+
 def _result(tps: float, **extra) -> dict:
     return {"output_tokens_per_s": tps, "requests_per_s": 1.0, "total_tokens_per_s": 2 * tps,
             "valid": True, **extra}

@@ -1,7 +1,7 @@
 // Helpers shared by the paged attention kernels (paged_attention_cpu.cpp: one query row at
 // a time; paged_prefill_cpu.cpp: tiles of query rows): the cache rows as fp32 vectors, the
 // vector exp of the online softmax, the rows of one tile of 16 positions found through a
-// block table, and the scales' checks of a quantized cache.
+// block table, and the argument checks both kernels share.
 #pragma once
 
 #include <torch/extension.h>
@@ -45,6 +45,69 @@ inline bool check_scales(const torch::Tensor& k_cache,
                 "k_scale and v_scale must be contiguous float32 [N, bs, Hk]");
   }
   return true;
+}
+
+// What both kernels read off their arguments once checked (check_attention_args).
+struct AttentionShape {
+  int num_heads, num_kv_heads, head_dim, block_size;
+  bool quantized;
+};
+
+// The arguments the decode and prefill kernels share, checked with a clear error: q and out
+// [rows, H, D] (q_layout names rows in the messages) of one dtype, float32 or bfloat16;
+// contiguous caches [N, bs, Hk, D] of one dtype, Hk dividing H; scales where quantized.
+inline AttentionShape check_attention_args(const torch::Tensor& out, const torch::Tensor& q,
+                                           const torch::Tensor& k_cache,
+                                           const torch::Tensor& v_cache,
+                                           const std::optional<torch::Tensor>& k_scale,
+                                           const std::optional<torch::Tensor>& v_scale,
+                                           const char* q_layout) {
+  TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "q and out must be ", q_layout);
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+              "k_cache and v_cache must be [N, bs, Hk, D]");
+  TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && k_cache.is_contiguous() &&
+                  v_cache.is_contiguous(),
+              "q, out and the caches must be contiguous");
+  TORCH_CHECK(q.scalar_type() == out.scalar_type(), "q and out must share a dtype");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
+              "q must be float32 or bfloat16");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "caches must share a dtype");
+  AttentionShape shape{static_cast<int>(q.size(1)), static_cast<int>(k_cache.size(2)),
+                       static_cast<int>(q.size(2)), static_cast<int>(k_cache.size(1)),
+                       check_scales(k_cache, k_scale, v_scale)};
+  TORCH_CHECK(k_cache.size(3) == shape.head_dim, "head dims differ");
+  TORCH_CHECK(shape.num_heads % shape.num_kv_heads == 0,
+              "num_heads must be a multiple of num_kv_heads");
+  return shape;
+}
+
+// The block ids of table row r that positions [start, end) read lie inside the cache.
+// NOTE: only those, so entries past them (table padding) or before a window may hold anything.
+inline void check_block_ids(const int64_t* row, int64_t r, int64_t start, int64_t end,
+                            int64_t block_size, int64_t num_blocks) {
+  for (int64_t j = start / block_size; j * block_size < end; ++j) {
+    TORCH_CHECK(row[j] >= 0 && row[j] < num_blocks, "block_tables[", r, ", ", j, "] = ",
+                row[j], " is out of range for a KV cache of ", num_blocks, " blocks");
+  }
+}
+
+// fn(k, v) with the caches' data as the element type the kernels read: float, bf16 bits
+// (uint16_t), int8 codes or fp8 e4m3fn bits (uint8_t); any other dtype is refused.
+template <typename Fn>
+inline void visit_caches(const torch::Tensor& k_cache, const torch::Tensor& v_cache, Fn&& fn) {
+  switch (k_cache.scalar_type()) {
+    case at::kChar:
+      return fn(k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>());
+    case at::kByte:
+      return fn(k_cache.data_ptr<uint8_t>(), v_cache.data_ptr<uint8_t>());
+    case at::kFloat:
+      return fn(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
+    case at::kBFloat16:
+      return fn(reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>()),
+                reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>()));
+    default:
+      TORCH_CHECK(false, "caches must be float32, bfloat16, int8 or uint8 (fp8 e4m3fn bits)");
+  }
 }
 
 #if defined(__AVX512F__)

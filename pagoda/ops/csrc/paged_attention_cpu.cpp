@@ -22,11 +22,16 @@
 //   k/v_scale     [N, bs, Hk]        float32, with quantized caches only (kv_quant_cpu.h)
 //   block_tables  [B, max_blocks]    int64 (int32 is widened by the caller)
 //   seq_lens      [B]                int64
+//   q_sink        [B, H, D]          optional, q's dtype: attention sinks (attention/sinks.py)
 // Query b attends to positions [max(0, seq_len - window), seq_len); window < 0 means none.
+// With q_sink and S = num_sink_tokens: positions [0, min(S, seq_len)) with q_sink[b] (the
+// query rotated back by the evicted tokens), then [max(S, seq_len - window), seq_len) with
+// q[b], in one softmax.
 //
-// Quantized caches are read in place too (no dequantized copy): codes are widened to fp32 in
-// registers, q . code is scaled by the row's K scale (one multiply per score) and each
-// probability by the row's V scale before it weights the codes.
+// Quantized caches are read in place too (no dequantized copy): q . code is scaled by the
+// row's K scale (one multiply per score) and each probability by the row's V scale before it
+// weights the codes. With a bf16 q, int8 rows go through vpdpwssd (int16 q and weights) and
+// fp8 K rows through vdpbf16ps (codes widened to bf16).
 
 #include <torch/extension.h>
 
@@ -147,13 +152,18 @@ struct Problem {
   int64_t window;
   const float* k_scale = nullptr;  // [N * bs * Hk], quantized caches only
   const float* v_scale = nullptr;
+  // Attention sinks: positions [0, num_sinks) are read with q_sink ([B, H, D], q's dtype)
+  // and the rest with q; nullptr: none.
+  const void* q_sink = nullptr;
+  int64_t num_sinks = 0;
 };
 
-inline float load_q(const Problem& p, int64_t i) {
+// Element i of a query tensor q (p.q or p.q_sink), which has q's dtype.
+inline float load_q(const Problem& p, const void* q, int64_t i) {
   if (p.q_is_bf16) {
-    return static_cast<float>(static_cast<const c10::BFloat16*>(p.q)[i]);
+    return static_cast<float>(static_cast<const c10::BFloat16*>(q)[i]);
   }
-  return static_cast<const float*>(p.q)[i];
+  return static_cast<const float*>(q)[i];
 }
 
 inline void store_out(const Problem& p, int64_t i, float x) {
@@ -615,15 +625,104 @@ inline void prefetch_scales(const Problem& p, const TileRows& tr, int kvh0) {
 // One query head (n values from q[q0]) as int16 (stored in a uint16 buffer) and its scale,
 // for the int8 dot path: |q| max -> 32767. NOTE: the rounding error (<= amax / 65534 per
 // value) is far below a bf16 q's own (2^-9 relative) and the int8 K's (amax_k / 254).
-inline void quantize_q_int16(const Problem& p, int64_t q0, int n, uint16_t* out,
+inline void quantize_q_int16(const Problem& p, const void* q, int64_t q0, int n, uint16_t* out,
                              float& scale) {
   float amax = 0.0f;
-  for (int d = 0; d < n; ++d) amax = std::max(amax, std::fabs(load_q(p, q0 + d)));
+  for (int d = 0; d < n; ++d) amax = std::max(amax, std::fabs(load_q(p, q, q0 + d)));
   scale = amax / 32767.0f;
   const float inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
   for (int d = 0; d < n; ++d) {
-    const auto v = static_cast<int16_t>(std::nearbyint(load_q(p, q0 + d) * inv));
+    const auto v = static_cast<int16_t>(std::nearbyint(load_q(p, q, q0 + d) * inv));
     out[d] = static_cast<uint16_t>(v);
+  }
+}
+
+// Query heads [0, nh) of one work item (elements of q from q_base) into the scratch in the
+// form the tiles read: bf16 bits (kDot), int16 with a scale per head (kDot, int8 rows) or
+// fp32 in the rows' layout.
+template <typename KV, int kD, bool kDot>
+inline void stage_queries(const Problem& p, const void* q, int64_t q_base, int nh,
+                          AvxScratch& s) {
+  for (int j = 0; j < nh; ++j) {
+    const int64_t q0 = q_base + static_cast<int64_t>(j) * kD;
+    if constexpr (kDot && std::is_same_v<KV, int8_t>) {
+      quantize_q_int16(p, q, q0, kD, s.qb.data() + j * kD, s.qscale[j]);
+      continue;
+    }
+    for (int d = 0; d < kD; ++d) {
+      if constexpr (kDot) {
+        s.qb[j * kD + d] = static_cast<const c10::BFloat16*>(q)[q0 + d].x;  // q is bf16 here
+      } else {
+        s.qf[j * kD + row_index<KV>(d)] = load_q(p, q, q0 + d);
+      }
+    }
+  }
+}
+
+// Fresh softmax state and accumulators for query heads [0, nh).
+inline void reset_state(int nh, int d, AvxScratch& s) {
+  std::fill(s.acc.begin(), s.acc.begin() + nh * d, 0.0f);
+  std::fill(s.m.begin(), s.m.begin() + nh * kTile, -std::numeric_limits<float>::infinity());
+  std::fill(s.l.begin(), s.l.begin() + nh * kTile, 0.0f);
+}
+
+// The three phases of one tile for kv heads [kvh0, kvh1) and their G query heads each.
+template <typename KV, int kD, bool kDot>
+inline void decode_tile(const Problem& p, const KV* k_cache, const KV* v_cache,
+                        const TileRows& tr, int kvh0, int kvh1, AvxScratch& s, Prefetcher& pf) {
+  constexpr int kNH = kMaxHeadsPerStep<kD>;
+  const int G = p.num_heads / p.num_kv_heads;
+  const __m512 vscale = _mm512_set1_ps(p.scale);
+  if constexpr (kQuantized<KV>) tile_scales<KV>(p, tr, kvh0, kvh1, s);
+  for (int kvh = kvh0; kvh < kvh1; ++kvh) {
+    const int64_t col = static_cast<int64_t>(kvh) * kD;
+    const int jk = (kvh - kvh0) * G;
+    const float* ksc = s.ks.data() + (kvh - kvh0) * kTile;
+    for_head_chunks<kNH>(G, [&](auto nh_c, int g0) {
+      tile_scores<KV, kD, decltype(nh_c)::value, kDot>(k_cache, tr, col, s, jk + g0, vscale,
+                                                       ksc, pf);
+    });
+  }
+  tile_softmax(s, (kvh1 - kvh0) * G, tr.mask);
+  for (int kvh = kvh0; kvh < kvh1; ++kvh) {
+    const int64_t col = static_cast<int64_t>(kvh) * kD;
+    const int jk = (kvh - kvh0) * G;
+    const float* vsc = s.vs.data() + (kvh - kvh0) * kTile;
+    for_head_chunks<kNH>(G, [&](auto nh_c, int g0) {
+      constexpr int kNHc = decltype(nh_c)::value;
+      if constexpr (kDot && std::is_same_v<KV, int8_t>) {
+        tile_values_int8<kD, kNHc>(v_cache, tr, col, s, jk + g0, vsc, pf);
+      } else {
+        tile_values<KV, kD, kNHc>(v_cache, tr, col, s, jk + g0, vsc, pf);
+      }
+    });
+  }
+}
+
+// Positions [start, end) of request b's context (block table `table`) into the item's
+// running softmax and accumulators.
+template <typename KV, int kD, bool kDot>
+void attend_range(const Problem& p, const KV* k_cache, const KV* v_cache, const int64_t* table,
+                  int64_t start, int64_t end, int kvh0, int kvh1, AvxScratch& s) {
+  if (start >= end) return;
+  const int64_t row_stride = static_cast<int64_t>(p.num_kv_heads) * kD;
+  const int64_t col0 = static_cast<int64_t>(kvh0) * kD;
+  const int64_t span_bytes = static_cast<int64_t>(kvh1 - kvh0) * kD * sizeof(KV);
+  const int64_t first = start / kTile, last = (end - 1) / kTile;
+  TileRows rows[2];
+  Prefetcher pf;
+  tile_rows(p.block_size, table, row_stride, first, start, end, rows[0]);
+  pf.start(k_cache, v_cache, rows[0], col0, span_bytes);
+  for (int64_t tile = first; tile <= last; ++tile) {
+    const TileRows& tr = rows[(tile - first) & 1];
+    pf.flush();  // the rest of this tile's rows (all of them on the first tile)
+    if (tile < last) {
+      TileRows& next = rows[(tile - first + 1) & 1];
+      tile_rows(p.block_size, table, row_stride, tile + 1, start, end, next);
+      pf.start(k_cache, v_cache, next, col0, span_bytes);
+      if constexpr (kQuantized<KV>) prefetch_scales(p, next, kvh0);
+    }
+    decode_tile<KV, kD, kDot>(p, k_cache, v_cache, tr, kvh0, kvh1, s, pf);
   }
 }
 
@@ -632,76 +731,20 @@ void decode_one_avx(const Problem& p, const KV* k_cache, const KV* v_cache, int6
                     int kvh1, AvxScratch& s) {
   const int G = p.num_heads / p.num_kv_heads;
   const int nh = (kvh1 - kvh0) * G;
-  const int64_t row_stride = static_cast<int64_t>(p.num_kv_heads) * kD;
   const int64_t seq_len = p.seq_lens[b];
-  const int64_t start = p.window >= 0 ? std::max<int64_t>(0, seq_len - p.window) : 0;
+  int64_t start = p.window >= 0 ? std::max<int64_t>(0, seq_len - p.window) : 0;
   const int64_t q_base = (b * p.num_heads + static_cast<int64_t>(kvh0) * G) * kD;
-
-  for (int j = 0; j < nh; ++j) {
-    const int64_t q0 = q_base + static_cast<int64_t>(j) * kD;
-    if constexpr (kDot && std::is_same_v<KV, int8_t>) {
-      quantize_q_int16(p, q0, kD, s.qb.data() + j * kD, s.qscale[j]);
-      continue;
-    }
-    for (int d = 0; d < kD; ++d) {
-      if constexpr (kDot) {
-        s.qb[j * kD + d] = static_cast<const c10::BFloat16*>(p.q)[q0 + d].x;  // q is bf16 here
-      } else {
-        s.qf[j * kD + row_index<KV>(d)] = load_q(p, q0 + d);
-      }
-    }
+  const int64_t* table = p.block_tables + b * p.bt_stride;
+  reset_state(nh, kD, s);
+  if (p.q_sink != nullptr) {
+    // NOTE: one online softmax over both ranges: the sinks with their query, then the rest.
+    stage_queries<KV, kD, kDot>(p, p.q_sink, q_base, nh, s);
+    attend_range<KV, kD, kDot>(p, k_cache, v_cache, table, 0,
+                               std::min(p.num_sinks, seq_len), kvh0, kvh1, s);
+    start = std::max(start, p.num_sinks);
   }
-  std::fill(s.acc.begin(), s.acc.begin() + nh * kD, 0.0f);
-  std::fill(s.m.begin(), s.m.begin() + nh * kTile, -std::numeric_limits<float>::infinity());
-  std::fill(s.l.begin(), s.l.begin() + nh * kTile, 0.0f);
-
-  if (start < seq_len) {
-    const int64_t* table = p.block_tables + b * p.bt_stride;
-    const __m512 vscale = _mm512_set1_ps(p.scale);
-    const int64_t col0 = static_cast<int64_t>(kvh0) * kD;
-    const int64_t span_bytes = static_cast<int64_t>(kvh1 - kvh0) * kD * sizeof(KV);
-    constexpr int kNH = kMaxHeadsPerStep<kD>;
-    const int64_t first = start / kTile, last = (seq_len - 1) / kTile;
-    TileRows rows[2];
-    Prefetcher pf;
-    tile_rows(p.block_size, table, row_stride, first, start, seq_len, rows[0]);
-    pf.start(k_cache, v_cache, rows[0], col0, span_bytes);
-    for (int64_t tile = first; tile <= last; ++tile) {
-      const TileRows& tr = rows[(tile - first) & 1];
-      pf.flush();  // the rest of this tile's rows (all of them on the first tile)
-      if (tile < last) {
-        TileRows& next = rows[(tile - first + 1) & 1];
-        tile_rows(p.block_size, table, row_stride, tile + 1, start, seq_len, next);
-        pf.start(k_cache, v_cache, next, col0, span_bytes);
-        if constexpr (kQuantized<KV>) prefetch_scales(p, next, kvh0);
-      }
-      if constexpr (kQuantized<KV>) tile_scales<KV>(p, tr, kvh0, kvh1, s);
-      for (int kvh = kvh0; kvh < kvh1; ++kvh) {
-        const int64_t col = static_cast<int64_t>(kvh) * kD;
-        const int jk = (kvh - kvh0) * G;
-        const float* ksc = s.ks.data() + (kvh - kvh0) * kTile;
-        for_head_chunks<kNH>(G, [&](auto nh_c, int g0) {
-          tile_scores<KV, kD, decltype(nh_c)::value, kDot>(k_cache, tr, col, s, jk + g0,
-                                                           vscale, ksc, pf);
-        });
-      }
-      tile_softmax(s, nh, tr.mask);
-      for (int kvh = kvh0; kvh < kvh1; ++kvh) {
-        const int64_t col = static_cast<int64_t>(kvh) * kD;
-        const int jk = (kvh - kvh0) * G;
-        const float* vsc = s.vs.data() + (kvh - kvh0) * kTile;
-        for_head_chunks<kNH>(G, [&](auto nh_c, int g0) {
-          constexpr int kNHc = decltype(nh_c)::value;
-          if constexpr (kDot && std::is_same_v<KV, int8_t>) {
-            tile_values_int8<kD, kNHc>(v_cache, tr, col, s, jk + g0, vsc, pf);
-          } else {
-            tile_values<KV, kD, kNHc>(v_cache, tr, col, s, jk + g0, vsc, pf);
-          }
-        });
-      }
-    }
-  }
-
+  stage_queries<KV, kD, kDot>(p, p.q, q_base, nh, s);
+  attend_range<KV, kD, kDot>(p, k_cache, v_cache, table, start, seq_len, kvh0, kvh1, s);
   for (int j = 0; j < nh; ++j) {
     const float l = _mm512_reduce_add_ps(_mm512_loadu_ps(s.l.data() + j * kTile));
     const float inv = l > 0.0f ? 1.0f / l : 0.0f;
@@ -717,36 +760,33 @@ void decode_one_avx(const Problem& p, const KV* k_cache, const KV* v_cache, int6
 // Portable path (any head dim; the only path without AVX-512).
 // One work item: request b, kv heads [kvh0, kvh1) and their G query heads each. Blocks are
 // the outer loop so that, when the item spans all kv heads, each block is read sequentially.
+
+// Query heads [0, nh) of the item from q (p.q or p.q_sink, elements from q_base), times the
+// softmax scale, into s.q.
+inline void stage_queries_portable(const Problem& p, const void* q, int64_t q_base, int nh,
+                                   Scratch& s) {
+  for (int i = 0; i < nh * p.head_dim; ++i) s.q[i] = load_q(p, q, q_base + i) * p.scale;
+}
+
+// Positions [start, end) of request b's context (block table `table`) into the item's
+// running softmax and accumulators, with the queries in s.q.
 template <typename KV>
-void decode_one(const Problem& p, const KV* k_cache, const KV* v_cache, int64_t b, int kvh0,
-                int kvh1, Scratch& s) {
+void portable_range(const Problem& p, const KV* k_cache, const KV* v_cache, const int64_t* table,
+                    int64_t start, int64_t end, int kvh0, int kvh1, Scratch& s) {
   const int D = p.head_dim;
   const int G = p.num_heads / p.num_kv_heads;
   const int nh = (kvh1 - kvh0) * G;  // query heads in this item
   const int bs = p.block_size;
   const int64_t row_stride = static_cast<int64_t>(p.num_kv_heads) * D;
-  const int64_t seq_len = p.seq_lens[b];
-  const int64_t start = p.window >= 0 ? std::max<int64_t>(0, seq_len - p.window) : 0;
-  const int64_t q_base = (b * p.num_heads + static_cast<int64_t>(kvh0) * G) * D;
-
-  float* __restrict q = s.q.data();
+  const float* __restrict q = s.q.data();
   float* __restrict acc = s.acc.data();
   float* __restrict scores = s.scores.data();
   float* __restrict row = s.row.data();
-  for (int i = 0; i < nh * D; ++i) {
-    q[i] = load_q(p, q_base + i) * p.scale;
-    acc[i] = 0.0f;
-  }
-  for (int j = 0; j < nh; ++j) {
-    s.m[j] = -std::numeric_limits<float>::infinity();
-    s.l[j] = 0.0f;
-  }
-
-  const int64_t* table = p.block_tables + b * p.bt_stride;
-  const int64_t last_blk = (seq_len - 1) / bs;
-  for (int64_t blk = start / bs; blk * bs < seq_len; ++blk) {
+  if (start >= end) return;
+  const int64_t last_blk = (end - 1) / bs;
+  for (int64_t blk = start / bs; blk * bs < end; ++blk) {
     const int64_t t0 = std::max(start, blk * bs) - blk * bs;
-    const int64_t t1 = std::min(seq_len, (blk + 1) * bs) - blk * bs;
+    const int64_t t1 = std::min(end, (blk + 1) * bs) - blk * bs;
     const int n = static_cast<int>(t1 - t0);
     // NOTE: block ids are random, so the hardware prefetcher cannot run ahead across
     // blocks; ask for the blocks kPrefetchBlocks ahead (the first iteration covers all).
@@ -754,7 +794,7 @@ void decode_one(const Problem& p, const KV* k_cache, const KV* v_cache, int64_t 
          ++ahead) {
       const int64_t nb = blk + ahead;
       if (nb > last_blk) break;
-      const int64_t nt1 = std::min<int64_t>(bs, seq_len - nb * bs);
+      const int64_t nt1 = std::min<int64_t>(bs, end - nb * bs);
       prefetch_block(k_cache, p, table[nb], 0, nt1, kvh0, kvh1);
       prefetch_block(v_cache, p, table[nb], 0, nt1, kvh0, kvh1);
     }
@@ -813,7 +853,30 @@ void decode_one(const Problem& p, const KV* k_cache, const KV* v_cache, int64_t 
       }
     }
   }
+}
 
+template <typename KV>
+void decode_one(const Problem& p, const KV* k_cache, const KV* v_cache, int64_t b, int kvh0,
+                int kvh1, Scratch& s) {
+  const int D = p.head_dim;
+  const int G = p.num_heads / p.num_kv_heads;
+  const int nh = (kvh1 - kvh0) * G;  // query heads in this item
+  const int64_t seq_len = p.seq_lens[b];
+  int64_t start = p.window >= 0 ? std::max<int64_t>(0, seq_len - p.window) : 0;
+  const int64_t q_base = (b * p.num_heads + static_cast<int64_t>(kvh0) * G) * D;
+  const int64_t* table = p.block_tables + b * p.bt_stride;
+  std::fill(s.acc.begin(), s.acc.begin() + nh * D, 0.0f);
+  std::fill(s.m.begin(), s.m.begin() + nh, -std::numeric_limits<float>::infinity());
+  std::fill(s.l.begin(), s.l.begin() + nh, 0.0f);
+  if (p.q_sink != nullptr) {
+    stage_queries_portable(p, p.q_sink, q_base, nh, s);
+    portable_range(p, k_cache, v_cache, table, 0, std::min(p.num_sinks, seq_len), kvh0, kvh1,
+                   s);
+    start = std::max(start, p.num_sinks);
+  }
+  stage_queries_portable(p, p.q, q_base, nh, s);
+  portable_range(p, k_cache, v_cache, table, start, seq_len, kvh0, kvh1, s);
+  float* __restrict acc = s.acc.data();
   for (int j = 0; j < nh; ++j) {
     const float inv = s.l[j] > 0.0f ? 1.0f / s.l[j] : 0.0f;
     for (int i = 0; i < D; ++i) store_out(p, q_base + j * D + i, acc[j * D + i] * inv);
@@ -899,68 +962,52 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_
                             torch::Tensor v_cache, torch::Tensor block_tables,
                             torch::Tensor seq_lens, double scale, int64_t sliding_window,
                             std::optional<torch::Tensor> k_scale,
-                            std::optional<torch::Tensor> v_scale) {
-  TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "q and out must be [B, H, D]");
-  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
-              "k_cache and v_cache must be [N, bs, Hk, D]");
-  TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && k_cache.is_contiguous() &&
-                  v_cache.is_contiguous(),
-              "q, out and the caches must be contiguous");
-  TORCH_CHECK(q.scalar_type() == out.scalar_type(), "q and out must share a dtype");
-  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
-              "q must be float32 or bfloat16");
-  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "caches must share a dtype");
-  const bool quantized = check_scales(k_cache, k_scale, v_scale);
+                            std::optional<torch::Tensor> v_scale,
+                            std::optional<torch::Tensor> q_sink, int64_t num_sink_tokens) {
+  const AttentionShape shape =
+      check_attention_args(out, q, k_cache, v_cache, k_scale, v_scale, "[B, H, D]");
+  TORCH_CHECK(!q_sink.has_value() || (q_sink->sizes() == q.sizes() &&
+                                      q_sink->scalar_type() == q.scalar_type() &&
+                                      q_sink->is_contiguous()),
+              "q_sink must be contiguous, of q's shape and dtype");
+  TORCH_CHECK(num_sink_tokens >= 0 && (num_sink_tokens == 0 || q_sink.has_value()),
+              "num_sink_tokens must be >= 0, and > 0 only with q_sink");
   const int64_t batch = q.size(0);
-  const int num_heads = static_cast<int>(q.size(1));
-  const int head_dim = static_cast<int>(q.size(2));
-  const int num_kv_heads = static_cast<int>(k_cache.size(2));
-  TORCH_CHECK(k_cache.size(3) == head_dim, "head dims differ");
-  TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == batch, "block_tables: [B, M]");
   TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.size(0) == batch, "seq_lens: [B]");
   if (batch == 0) return;
 
   auto bt = block_tables.to(at::kLong).contiguous();
   auto sl = seq_lens.to(at::kLong).contiguous();
-  const int block_size = static_cast<int>(k_cache.size(1));
+  const int block_size = shape.block_size;
   const int64_t max_len = bt.size(1) * block_size;
   const int64_t* lens = sl.data_ptr<int64_t>();
   const int64_t num_blocks = k_cache.size(0);
   for (int64_t b = 0; b < batch; ++b) {
     TORCH_CHECK(lens[b] >= 0 && lens[b] <= max_len, "seq_len ", lens[b], " out of range");
-    // NOTE: only the blocks this query reads (its window's), so entries past them (table
-    // padding) or before the window may hold anything.
     const int64_t start = sliding_window >= 0 ? std::max<int64_t>(0, lens[b] - sliding_window)
                                               : 0;
     const int64_t* row = bt.data_ptr<int64_t>() + b * bt.size(1);
-    for (int64_t j = start / block_size; j * block_size < lens[b]; ++j) {
-      TORCH_CHECK(row[j] >= 0 && row[j] < num_blocks, "block_tables[", b, ", ", j, "] = ",
-                  row[j], " is out of range for a KV cache of ", num_blocks, " blocks");
-    }
+    const int64_t sinks_end = std::min(num_sink_tokens, lens[b]);
+    check_block_ids(row, b, 0, sinks_end, block_size, num_blocks);
+    check_block_ids(row, b, std::max(start, sinks_end), lens[b], block_size, num_blocks);
   }
 
   Problem p{q.data_ptr(), out.data_ptr(), q.scalar_type() == at::kBFloat16,
-            bt.data_ptr<int64_t>(), sl.data_ptr<int64_t>(), bt.size(1), num_heads,
-            num_kv_heads, head_dim, block_size, static_cast<float>(scale), sliding_window};
-  if (quantized) {
+            bt.data_ptr<int64_t>(), sl.data_ptr<int64_t>(), bt.size(1), shape.num_heads,
+            shape.num_kv_heads, shape.head_dim, block_size, static_cast<float>(scale),
+            sliding_window};
+  if (shape.quantized) {
     p.k_scale = k_scale->data_ptr<float>();
     p.v_scale = v_scale->data_ptr<float>();
   }
-  if (k_cache.scalar_type() == at::kChar) {
-    dispatch_head_dim<int8_t>(p, k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>(), batch);
-  } else if (k_cache.scalar_type() == at::kByte) {
-    dispatch_head_dim<uint8_t>(p, k_cache.data_ptr<uint8_t>(), v_cache.data_ptr<uint8_t>(),
-                               batch);
-  } else if (k_cache.scalar_type() == at::kFloat) {
-    dispatch_head_dim<float>(p, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), batch);
-  } else if (k_cache.scalar_type() == at::kBFloat16) {
-    const auto* k = reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>());
-    const auto* v = reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>());
-    dispatch_head_dim<uint16_t>(p, k, v, batch);
-  } else {
-    TORCH_CHECK(false, "caches must be float32, bfloat16, int8 or uint8 (fp8 e4m3fn bits)");
+  if (q_sink.has_value()) {
+    p.q_sink = q_sink->data_ptr();
+    p.num_sinks = num_sink_tokens;
   }
+  visit_caches(k_cache, v_cache, [&](const auto* k, const auto* v) {
+    dispatch_head_dim(p, k, v, batch);
+  });
 }
 
 // Turns the bf16 dot products on or off (tests of the fallback; in the prefill kernel too) and
@@ -1013,7 +1060,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"),
         pybind11::arg("block_tables"), pybind11::arg("seq_lens"), pybind11::arg("scale"),
         pybind11::arg("sliding_window"), pybind11::arg("k_scale") = pybind11::none(),
-        pybind11::arg("v_scale") = pybind11::none());
+        pybind11::arg("v_scale") = pybind11::none(), pybind11::arg("q_sink") = pybind11::none(),
+        pybind11::arg("num_sink_tokens") = 0);
   m.def("kernel_isa", [] {
     return std::map<std::string, std::vector<std::string>>{
         {"paged_attention", attention_isa()}, {"fused_ops", fused_ops_isa()},

@@ -511,11 +511,8 @@ void check_requests(const torch::Tensor& q, const torch::Tensor& bt, const int64
     if (qlens[r] == 0) continue;
     const int64_t pos0 = lens[r] - qlens[r];
     const int64_t start = window >= 0 ? std::max<int64_t>(0, pos0 - window + 1) : 0;
-    const int64_t* row = bt.data_ptr<int64_t>() + r * bt.size(1);
-    for (int64_t j = start / block_size; j * block_size < lens[r]; ++j) {
-      TORCH_CHECK(row[j] >= 0 && row[j] < num_blocks, "block_tables[", r, ", ", j, "] = ",
-                  row[j], " is out of range for a KV cache of ", num_blocks, " blocks");
-    }
+    check_block_ids(bt.data_ptr<int64_t>() + r * bt.size(1), r, start, lens[r], block_size,
+                    num_blocks);
   }
 }
 
@@ -525,22 +522,8 @@ void paged_prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k
                              torch::Tensor seq_lens, double scale, int64_t sliding_window,
                              std::optional<torch::Tensor> k_scale,
                              std::optional<torch::Tensor> v_scale) {
-  TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "q and out must be [T, H, D]");
-  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
-              "k_cache and v_cache must be [N, bs, Hk, D]");
-  TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && k_cache.is_contiguous() &&
-                  v_cache.is_contiguous(),
-              "q, out and the caches must be contiguous");
-  TORCH_CHECK(q.scalar_type() == out.scalar_type(), "q and out must share a dtype");
-  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
-              "q must be float32 or bfloat16");
-  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "caches must share a dtype");
-  const bool quantized = check_scales(k_cache, k_scale, v_scale);
-  const int num_heads = static_cast<int>(q.size(1));
-  const int head_dim = static_cast<int>(q.size(2));
-  const int num_kv_heads = static_cast<int>(k_cache.size(2));
-  TORCH_CHECK(k_cache.size(3) == head_dim, "head dims differ");
-  TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
+  const AttentionShape shape =
+      check_attention_args(out, q, k_cache, v_cache, k_scale, v_scale, "[T, H, D]");
   const int64_t num_reqs = query_starts.numel();
   TORCH_CHECK(query_starts.dim() == 1 && query_lens.sizes() == query_starts.sizes() &&
                   seq_lens.sizes() == query_starts.sizes(),
@@ -553,7 +536,7 @@ void paged_prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k
   auto qs = query_starts.to(at::kLong).contiguous();
   auto ql = query_lens.to(at::kLong).contiguous();
   auto sl = seq_lens.to(at::kLong).contiguous();
-  const int block_size = static_cast<int>(k_cache.size(1));
+  const int block_size = shape.block_size;
   // NOTE: a window longer than every table reads everything (and keeps the lanes' int32
   // window arithmetic in range).
   if (sliding_window > bt.size(1) * block_size) sliding_window = -1;
@@ -562,30 +545,16 @@ void paged_prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k
 #if defined(__AVX512F__)
   PrefillProblem p{q.data_ptr(), out.data_ptr(), q.scalar_type() == at::kBFloat16,
                    bt.data_ptr<int64_t>(), bt.size(1), qs.data_ptr<int64_t>(),
-                   ql.data_ptr<int64_t>(), sl.data_ptr<int64_t>(), num_heads, num_kv_heads,
-                   block_size, static_cast<float>(scale), sliding_window};
-  if (quantized) {
+                   ql.data_ptr<int64_t>(), sl.data_ptr<int64_t>(), shape.num_heads,
+                   shape.num_kv_heads, block_size, static_cast<float>(scale), sliding_window};
+  if (shape.quantized) {
     p.k_scale = k_scale->data_ptr<float>();
     p.v_scale = v_scale->data_ptr<float>();
   }
-  if (k_cache.scalar_type() == at::kChar) {
-    dispatch_head_dim<int8_t>(p, head_dim, k_cache.data_ptr<int8_t>(),
-                              v_cache.data_ptr<int8_t>(), num_reqs);
-  } else if (k_cache.scalar_type() == at::kByte) {
-    dispatch_head_dim<uint8_t>(p, head_dim, k_cache.data_ptr<uint8_t>(),
-                               v_cache.data_ptr<uint8_t>(), num_reqs);
-  } else if (k_cache.scalar_type() == at::kFloat) {
-    dispatch_head_dim<float>(p, head_dim, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
-                             num_reqs);
-  } else if (k_cache.scalar_type() == at::kBFloat16) {
-    const auto* k = reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>());
-    const auto* v = reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>());
-    dispatch_head_dim<uint16_t>(p, head_dim, k, v, num_reqs);
-  } else {
-    TORCH_CHECK(false, "caches must be float32, bfloat16, int8 or uint8 (fp8 e4m3fn bits)");
-  }
+  visit_caches(k_cache, v_cache, [&](const auto* k, const auto* v) {
+    dispatch_head_dim(p, shape.head_dim, k, v, num_reqs);
+  });
 #else
-  (void)quantized;
   TORCH_CHECK(false, "paged_prefill_attention needs AVX-512 (this build has none)");
 #endif
 }
