@@ -167,8 +167,8 @@ def test_fused_layers_run_native_projections_as_op_by_op(mixed_gguf, monkeypatch
 
     def run():
         llm = LLM(str(mixed_gguf), dtype="bfloat16", max_model_len=128, gguf_native="on")
-        outs = llm.generate(["Hello there", "Once upon a time, in a land"],
-                            SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True,
+        outs = llm.generate(["Once upon a time, in a land"],
+                            SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True,
                                            logprobs=0, prompt_logprobs=0), use_tqdm=False)
         stack = llm.llm_engine.executor.worker.model.fused_stack()
         return stack, [(o.outputs[0].token_ids,
