@@ -21,12 +21,19 @@ from tests.helpers import make_tiny_model
 
 
 @pytest.fixture(scope="session")
-def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A folder holding the embedded SmolLM2 tokenizer (with its chat template), saved once."""
+def smollm2_hf_tokenizer() -> transformers.PreTrainedTokenizerBase:
+    """transformers' tokenizer of the embedded SmolLM2 GGUF, read once (the oracle; do not
+    change it)."""
     gguf_path = default_model_path()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(
-        gguf_path.parent, gguf_file=gguf_path.name
-    )
+    return transformers.AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(
+    tmp_path_factory: pytest.TempPathFactory, smollm2_hf_tokenizer: transformers.PreTrainedTokenizerBase
+) -> Path:
+    """A folder holding the embedded SmolLM2 tokenizer (with its chat template), saved once."""
+    tokenizer = smollm2_hf_tokenizer
     assert tokenizer.chat_template, "embedded GGUF lost its chat template"
     out = tmp_path_factory.mktemp("smollm2_tokenizer")
     tokenizer.save_pretrained(out)

@@ -99,7 +99,8 @@ def test_greedy_and_seeded_match_with_stops_lengths_and_n(path) -> None:
     {"shared": 40, "max_num_seqs": 4},
     {"shared": 40, **TIGHT, "kv_offloading_size": 64 * BLOCK_BYTES / (1 << 30)},
     {**TIGHT, "preemption_mode": "recompute"},
-    {**TIGHT, "preemption_mode": "swap"},
+    # NOTE: a small host pool: the check after every step walks all of it (4 GiB by default).
+    {**TIGHT, "preemption_mode": "swap", "swap_space": 64 * BLOCK_BYTES / (1 << 30)},
     {**TIGHT, "scheduling_policy": "priority"},
 ], ids=["prefix-caching", "host-tier", "recompute", "swap", "priority"])
 def test_prefix_caching_and_preemption_match(path, engine_kwargs) -> None:
@@ -114,6 +115,7 @@ def test_prefix_caching_and_preemption_match(path, engine_kwargs) -> None:
         assert stats.prefix_cache_hits > 0
     if "num_gpu_blocks_override" in engine_kwargs and "shared" not in engine_kwargs:
         assert stats.num_preemptions > 0
+    assert (stats.num_swaps > 0) == ("swap_space" in engine_kwargs)
 
 
 def test_aborts_mid_stream_match_and_free_their_blocks(path) -> None:

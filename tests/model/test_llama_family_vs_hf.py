@@ -61,23 +61,38 @@ def assert_matches(outs, expected) -> None:
             assert math.isclose(a, b, abs_tol=1e-3), f"request {i}: logprob {a} vs {b}"
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_single_request_matches_hf(tiny_model, arch):
-    path = tiny_model(arch)
-    prompts = random_prompts(3, seed=1)
-    expected = hf_greedy(path, prompts)
-    for p in prompts:  # one at a time
-        outs, _ = pagoda_greedy(path, [p])
-        assert_matches(outs, [expected[prompts.index(p)]])
+BATCH = random_prompts(30, seed=2)
+
+
+@pytest.fixture(scope="module")
+def hf_batch(tiny_model):
+    """`hf_batch(arch)`: transformers' results for BATCH, computed once per architecture."""
+    cache: dict[str, list] = {}
+
+    def get(arch: str) -> list:
+        if arch not in cache:
+            cache[arch] = hf_greedy(tiny_model(arch), BATCH)
+        return cache[arch]
+
+    return get
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_batch_of_30_matches_hf(tiny_model, arch):
+def test_single_request_matches_hf(tiny_model, hf_batch, arch):
     path = tiny_model(arch)
-    prompts = random_prompts(30, seed=2)
-    expected = hf_greedy(path, prompts)
-    outs, _ = pagoda_greedy(path, prompts)
-    assert_matches(outs, expected)
+    llm = LLM(str(path), dtype="float32")
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+    for i, p in enumerate(BATCH[:3]):  # one at a time: each alone in the engine
+        outs = llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)
+        assert_matches(outs, [hf_batch(arch)[i]])
+    llm.llm_engine.check_integrity()
+    assert llm.llm_engine.kv_cache_manager.usage == 0.0
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_batch_of_30_matches_hf(tiny_model, hf_batch, arch):
+    outs, _ = pagoda_greedy(tiny_model(arch), BATCH)
+    assert_matches(outs, hf_batch(arch))
 
 
 @pytest.mark.parametrize(
@@ -110,14 +125,14 @@ def test_mistral_sliding_window_matches_hf(tiny_model):
 
 
 @pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3ForCausalLM"])
-def test_forced_preemption_and_chunked_prefill_keep_outputs(tiny_model, arch):
+def test_forced_preemption_and_chunked_prefill_keep_outputs(tiny_model, hf_batch, arch):
     path = tiny_model(arch)
-    prompts = random_prompts(30, seed=5)
-    expected = hf_greedy(path, prompts)
+    expected = hf_batch(arch)
     # 12 blocks of 16 tokens cannot hold 30 requests at once: the scheduler must preempt.
-    outs, llm = pagoda_greedy(path, prompts, num_gpu_blocks_override=12, max_model_len=160)
+    outs, llm = pagoda_greedy(path, BATCH, num_gpu_blocks_override=12, max_model_len=160)
     assert llm.llm_engine.scheduler.num_preemptions > 0
     assert_matches(outs, expected)
     # A budget of 8 tokens forces every prompt longer than 8 to be prefilled in chunks.
-    outs, _ = pagoda_greedy(path, prompts, max_num_batched_tokens=8)
+    assert sum(len(p) > 8 for p in BATCH) > 20
+    outs, _ = pagoda_greedy(path, BATCH, max_num_batched_tokens=8)
     assert_matches(outs, expected)
