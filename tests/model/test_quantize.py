@@ -193,6 +193,19 @@ def _hessian_of(layer, layer_runner, hidden, name):
     return acc.hessian
 
 
+def _record_hessians(monkeypatch) -> list[torch.Tensor]:
+    """Every Hessian GPTQ is given from now on (until `monkeypatch` undoes it), in order."""
+    hessians: list[torch.Tensor] = []
+    gptq_quantize = runner.gptq_quantize
+
+    def recording(weight, hessian, spec, **kwargs):
+        hessians.append(hessian.clone())
+        return gptq_quantize(weight, hessian, spec, **kwargs)
+
+    monkeypatch.setattr(runner, "gptq_quantize", recording)
+    return hessians
+
+
 def test_gptq_calibrates_each_sublayer_after_the_ones_before_it(tiny_model, monkeypatch):
     # "True sequential": o_proj's Hessian comes from the layer with q/k/v already quantized,
     # gate/up's with o too, down's with gate/up too.
@@ -202,14 +215,7 @@ def test_gptq_calibrates_each_sublayer_after_the_ones_before_it(tiny_model, monk
     layer_runner = LayerRunner(model, hidden, batch_size=3)
     layer = model.model.layers[0]
     float_layer = copy.deepcopy(layer)
-    hessians = []
-    gptq_quantize = runner.gptq_quantize
-
-    def recording(weight, hessian, spec, **kwargs):
-        hessians.append(hessian.clone())
-        return gptq_quantize(weight, hessian, spec, **kwargs)
-
-    monkeypatch.setattr(runner, "gptq_quantize", recording)
+    hessians = _record_hessians(monkeypatch)
     result = _gptq_layer(layer, layer_runner, hidden,
                          CalibrationConfig("gptq", QuantSpec(4, GROUP, False)))
     assert len(hessians) == len(SHARED_INPUTS)
@@ -322,14 +328,7 @@ def test_each_layer_is_calibrated_on_the_quantized_layers_before_it(tiny_model, 
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     float_model = copy.deepcopy(model)
     ids = random_ids(4, 32)
-    hessians = []
-    gptq_quantize = runner.gptq_quantize
-
-    def recording(weight, hessian, spec, **kwargs):
-        hessians.append(hessian.clone())
-        return gptq_quantize(weight, hessian, spec, **kwargs)
-
-    monkeypatch.setattr(runner, "gptq_quantize", recording)
+    hessians = _record_hessians(monkeypatch)
     runner.quantize_model(model, ids, CalibrationConfig("gptq", QuantSpec(4, GROUP, False),
                                                         batch_size=3))
 

@@ -12,6 +12,7 @@ from pagoda import ops
 from pagoda.attention.backend import AttentionMetadata
 from pagoda.attention.torch_paged import TorchPagedAttention
 from pagoda.ops import cpu_kernels, reference
+from tests.helpers import spy_on_extension
 
 BLOCK_SIZE = 16
 HEAD_DIM = 64
@@ -228,14 +229,7 @@ def test_backend_decode_uses_kernel_and_matches_reference(
     case = _make_case(SEQ_LENS, num_kv_heads=3, group=3, dtype=torch.float32, seed=5)
     q, k_cache, v_cache, bt, lens = case
     ext = cpu_kernels.load_extension()
-    calls = []
-
-    class Spy:
-        def __getattr__(self, name):
-            calls.append(name)
-            return getattr(ext, name)
-
-    monkeypatch.setattr(cpu_kernels, "_module", Spy())
+    calls = spy_on_extension(ext, monkeypatch)
     md = _metadata(bt, lens)
     md.slot_mapping = torch.empty(0, dtype=torch.int64)
     empty = torch.empty(0, 3, HEAD_DIM)

@@ -17,6 +17,7 @@ from pagoda.attention.backend import AttentionMetadata, PrefillSeq
 from pagoda.attention.torch_paged import TorchPagedAttention
 from pagoda.ops import cpu_kernels, reference, registry
 from pagoda.ops.kv_quant import quantize
+from tests.helpers import spy_on_extension
 
 REQUESTS = [(5, 5), (40, 40), (17, 50), (100, 130), (2, 90), (70, 70), (1, 33)]
 CODES = [torch.int8, torch.uint8]  # uint8: fp8 e4m3fn bits
@@ -224,18 +225,6 @@ def _metadata(case, num_decodes: int, decode_lens: list[int], tiled: bool) -> At
     )
 
 
-def _spy_on(ext, monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    calls: list[str] = []
-
-    class Spy:
-        def __getattr__(self, name):
-            calls.append(name)
-            return getattr(ext, name)
-
-    monkeypatch.setattr(cpu_kernels, "_module", Spy())
-    return calls
-
-
 @pytest.mark.parametrize("window", [None, 30])
 def test_backend_takes_tiled_prefill_and_decode_kernels(ext, monkeypatch, window) -> None:
     """A mixed bf16 step: decode rows through the decode kernel, prefill rows through the
@@ -243,7 +232,7 @@ def test_backend_takes_tiled_prefill_and_decode_kernels(ext, monkeypatch, window
     case = _case(REQUESTS, 3, 3, torch.bfloat16, num_decodes=2, seed=21)
     q, k_cache, v_cache = case[:3]
     backend = TorchPagedAttention(9, 3, 64, window)
-    calls = _spy_on(ext, monkeypatch)
+    calls = spy_on_extension(ext, monkeypatch)
     md = _metadata(case, 2, [7, 16], tiled=True)
     got = backend.forward(q, q[:, :0], q[:, :0], (k_cache, v_cache), md, kv_written=True)
     assert calls.count("paged_prefill_attention") == 1
@@ -266,7 +255,7 @@ def test_requests_with_few_query_vectors_take_the_decode_kernel(ext, monkeypatch
     case = _case(requests, 2, group, torch.bfloat16, num_decodes=2, seed=group)
     q, k_cache, v_cache = case[:3]
     backend = TorchPagedAttention(2 * group, 2, 64)
-    calls = _spy_on(ext, monkeypatch)
+    calls = spy_on_extension(ext, monkeypatch)
     md = _metadata(case, 2, [7, 16], tiled=True)
     got = backend.forward(q, q[:, :0], q[:, :0], (k_cache, v_cache), md, kv_written=True)
     assert calls.count("paged_prefill_attention") == 1
@@ -288,7 +277,7 @@ def test_other_head_dims_keep_the_decode_kernels_rows(ext, monkeypatch) -> None:
     q, k_cache, v_cache, *_ = case
     args = (*case, 80**-0.5)
     assert ops.paged_prefill_attention.select(*args) is ops.paged_prefill_attention.reference
-    calls = _spy_on(ext, monkeypatch)
+    calls = spy_on_extension(ext, monkeypatch)
     backend = TorchPagedAttention(2, 1, 80)
     out = backend.forward(q, q[:, :0], q[:, :0], (k_cache, v_cache),
                           _metadata(case, 1, [20], tiled=True), kv_written=True)

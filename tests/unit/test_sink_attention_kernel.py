@@ -15,8 +15,9 @@ from pagoda.attention.backend import CommonAttentionMetadata, build_paged_metada
 from pagoda.attention.sinks import sink_attention
 from pagoda.attention.torch_paged import TorchPagedAttention
 from pagoda.layers.rotary import rotate_by
-from pagoda.ops import cpu_kernels, reference
+from pagoda.ops import reference
 from pagoda.ops.kv_quant import quantize
+from tests.helpers import spy_on_extension
 
 SINKS, WINDOW = 5, 23
 
@@ -107,14 +108,7 @@ def test_backend_sends_sink_rows_through_the_kernel(ext, monkeypatch) -> None:
         req_of_token=np.array([0] + [1] * 6), slot_mapping=torch.empty(0, dtype=torch.long),
         dtype=torch.bfloat16, device=torch.device("cpu"))
     md = build_paged_metadata(common)
-    calls = []
-
-    class Spy:
-        def __getattr__(self, name):
-            calls.append(name)
-            return getattr(ext, name)
-
-    monkeypatch.setattr(cpu_kernels, "_module", Spy())
+    calls = spy_on_extension(ext, monkeypatch)
     attn = TorchPagedAttention(6, 2, 64)
     attn.set_attention_sinks(SINKS, WINDOW, inv_freq)
     out = attn.forward(q, None, None, (kc, vc), md, kv_written=True).view_as(q)
