@@ -19,66 +19,34 @@ copy-on-write here.
 |                   | (registered, skipped as duplicates, or null); the next           |
 |                   | registration starts there                                        |
 
-Group g > 0 registers its blocks under the request's block hash salted with g, so that
-the groups' blocks for the same tokens (different K/V: different layers) never collide in
-the pool's one hash map. A prefix hit is the longest prefix for which every group has the
-blocks it needs (all of them for full attention; the sink and window blocks for a windowed
-group).
+Prefix-cache lookups and the registration at commit (`get_computed_blocks`,
+`cache_blocks`) are core/prefix_cache.py's `PrefixCache`; the integrity check and the
+occupancy view are core/kv_cache_checks.py's.
 
-Registration happens at commit only: `cache_blocks(request)`, called by the scheduler once
-a step has returned, registers the full blocks that the request's computed tokens cover.
-Allocation registers nothing, so a step that fails or is interrupted leaves no block
-findable whose K/V was never written, and needs no undo.
-
-With a host tier (`num_host_tier_blocks` > 0, core/host_tier.py), a prefix lookup that runs
-out of device hits continues its chain in host memory. Admission gives each host hit a new
-device block and queues the host -> device copy (performed before the step's forward); the
-request skips those tokens as computed, and the block is registered at commit like any
-other. The step's copies, device -> host offloads of evicted blocks included, are handed to
-the scheduler by `end_step()`; `discard_offloads` forgets the offloads of a failed step.
-Host-tier hits continue a lookup only for a manager of one full-attention group (`plain`);
-with windowed groups lookups stop at the device cache (evicted blocks are still offloaded).
+With a host tier (`num_host_tier_blocks` > 0, core/host_tier.py), admission gives each host
+hit a new device block and queues the host -> device copy (performed before the step's
+forward); the request skips those tokens as computed, and the block is registered at
+commit like any other. The step's copies, device -> host offloads of evicted blocks
+included, are handed to the scheduler by `end_step()`; `discard_offloads` forgets the
+offloads of a failed step.
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from itertools import islice
-from typing import Protocol
 
-from pagoda.core.block_pool import BlockPool, KVCacheBlock, assert_that
-from pagoda.core.hashing import BlockHash
+from pagoda.core.block_pool import BlockPool, KVCacheBlock
 from pagoda.core.host_tier import HostPrefixTier
+from pagoda.core.kv_cache_checks import (  # NOTE: KVOccupancy is also imported from here
+    KVOccupancy,
+    check_manager_integrity,
+    kv_occupancy,
+)
 from pagoda.core.kv_cache_spec import KVRetention
-from pagoda.core.kv_groups import GroupHashes, group_key, longest_servable
+from pagoda.core.prefix_cache import CacheRequest, PrefixCache
 
 
-class _CacheRequest(Protocol):
-    req_id: str
-    num_computed_tokens: int
-    num_preemptions: int
-    block_hashes: list[BlockHash]
-
-    @property
-    def num_tokens(self) -> int: ...
-
-
-@dataclass(frozen=True, slots=True)
-class KVOccupancy:
-    """How full the blocks of a set of requests are (see `KVCacheManager.occupancy`)."""
-
-    num_blocks: int  # distinct blocks the requests hold
-    num_slots: int  # num_blocks * block_size: token slots allocated
-    num_tokens: int  # tokens whose K/V those blocks store
-
-    @property
-    def num_wasted_slots(self) -> int:
-        return self.num_slots - self.num_tokens
-
-
-class KVCacheManager:
+class KVCacheManager(PrefixCache):
     """Block tables of all requests that hold KV, and the prefix-cache statistics.
 
     `prefix_cache_queries` / `prefix_cache_hits` count tokens: each request counts once,
@@ -147,66 +115,9 @@ class KVCacheManager:
         needs, so only a plain manager forks (other samples hit the prefix cache)."""
         return self.plain
 
-    def get_computed_blocks(self, request: _CacheRequest) -> tuple[list[KVCacheBlock], int]:
-        """The longest cached prefix of `request.block_hashes`: its blocks and the number of
-        tokens that the prefix cache covers. Never covers the last token (it must be
-        computed to get logits). ([], 0) when caching is off. Changes no state: pass the
-        result to `allocate_slots` before any other allocation.
-
-        Plain manager: the run of device-cached blocks from the start, then the run of
-        host-tier hits that continues the chain (tokens past the blocks' coverage are host
-        hits, which `allocate_slots` loads). Otherwise the blocks are every group's hit
-        table concatenated (group-major, each as long as the hit, with the null block where
-        a windowed group needs nothing), device hits only.
-        """
-        if not self.enable_caching:
-            return [], 0
-        max_num_blocks = (request.num_tokens - 1) // self.block_size
-        if not self.plain:
-            return self._group_hits(request, min(max_num_blocks, len(request.block_hashes)))
-        lookup = self.block_pool.cached_block_hash_to_block.get
-        blocks = []
-        for block_hash in islice(request.block_hashes, max_num_blocks):
-            block = lookup(block_hash)
-            if block is None:
-                break
-            blocks.append(block)
-        num_hits = len(blocks)
-        if self.host_tier is not None:
-            host_tier = self.host_tier
-            for block_hash in islice(request.block_hashes, num_hits, max_num_blocks):
-                if block_hash not in host_tier:
-                    break
-                num_hits += 1
-        return blocks, num_hits * self.block_size
-
-    def _group_hits(
-        self, request: _CacheRequest, max_num_blocks: int
-    ) -> tuple[list[KVCacheBlock], int]:
-        """The longest prefix (in blocks) every group can serve, and the groups' tables."""
-        lookup = self.block_pool.cached_block_hash_to_block.get
-        hashes = request.block_hashes
-        found = [
-            [lookup(group_key(h, g)) for h in islice(hashes, max_num_blocks)]
-            for g in range(self.num_groups)
-        ]
-        num_hits = max_num_blocks
-        while True:
-            before = num_hits
-            for g, retention in enumerate(self.retentions):
-                num_hits = longest_servable(found[g], retention, num_hits, self.block_size)
-            if num_hits == before:
-                break
-        bs, null = self.block_size, self.null_block
-        blocks = []
-        for g, retention in enumerate(self.retentions):
-            blocks.extend(found[g][j] if retention.needs_block(j, num_hits * bs, bs) else null
-                          for j in range(num_hits))
-        return blocks, num_hits * bs
-
     def allocate_slots(
         self,
-        request: _CacheRequest,
+        request: CacheRequest,
         num_new_tokens: int,
         new_computed_blocks: list[KVCacheBlock] | None = None,
         num_new_computed_tokens: int = 0,
@@ -255,7 +166,7 @@ class KVCacheManager:
 
     def _allocate_first(
         self,
-        request: _CacheRequest,
+        request: CacheRequest,
         num_tokens: int,
         computed_blocks: list[KVCacheBlock],
         num_hit_tokens: int,
@@ -288,7 +199,7 @@ class KVCacheManager:
 
     def _allocate_first_groups(
         self,
-        request: _CacheRequest,
+        request: CacheRequest,
         num_tokens: int,
         computed_blocks: list[KVCacheBlock],
         num_hit_tokens: int,
@@ -319,12 +230,7 @@ class KVCacheManager:
         self._count_query(request, num_hit_tokens)
         return new_blocks
 
-    def _count_query(self, request: _CacheRequest, num_hit_tokens: int) -> None:
-        if self.enable_caching and request.num_preemptions == 0:
-            self.prefix_cache_queries += request.num_tokens
-            self.prefix_cache_hits += num_hit_tokens
-
-    def free_outside_window(self, request: _CacheRequest) -> None:
+    def free_outside_window(self, request: CacheRequest) -> None:
         """Free, in every windowed group, the blocks no query from the request's
         num_computed_tokens on reads, and put the null block in their table entries."""
         tables = self.req_to_blocks.get(request.req_id)
@@ -349,75 +255,7 @@ class KVCacheManager:
             if freed:
                 self.block_pool.free_blocks(reversed(freed))
 
-    def _check_still_cached(
-        self, request: _CacheRequest, hit_tables: Sequence[Sequence[KVCacheBlock]]
-    ) -> None:
-        """Raise if a hit was evicted (or reassigned) since `get_computed_blocks`: using it
-        would silently read another sequence's KV.
-        """
-        for g, blocks in enumerate(hit_tables):
-            if len(blocks) > len(request.block_hashes):
-                raise RuntimeError(f"request {request.req_id}: more hits than block hashes")
-            for block, block_hash in zip(blocks, request.block_hashes, strict=False):
-                if block is not self.null_block and block.block_hash != group_key(block_hash, g):
-                    raise RuntimeError(
-                        f"request {request.req_id}: prefix hit {block} was evicted before "
-                        "allocate_slots; call get_computed_blocks right before it"
-                    )
-
-    def _host_hit_hashes(
-        self, request: _CacheRequest, num_device_hits: int, num_hit_tokens: int
-    ) -> list[BlockHash]:
-        """The hashes of the host hits among `num_hit_tokens` (those past the device hits),
-        checked to be still in the host tier (RuntimeError otherwise).
-        """
-        num_host_tokens = num_hit_tokens - num_device_hits * self.block_size
-        if num_host_tokens <= 0:
-            # NOTE: a swap-in passes its device hits with no hit tokens (its computed
-            # tokens already cover them): nothing to load.
-            return []
-        if num_host_tokens % self.block_size or self.host_tier is None:
-            raise ValueError(
-                f"request {request.req_id}: {num_hit_tokens} hit tokens do not match "
-                f"{num_device_hits} device hits and whole host-tier blocks"
-            )
-        hashes = request.block_hashes[
-            num_device_hits : num_device_hits + num_host_tokens // self.block_size
-        ]
-        if len(hashes) * self.block_size != num_host_tokens or any(
-            h not in self.host_tier for h in hashes
-        ):
-            raise RuntimeError(
-                f"request {request.req_id}: a host-tier hit was evicted before "
-                "allocate_slots; call get_computed_blocks right before it"
-            )
-        return hashes
-
-    def cache_blocks(self, request: _CacheRequest, num_written_tokens: int | None = None) -> None:
-        """Register the full blocks that the request's first `num_written_tokens` tokens
-        (default: its computed tokens) cover and that have a hash in
-        `request.block_hashes`, in every group (null entries skipped). Called at commit:
-        once the step that computed those tokens (or copied them in from host memory) has
-        returned; with later steps in flight, their tokens are not written yet.
-        """
-        if not self.enable_caching:
-            return
-        if num_written_tokens is None:
-            num_written_tokens = request.num_computed_tokens
-        # NOTE: capping by the hashes keeps tokens computed past the hashed ones (draft
-        # tokens, which must not be hashed until accepted) out of the cache.
-        num_full_blocks = min(num_written_tokens // self.block_size,
-                              len(request.block_hashes))
-        req_id = request.req_id
-        num_cached = self.num_cached_blocks[req_id]
-        for g, table in enumerate(self.req_to_blocks[req_id]):
-            if num_full_blocks > num_cached[g]:
-                hashes = request.block_hashes if g == 0 else GroupHashes(
-                    request.block_hashes, g)
-                self.block_pool.cache_full_blocks(table, hashes, num_cached[g], num_full_blocks)
-                num_cached[g] = num_full_blocks
-
-    def free_uncomputed_tail(self, request: _CacheRequest) -> None:
+    def free_uncomputed_tail(self, request: CacheRequest) -> None:
         """Release, in every group, the blocks past those the request's computed tokens
         occupy: after a step that rejected draft tokens, the blocks only they used (never
         registered: drafts are not hashed). Tail first, as in `free`."""
@@ -435,7 +273,7 @@ class KVCacheManager:
         self.block_pool.free_blocks(reversed(tail))
 
     def fork(
-        self, parent: _CacheRequest, child: _CacheRequest, num_tokens: int
+        self, parent: CacheRequest, child: CacheRequest, num_tokens: int
     ) -> list[tuple[int, int]] | None:
         """Give `child` (holding no blocks) the KV of `parent`'s first `num_tokens` tokens,
         which the parent has computed: its full blocks are shared (reference counts), and a
@@ -467,7 +305,7 @@ class KVCacheManager:
         self._set_tables(child.req_id, [blocks], num_full)
         return copies
 
-    def free(self, request: _CacheRequest) -> None:
+    def free(self, request: CacheRequest) -> None:
         """Release the request's blocks (no-op if it holds none). Frees each table in
         reverse so that a sequence's tail is evicted before its head, which other
         requests are likelier to share.
@@ -498,25 +336,10 @@ class KVCacheManager:
         """Restart the high-water mark from the blocks held now."""
         self.peak_num_used_blocks = self.block_pool.get_num_used_blocks()
 
-    def occupancy(self, requests: Iterable[_CacheRequest]) -> KVOccupancy:
+    def occupancy(self, requests: Iterable[CacheRequest]) -> KVOccupancy:
         """Read-only: the distinct blocks that `requests` hold, their slots, and the tokens
-        stored in them. A block shared by several requests (prefix hits, n > 1 samples)
-        counts once, holding as many tokens as its fullest holder has computed in it: a
-        request with c computed tokens fills its table's block j with
-        min(block_size, c - j * block_size) tokens, at least 0. Null entries hold nothing.
-        """
-        block_size, null_id = self.block_size, self.null_block.block_id
-        fill: dict[int, int] = {}
-        for request in requests:
-            num_full, rest = divmod(request.num_computed_tokens, block_size)
-            for block_ids in self.req_to_block_ids.get(request.req_id, ()):
-                for j, block_id in enumerate(block_ids):
-                    if block_id == null_id:
-                        continue
-                    n = block_size if j < num_full else (rest if j == num_full else 0)
-                    if n > fill.get(block_id, -1):
-                        fill[block_id] = n
-        return KVOccupancy(len(fill), len(fill) * block_size, sum(fill.values()))
+        stored in them (a shared block once; core/kv_cache_checks.py)."""
+        return kv_occupancy(self, requests)
 
     def end_step(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """The step's host-tier copies, (device, host slot) offloads and (host slot, device)
@@ -558,7 +381,7 @@ class KVCacheManager:
         return tuple([b.block_id for b in new_blocks[g * n : (g + 1) * n]]
                      for g in range(self.num_groups))
 
-    def computed_block_ids(self, request: _CacheRequest) -> list[int]:
+    def computed_block_ids(self, request: CacheRequest) -> list[int]:
         """The blocks holding the request's computed tokens that its groups keep, group-major
         (what a swap-out copies; a swap-in's new table lists its blocks in the same order).
         Frees the blocks outside the windows first."""
@@ -578,61 +401,7 @@ class KVCacheManager:
         is in use."""
         return self.block_pool.reset_prefix_cache()
 
-    def check_integrity(self, requests: Iterable[_CacheRequest] = ()) -> None:
-        """Assert the pool's invariants plus, over every group's tables: each block's
-        ref_cnt equals its number of appearances, no block is twice in one table, the null
-        block only in windowed groups, all tables of a request equally long, and the id
-        tables match the block tables. For each of `requests` (those that hold blocks):
-        every registered block in its tables was computed, i.e. lies within its computed
-        tokens and carries the (group's) hash of its own tokens there, and a windowed group
-        has every block that queries from its computed tokens on read (null only before
-        its window, past its sinks). Raises
-        AssertionError with a message.
-        """
-        self.block_pool.check_integrity()
-        null_id = self.null_block.block_id
-        num_refs: Counter[int] = Counter()
-        for req_id, tables in self.req_to_blocks.items():
-            assert_that(len(tables) == self.num_groups, f"{req_id}: not one table per group")
-            assert_that(len({len(t) for t in tables}) == 1, f"{req_id}: tables differ in length")
-            for g, blocks in enumerate(tables):
-                block_ids = [b.block_id for b in blocks if b.block_id != null_id]
-                assert_that(len(set(block_ids)) == len(block_ids),
-                            f"{req_id}: a block twice in table")
-                assert_that(self.retentions[g].keeps_all is False or len(block_ids) ==
-                            len(blocks), f"{req_id}: null block in a full-attention table")
-                assert_that(self.num_cached_blocks[req_id][g] <= len(blocks),
-                            f"{req_id}: cached > table")
-                num_refs.update(block_ids)
-            assert_that(self.req_to_block_ids.get(req_id) ==
-                        [[b.block_id for b in t] for t in tables], f"{req_id}: id table stale")
-        assert_that(self.req_to_block_ids.keys() == self.req_to_blocks.keys(), "tables disagree")
-        for block in self.block_pool.blocks[1:]:
-            assert_that(
-                block.ref_cnt == num_refs[block.block_id],
-                f"{block}: ref_cnt != {num_refs[block.block_id]} table appearances",
-            )
-        for request in requests:
-            self._check_registered_were_computed(request)
-
-    def _check_registered_were_computed(self, request: _CacheRequest) -> None:
-        req_id = request.req_id
-        bs = self.block_size
-        num_computed_blocks = request.num_computed_tokens // bs
-        tables = self.req_to_blocks.get(req_id, ())
-        for g, blocks in enumerate(tables):
-            assert_that(self.num_cached_blocks[req_id][g] <= num_computed_blocks,
-                        f"{req_id}: more blocks offered to the cache than computed")
-            retention = self.retentions[g]
-            for i, block in enumerate(blocks):
-                if block is self.null_block:
-                    assert_that(not retention.needs_block(i, request.num_computed_tokens, bs),
-                                f"{req_id}: group {g} lacks block {i}, which its window reads")
-                    continue
-                if block.block_hash is None:
-                    continue
-                assert_that(i < num_computed_blocks,
-                            f"{req_id}: {block} is registered but its tokens were not computed")
-                assert_that(i < len(request.block_hashes) and
-                            block.block_hash == group_key(request.block_hashes[i], g),
-                            f"{req_id}: {block} is registered under another prefix's hash")
+    def check_integrity(self, requests: Iterable[CacheRequest] = ()) -> None:
+        """Assert the pool's and the tables' invariants, and that every registered block
+        in the tables of `requests` was computed (core/kv_cache_checks.py)."""
+        check_manager_integrity(self, requests)

@@ -4,9 +4,8 @@ There are no prefill/decode phases. Every request has `num_computed_tokens` catc
 `num_tokens`; a step gives each chosen request up to the remaining budget of new tokens.
 Chunked prefill, prefix-cache hits and recompute after preemption are all this one rule.
 
-n > 1: the later samples of a request wait until its first sample has computed the
-prompt, then fork from it (shared full blocks, a copy of the partly filled last one).
-A waiting sample is skipped past: the requests behind it are admitted meanwhile.
+The waiting phase (admission, prefix hits and swap-ins, n > 1 forks, priority preemption
+of a running request for a better waiting one) is core/admission.py's `WaitingAdmission`.
 
 Commit: `update_from_output` runs once the step has returned. Only then are the blocks
 the step's computed tokens filled registered in the prefix cache, and the sampled tokens
@@ -42,9 +41,7 @@ core/request_queue.py):
   the newest; priority: the lowest rank, newest among equals) gives its blocks back,
   inside the allocation retry loop. New requests are not admitted in that step.
 - Priority policy only: a waiting request that outranks the policy's victim among the
-  requests that were already running preempts it when `max_num_seqs` is reached or the
-  blocks run out. The victim's work of this step is undone (it was scheduled in the
-  running phase), its tokens go back to the budget; nothing of it was registered.
+  requests that were already running preempts it (core/admission.py).
 """
 
 from __future__ import annotations
@@ -53,24 +50,23 @@ import time
 from collections import Counter
 from collections.abc import Iterable, Mapping
 
+from pagoda.core.admission import WaitingAdmission
 from pagoda.core.hashing import update_block_hashes
 from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.preemption import Preemptor
 from pagoda.core.request import DEFAULT_SLA_TTFT_TARGETS_S, Request, RequestStatus
 from pagoda.core.request_queue import DEFAULT_AGING_INTERVAL_S, create_request_queue
+from pagoda.core.scheduler_integrity import check_scheduler_integrity
 from pagoda.core.scheduler_output import (  # NOTE: also imported from here by others
     CachedRequestData,
     EngineCoreOutput,
-    NewRequestData,
     SchedulerOutput,
     SchedulerStats,
 )
 from pagoda.spec_decode.adaptive import DraftLengthPolicy
 
-_WAIT_FOR_PARENT = object()  # a forked sample's parent is still computing the prompt
 
-
-class Scheduler:
+class Scheduler(WaitingAdmission):
     def __init__(
         self,
         kv_cache_manager: KVCacheManager,
@@ -257,171 +253,6 @@ class Scheduler:
                 self.max_model_len - req.num_tokens - 1)
         return req.spec_token_ids[:k] if k > 0 else []
 
-    def _schedule_waiting(self, out: SchedulerOutput) -> None:
-        now = time.monotonic()
-        admitted: set[str] = set()
-        preempted: set[str] = set()
-        skipped: list[Request] = []
-        while len(self.waiting):
-            budget = self.max_num_batched_tokens - out.total_num_scheduled_tokens
-            req = self.waiting.peek()
-            # NOTE: a request preempted in this step waits for the next one: admitting it
-            # again at once would only copy or recompute what was just given up.
-            if budget <= 0 or req.req_id in preempted:
-                break
-            if self._fork_parent(req, self._wants_prompt_logprobs(req)) is _WAIT_FOR_PARENT:
-                # NOTE: taken out of the queue for this pass only, so that the requests
-                # behind it are not held up by a wait that is not theirs.
-                skipped.append(self.waiting.pop())
-                continue
-            if len(self.running) >= self.max_num_seqs:
-                if self._preempt_for(req, out, admitted, preempted):
-                    continue
-                break
-            n = self._admit(req, budget, out, now)
-            if n == 0:
-                break
-            if n is None:
-                if self._preempt_for(req, out, admitted, preempted):
-                    continue
-                break
-            admitted.add(req.req_id)
-        self.waiting.requeue(skipped)
-
-    def _admit(self, req: Request, budget: int, out: SchedulerOutput, now: float) -> int | None:
-        """Move the waiting head `req` to running with up to `budget` new tokens; returns
-        that count, 0 if its prompt would have to be split with chunked prefill off, or
-        None if the blocks are short (no change in any case). Not for a sample that waits
-        to fork from its group's first one.
-        """
-        want_prompt_logprobs = self._wants_prompt_logprobs(req)
-        parent = self._fork_parent(req, want_prompt_logprobs)
-        if parent is not None:
-            return self._admit_fork(req, parent, budget, out, now)
-        if req.status == RequestStatus.SWAPPED:
-            computed_blocks, num_computed = [], req.num_computed_tokens
-        elif want_prompt_logprobs:
-            computed_blocks, num_computed = [], 0
-        else:
-            computed_blocks, num_computed = self.kv.get_computed_blocks(req)
-        n = req.num_tokens - num_computed
-        if n > budget:
-            if not self.enable_chunked_prefill:
-                return 0
-            n = budget
-        if req.status == RequestStatus.SWAPPED:
-            swapped_in = self.preemptor.swap_in(req, n)
-            if swapped_in is None:
-                return None
-            out.blocks_to_swap_in.extend(swapped_in[1])
-        else:
-            if self.kv.allocate_slots(req, n, computed_blocks, num_computed) is None:
-                return None
-            if req.num_cached_tokens < 0:
-                req.num_cached_tokens = num_computed
-            req.num_computed_tokens = num_computed
-        return self._start_running(req, n, num_computed, want_prompt_logprobs, out, now)
-
-    def _start_running(
-        self, req: Request, n: int, num_computed: int, want_prompt_logprobs: bool,
-        out: SchedulerOutput, now: float,
-    ) -> int:
-        """Move the waiting head `req` (its blocks allocated) to running with `n` tokens."""
-        self.waiting.pop()
-        if req.first_scheduled_time is None:
-            req.first_scheduled_time = now
-        req.status = RequestStatus.RUNNING
-        self.running.append(req)
-        out.scheduled_new_reqs.append(
-            NewRequestData(
-                req_id=req.req_id,
-                token_ids=list(req.all_token_ids),
-                num_prompt_tokens=req.num_prompt_tokens,
-                # NOTE: a snapshot: the live lists grow at the next schedule(), which
-                # may run before this step's runner reads them (async scheduling).
-                block_ids=tuple(list(ids) for ids in self.kv.get_group_block_ids(req.req_id)),
-                num_computed_tokens=num_computed,
-                sampling_params=req.sampling_params,
-                want_prompt_logprobs=want_prompt_logprobs,
-            )
-        )
-        out.num_scheduled_tokens[req.req_id] = n
-        out.total_num_scheduled_tokens += n
-        return n
-
-    @staticmethod
-    def _wants_prompt_logprobs(req: Request) -> bool:
-        # NOTE: prompt logprobs need logits at every prompt position, so such a request
-        # skips the prefix cache until its prompt has been computed once in full.
-        return req.sampling_params.prompt_logprobs is not None and req.num_output_tokens == 0
-
-    def _fork_parent(self, req: Request, want_prompt_logprobs: bool) -> Request | None | object:
-        """For a later sample of an n > 1 request that has not started: its group's first
-        sample if that one runs with its prompt computed (fork from it), _WAIT_FOR_PARENT
-        while that one is still computing its prompt, else None (admit as usual)."""
-        if req.fork_of is None or req.num_output_tokens or req.num_preemptions:
-            return None
-        if not self.kv.supports_fork:
-            return None
-        if want_prompt_logprobs or req.status != RequestStatus.WAITING:
-            return None
-        parent = self.requests.get(req.fork_of)
-        if parent is None or parent.status != RequestStatus.RUNNING:
-            return None
-        if parent.num_computed_tokens < req.num_prompt_tokens:
-            # NOTE: it progresses every step it runs, so this wait always ends.
-            return _WAIT_FOR_PARENT
-        return parent
-
-    def _admit_fork(
-        self, req: Request, parent: Request, budget: int, out: SchedulerOutput, now: float
-    ) -> int | None:
-        """Admit `req` sharing `parent`'s computed prompt but its last token, which it
-        computes itself for its own first sample; None if the blocks are short."""
-        if budget < 1:
-            return 0
-        num_shared = req.num_prompt_tokens - 1
-        copies = self.kv.fork(parent, req, num_shared)
-        if copies is None:
-            return None
-        req.num_computed_tokens = num_shared
-        if self.kv.allocate_slots(req, 1) is None:
-            self.kv.free(req)
-            req.num_computed_tokens = 0
-            return None
-        out.blocks_to_copy.extend(copies)
-        if req.num_cached_tokens < 0:
-            req.num_cached_tokens = num_shared
-        return self._start_running(req, 1, num_shared, False, out, now)
-
-    def _preempt_for(
-        self, req: Request, out: SchedulerOutput, admitted: set[str], preempted: set[str]
-    ) -> bool:
-        """Preempt the policy's victim among the requests that ran before this waiting
-        phase if waiting `req` outranks it (never under FCFS); whether one was preempted.
-        """
-        candidates = (
-            [r for r in self.running if r.req_id not in admitted] if admitted else self.running
-        )
-        if not candidates:
-            return False
-        victim = self.waiting.pick_victim(candidates)
-        if not self.waiting.outranks(req, victim):
-            return False
-        # NOTE: the victim was scheduled in the running phase of this step: undo that
-        # before its blocks go (its num_computed_tokens only advances at the end, and its
-        # blocks are only registered at commit, so nothing else needs undoing).
-        n = out.num_scheduled_tokens.pop(victim.req_id, 0)
-        out.scheduled_spec_decode_tokens.pop(victim.req_id, None)
-        if n:
-            out.total_num_scheduled_tokens -= n
-            out.scheduled_cached_reqs = [
-                c for c in out.scheduled_cached_reqs if c.req_id != victim.req_id
-            ]
-        self.running.remove(victim)
-        self._preempt(victim, out)
-        preempted.add(victim.req_id)
-        return True
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         """Give `req`'s device blocks back (swap or recompute) and requeue it; the
@@ -602,43 +433,6 @@ class Scheduler:
 
     def check_integrity(self) -> None:
         """Asserts the block accounting (device pool, prefix-cache host tier, swap host
-        pool; every registered block computed) and that queues and the request map agree.
-        Between steps only."""
-        self.kv.check_integrity(self.running)
-        for req in self.running:
-            assert req.status == RequestStatus.RUNNING, f"{req.req_id} in running as {req.status}"
-        waiting = list(self.waiting)
-        for req in waiting:
-            assert req.status in _WAITING_STATES, f"{req.req_id} waiting as {req.status}"
-            assert not self.kv.get_block_ids(req.req_id), f"waiting {req.req_id} holds blocks"
-            assert req.status == RequestStatus.SWAPPED or req.num_computed_tokens == 0, (
-                f"waiting {req.req_id} has computed tokens without holding KV"
-            )
-        self.preemptor.check_integrity(waiting)
-        assert sum(self.sla_preemptions.values()) == self.num_preemptions, (
-            "per-class preemptions do not add up"
-        )
-        assert len(self.running) + len(waiting) == len(self.requests), "request map drift"
-        assert {r.req_id for r in [*self.running, *waiting]} == self.requests.keys(), (
-            "request map drift"
-        )
-        self._check_in_flight(waiting)
-
-    def _check_in_flight(self, waiting: list[Request]) -> None:
-        """Each request's in-flight tokens are its share of the uncommitted steps; a
-        waiting request has none and no placeholders (its last step was committed)."""
-        in_flight: Counter[int] = Counter()
-        for out, step_reqs in self._uncommitted.values():
-            for req_id, n in out.num_scheduled_tokens.items():
-                in_flight[id(step_reqs[req_id])] += n
-        for req in [*self.running, *waiting]:
-            assert req.num_tokens_in_flight == in_flight[id(req)], (
-                f"{req.req_id}: {req.num_tokens_in_flight} tokens in flight, "
-                f"steps say {in_flight[id(req)]}")
-            assert 0 <= req.num_output_placeholders <= len(self._uncommitted), (
-                f"{req.req_id}: {req.num_output_placeholders} placeholders")
-        for req in waiting:
-            assert not req.num_output_placeholders, f"waiting {req.req_id} awaits a token"
-
-
-_WAITING_STATES = (RequestStatus.WAITING, RequestStatus.SWAPPED, RequestStatus.PREEMPTED)
+        pool; every registered block computed) and that queues and the request map agree
+        (core/scheduler_integrity.py). Between steps only."""
+        check_scheduler_integrity(self)
