@@ -17,9 +17,7 @@ and reports its start-up time, tok/s, the token ids, and vLLM's spec-decode coun
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -38,31 +36,17 @@ def run_vllm_spec(workloads: dict[int, dict[str, list[list[int]]]], max_tokens: 
                   timeout_s: float = 3600.0) -> dict[str, Any]:
     """{"load_s": s, "runs": {concurrency: {workload: {tok_per_s, outputs, ...}}}} from one
     vLLM child (`workloads` by concurrency, then by name), or {"error": ...}."""
-    from pagoda.benchmarks.vllm_peer import vllm_env
+    from pagoda.benchmarks.vllm_peer import run_child, vllm_env
 
     env = vllm_env(python, kv_space_gib=kv_space_gib, threads_bind=None, preload=True)
     spec = {"model": str(model_dir), "dtype": dtype, "max_num_seqs": max(workloads),
             "max_num_batched_tokens": max_num_batched_tokens, "max_tokens": max_tokens,
             "speculative_config": speculative_config,
             "workloads": [[c, w] for c, w in workloads.items()]}
-    with tempfile.TemporaryDirectory(prefix="pagoda-vllm-spec-") as tmp:
-        spec_path, result_path = Path(tmp) / "spec.json", Path(tmp) / "result.json"
-        spec_path.write_text(json.dumps({**spec, "result_path": str(result_path)}))
-        log_path = Path(tmp) / "log.txt"
-        try:
-            with log_path.open("w") as log:
-                rc: int | str = subprocess.run(
-                    [python, str(Path(__file__).resolve()), str(spec_path)], check=False,
-                    env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s,
-                    cwd=tmp).returncode
-        except subprocess.TimeoutExpired:
-            rc = f"timeout after {timeout_s:.0f} s"
-        if rc != 0 or not result_path.exists():
-            tail = log_path.read_text(errors="replace")[-2000:]
-            return {"error": f"vLLM exited with {rc}", "log_tail": tail}
-        result = json.loads(result_path.read_text())
+    result = run_child(python, spec, env, timeout_s, script=Path(__file__).resolve())
+    if "error" not in result:
         result["runs"] = {int(c): r for c, r in result["runs"]}
-        return result
+    return result
 
 
 def _counters(llm: Any) -> dict[str, float]:

@@ -136,10 +136,12 @@ def vllm_env(
     return env
 
 
-def _run_child(
-    python: str, spec: dict[str, Any], env: dict[str, str], timeout_s: float
+def run_child(
+    python: str, spec: dict[str, Any], env: dict[str, str], timeout_s: float,
+    script: Path | None = None,
 ) -> dict[str, Any]:
-    """Run this file under vLLM's interpreter on `spec`; its result, or error and log tail."""
+    """Run `script` (default: this file) under vLLM's interpreter on `spec`, as
+    `python script spec.json`; the result it wrote, or error and log tail."""
     with tempfile.TemporaryDirectory(prefix="pagoda-vllm-") as tmp:
         spec_path, result_path = Path(tmp) / "spec.json", Path(tmp) / "result.json"
         spec_path.write_text(json.dumps({**spec, "result_path": str(result_path)}))
@@ -147,7 +149,7 @@ def _run_child(
         try:
             with log_path.open("w") as log:
                 proc = subprocess.run(
-                    [python, str(Path(__file__).resolve()), str(spec_path)],
+                    [python, str(script or Path(__file__).resolve()), str(spec_path)],
                     check=False,
                     env=env,
                     stdout=log,
@@ -191,7 +193,7 @@ def run_vllm(
         },
     }
     start = time.perf_counter()
-    result = _run_child(python, {**settings, "workload": workload}, env, timeout_s)
+    result = run_child(python, {**settings, "workload": workload}, env, timeout_s)
     result.update(system="vllm", settings=settings, subprocess_wall_s=time.perf_counter() - start)
     if "error" in result:
         return {**result, "valid": False}
