@@ -9,10 +9,13 @@ with fixed k; `--self-draft-layers N`: also a draft of the target's first N laye
 draft model when `--draft-model` is given (the same two), and vLLM's CPU build off and
 with its n-gram speculation when its interpreter is there (benchmarks/spec_vllm.py).
 
-Reported per run: output tokens/s, speedup over the same system's off, acceptance rate
-(accepted / draft tokens), mean accepted length (tokens per verification: 1 + accepted /
-verifications), and whether the greedy output equals the same system's speculation off;
-for the self-draft the weight bytes its quantized copy adds to the target's. Every decode
+pagoda's configurations of one concurrency run in turn, `--rounds` times (3), the order
+rotated each round; a row's tok/s is the median of its rounds and its speedup the median of
+its ratios to the off run beside it (the machine drifts more between minutes than the
+methods differ). Reported per row: output tokens/s, speedup over the same system's off,
+acceptance rate (accepted / draft tokens), mean accepted length (tokens per verification:
+1 + accepted / verifications), and whether the greedy output equals the same system's
+speculation off (in every round); for the self-draft the weight bytes its quantized copy adds to the target's. Every decode
 step is recorded for the adaptive rule's cost model (benchmarks/spec_cost.py).
 """
 
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -49,6 +53,8 @@ def add_spec_decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    p.add_argument("--rounds", type=int, default=3,
+                   help="pagoda's configurations run in turn, this many times each")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-json", help="write setup and results here")
 
@@ -105,13 +111,27 @@ def _run(llm: Any, prompts: list[list[int]], max_tokens: int,
     elapsed = time.perf_counter() - start
     engine.check_integrity()
     after = engine.scheduler.get_stats()
-    drafts = after.spec_decode_num_drafts - before.spec_decode_num_drafts
-    draft_tokens = after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
-    accepted = after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
     num_out = sum(len(t) for t in outputs.values())
     return {
         "outputs": [outputs[str(i)] for i in range(len(prompts))],
         "output_tokens": num_out, "elapsed_s": elapsed, "tok_per_s": num_out / elapsed,
+        **{name: getattr(after, f"spec_decode_{name}") - getattr(before, f"spec_decode_{name}")
+           for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")},
+    }
+
+
+def _summarise(rounds: list[dict]) -> dict:
+    """One configuration's rounds as one row: the median tok/s, the counters summed, the
+    first round's outputs (every round must give the same: greedy, one engine)."""
+    drafts = sum(r["num_drafts"] for r in rounds)
+    draft_tokens = sum(r["num_draft_tokens"] for r in rounds)
+    accepted = sum(r["num_accepted_tokens"] for r in rounds)
+    return {
+        "outputs": rounds[0]["outputs"],
+        "rounds_agree": all(r["outputs"] == rounds[0]["outputs"] for r in rounds),
+        "output_tokens": rounds[0]["output_tokens"],
+        "tok_per_s": statistics.median(r["tok_per_s"] for r in rounds),
+        "tok_per_s_rounds": [r["tok_per_s"] for r in rounds],
         "acceptance": accepted / draft_tokens if draft_tokens else None,
         "mean_accepted_len": 1 + accepted / drafts if drafts else None,
     }
@@ -137,33 +157,58 @@ def _draft_bytes(llm: Any) -> dict[str, int] | None:
             "draft_extra": draft_extra_weight_bytes(proposer.model, worker.model)}
 
 
+# NOTE: every configuration's engine of one concurrency is alive at once (so that their
+# rounds can alternate); a small pool each keeps that in RAM. Concurrency 16 holds
+# 32 x ~700 tokens at most, ~0.5 GiB for SmolLM2.
+_KV_BYTES_PER_ENGINE = 1 << 30
+
+
 def _pagoda_runs(args: argparse.Namespace, records: list,
                  prompts: dict[tuple[str, int], list[list[int]]]) -> list[dict]:
     """Every pagoda configuration's runs; fills `prompts` (by workload and concurrency)
-    and `records` (the decode steps)."""
+    and `records` (the decode steps).
+
+    Per concurrency, every configuration's engine is built, then `args.rounds` rounds run
+    each workload on each engine in turn, the order rotated each round: this machine drifts
+    by 20% within minutes, so configurations run one after another would compare moments
+    rather than methods. Each row's tok/s is the median of its rounds, and its speedup the
+    median of its per-round ratios to off (measured next to it)."""
     from pagoda import LLM
 
     runs = []
-    for name, spec in _configs(args).items():
-        for c in args.concurrency:
+    configs = _configs(args)
+    for c in args.concurrency:
+        engines: dict[str, tuple[Any, StepRecorder, dict]] = {}
+        for name, spec in configs.items():
             llm = LLM(args.model, dtype=args.dtype, max_num_seqs=c, seed=args.seed,
-                      speculative_config=spec)
+                      speculative_config=spec, kv_cache_memory_bytes=_KV_BYTES_PER_ENGINE)
             tok = llm.get_tokenizer()
             # NOTE: a warm-up request first: the first steps pay one-off costs.
             _run(llm, _prompts(tok, args.workloads[0], 1)[:1], 8)
-            recorder = StepRecorder(llm.llm_engine, name)
             extra = {"weight_bytes": b} if (b := _draft_bytes(llm)) else {}
-            for workload in args.workloads:
-                batch = prompts.setdefault((workload, c), _prompts(tok, workload, c))
-                r = _run(llm, batch, args.max_tokens, recorder)
+            engines[name] = (llm, StepRecorder(llm.llm_engine, name), extra)
+        names = list(engines)
+        for workload in args.workloads:
+            batch = prompts.setdefault((workload, c), _prompts(tok, workload, c))
+            rounds: dict[str, list[dict]] = {name: [] for name in names}
+            for i in range(args.rounds):
+                for name in names[i % len(names):] + names[: i % len(names)]:
+                    llm, recorder, _ = engines[name]
+                    rounds[name].append(_run(llm, batch, args.max_tokens, recorder))
+            off = [r["tok_per_s"] for r in rounds["off"]]
+            for name in names:
+                row = _summarise(rounds[name])
+                row["speedup_rounds"] = [r["tok_per_s"] / o for r, o in zip(rounds[name], off)]
                 runs.append({"system": "pagoda", "config": name, "concurrency": c,
-                             "workload": workload, **r, **extra})
+                             "workload": workload, **row, **engines[name][2]})
                 print(f"  done: {name}, concurrency {c}, {workload}: "
-                      f"{r['tok_per_s']:.1f} tok/s", flush=True)
-            recorder.restore()
-            records += recorder.records
-            del llm, recorder
-            gc.collect()
+                      f"{row['tok_per_s']:.1f} tok/s (rounds "
+                      + " ".join(f"{t:.0f}" for t in row["tok_per_s_rounds"]) + ")", flush=True)
+        for name in names:
+            engines[name][1].restore()
+            records += engines[name][1].records
+        del engines, llm
+        gc.collect()
     return runs
 
 
@@ -230,8 +275,12 @@ def run_spec_decode(args: argparse.Namespace) -> dict:
     for r in runs:
         key = (r["workload"], r["concurrency"])
         base = (vllm_off if r["system"] == "vllm" else off).get(key)
-        r["speedup"] = r["tok_per_s"] / base["tok_per_s"] if base else None
-        r["same_output"] = r["outputs"] == base["outputs"] if base else None
+        if "speedup_rounds" in r:
+            r["speedup"] = statistics.median(r["speedup_rounds"])
+        else:
+            r["speedup"] = r["tok_per_s"] / base["tok_per_s"] if base else None
+        r["same_output"] = (r["outputs"] == base["outputs"]
+                            and r.get("rounds_agree", True)) if base else None
     _print(runs)
     fit = fit_costs(records)
     print_costs(fit)
@@ -250,13 +299,13 @@ def _print(runs: list[dict]) -> None:
         return "-" if value is None else format(value, spec)
 
     print(f"{'workload':<10}{'conc':>5} {'config':<24}{'tok/s':>8}{'speedup':>9}"
-          f"{'accept':>8}{'mean len':>9}{'same output':>13}")
+          f"{'accept':>8}{'mean len':>9}{'same output':>13}  speedup by round")
     for r in sorted(runs, key=lambda r: (r["workload"], r["concurrency"])):
         same = {True: "yes", False: "NO", None: "-"}[r["same_output"]]
         print(f"{r['workload']:<10}{r['concurrency']:>5} {r['config']:<24}"
               f"{r['tok_per_s']:>8.1f}{fmt(r['speedup'], '.2f'):>8}x"
               f"{fmt(r['acceptance'], '.2f'):>8}{fmt(r['mean_accepted_len'], '.2f'):>9}"
-              f"{same:>13}")
+              f"{same:>13}  " + " ".join(f"{x:.2f}" for x in r.get("speedup_rounds", ())))
     shown = set()
     for r in runs:
         if "weight_bytes" in r and r["config"] not in shown:

@@ -84,7 +84,7 @@ def test_bench_spec_reports_every_config_and_same_greedy_output(tiny, tmp_path) 
                               self_draft=["rtn"], calib_data="calib", vllm_python="",
                               vllm_only=False, vllm_kv_gib=1,
                               num_speculative_tokens=3, max_tokens=8, concurrency=[1, 2],
-                              workloads=["grounded"], seed=0,
+                              workloads=["grounded"], seed=0, rounds=2,
                               output_json=str(tmp_path / "spec.json"))
     report = run_spec_decode(args)
     runs = report["runs"]
@@ -92,6 +92,9 @@ def test_bench_spec_reports_every_config_and_same_greedy_output(tiny, tmp_path) 
                                            "self-draft rtn fixed k", "draft_model",
                                            "draft_model fixed k"}
     assert all(r["same_output"] for r in runs)
+    # Each configuration ran twice, in turn with off: two speedups each, off's exactly 1.
+    assert all(len(r["tok_per_s_rounds"]) == len(r["speedup_rounds"]) == 2 for r in runs)
+    assert all(r["speedup_rounds"] == [1.0, 1.0] for r in runs if r["config"] == "off")
     for r in runs:
         if r["config"] == "self-draft rtn fixed k":
             assert r["acceptance"] > 0
