@@ -82,9 +82,12 @@ def _holds_weight_class(model: Any, class_name: str) -> bool:
     return any(type(v).__name__ == class_name for m in model.modules() for v in vars(m).values())
 
 
-def weight_bytes(model: Any) -> int:
+def weight_bytes(model: Any, as_read: bool = False) -> int:
     """Bytes of every tensor the model holds for its weights: parameters, buffers, and the
-    quantized weight objects the methods keep beside them (with their kernels' layouts)."""
+    quantized weight objects the methods keep beside them (with their kernels' layouts).
+    `as_read`: of a layer whose quantized weight has its kernel layout built, only that
+    layout and the bias (what a forward reads; the checkpoint's tensors kept beside it are
+    not read)."""
     import dataclasses
 
     import torch
@@ -110,11 +113,17 @@ def weight_bytes(model: Any) -> int:
                 add(getattr(t, f.name))
 
     for module in model.modules():
-        for t in (*module.parameters(recurse=False), *module.buffers(recurse=False)):
-            add(t)
-        for value in vars(module).values():
-            if dataclasses.is_dataclass(value) and not isinstance(value, type):
-                add(value)
+        quantized = [v for v in vars(module).values()
+                     if dataclasses.is_dataclass(v) and not isinstance(v, type)]
+        layout_only = as_read and any(getattr(v, "kernel_data", None) for v in quantized)
+        if layout_only:
+            add(getattr(module, "bias", None))
+        else:
+            for t in (*module.parameters(recurse=False), *module.buffers(recurse=False)):
+                add(t)
+        for value in quantized:
+            add(value.kernel_data if layout_only and getattr(value, "kernel_data", None)
+                else value)
     return total
 
 

@@ -127,3 +127,28 @@ def test_instrumentation_is_removed(tiny_model):
         assert "step" in vars(engine) and "forward" in vars(runner.model)
     assert "step" not in vars(engine) and "schedule" not in vars(engine.scheduler)
     assert "forward" not in vars(runner.model) and runner.sampler is sampler
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_weight_floor_counts_the_bytes_a_step_reads(tiny_model, monkeypatch, tied):
+    """The batch-1 floor's bytes are the weights as a step reads them: a dense bf16 model's
+    equal the roofline's parameter count at 2 bytes; int8 linears count about a byte a
+    weight (their kernel layout, not also the codes kept beside it), not bf16's two (which
+    the floor once assumed for every model)."""
+    from pagoda import LLM
+    from pagoda.benchmarks import roofline as rl
+
+    monkeypatch.setattr(rl, "measure_read_bandwidth", lambda num_bytes: 1e10)
+    model_dir = str(tiny_model(ARCH, tie_word_embeddings=tied))
+    read = {}
+    for quantization in (None, "int8_wo"):
+        llm = LLM(model_dir, dtype="bfloat16", quantization=quantization,
+                  num_gpu_blocks_override=40)
+        read[quantization] = profile._weight_floor(llm.llm_engine)["weight_bytes"]
+        shape = rl.shape_from_hf_config(llm.llm_engine.hf_config)
+        del llm
+    assert read[None] == shape.weight_params_read_per_step * 2
+    # NOTE: int8 saves a byte per linear weight (the head stays bf16), less its layout's
+    # scales (an eighth of a byte a weight at the tiny model's sizes).
+    saved = read[None] - read["int8_wo"]
+    assert 0.8 * shape.linear_params < saved <= shape.linear_params
