@@ -132,6 +132,21 @@ def _wq_linear(ext, x, w, bias=None):
     return block_linear(ext, x, w.kernel_data[NAME], bias)
 
 
+def dequantize_rows(lay: BlockLayout, rows: torch.Tensor,
+                    dtype: torch.dtype) -> torch.Tensor | None:
+    """`lay.dequantize_rows(rows).to(dtype)` (float32 or bfloat16, bit for bit) in one
+    extension call, for a token table's lookups; None where the extension does not run here
+    or does not take the layout (the caller uses the reference)."""
+    ext = resolve()
+    if (ext is None or dtype not in EXACT_DTYPES or lay.codes.device.type != "cpu"
+            or lay.group != lay.block or rows.device.type != "cpu"):
+        return None
+    out = torch.empty(len(rows), lay.shape[1], dtype=dtype)
+    ext.dequant_rows(out, lay.codes, lay.scales, lay.offsets, lay.bits, lay.group,
+                     lay.zero_form, lay.shape[0], rows.to(torch.int64).contiguous())
+    return out
+
+
 def _int8_linear(ext, x, w, bias=None):
     k = w.qweight.shape[1]
     x2 = x.reshape(-1, k)

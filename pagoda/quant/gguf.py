@@ -34,7 +34,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import nn
 
 from pagoda.config import GGUF_NATIVE_MODES
-from pagoda.ops import quant_layouts, wquant
+from pagoda.ops import quant_cpu, quant_layouts, wquant
 from pagoda.quant.base import (
     QuantizationConfig,
     QuantizeMethodBase,
@@ -176,6 +176,10 @@ class GGUFEmbeddingMethod(GGUFLinearMethod):
     gguf_linear, lookups dequantize the looked-up rows to the model's dtype."""
 
     def embedding(self, layer: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
-        weight = layer.quant_weight
-        values = weight.dequantize_rows(input_ids.reshape(-1))
-        return values.to(layer.params_dtype).reshape(*input_ids.shape, weight.shape[1])
+        weight, ids = layer.quant_weight, input_ids.reshape(-1)
+        values = None
+        if weight.raw is None:  # NOTE: the layout is the weight's only copy: its values
+            values = quant_cpu.dequantize_rows(weight.layout, ids, layer.params_dtype)
+        if values is None:
+            values = weight.dequantize_rows(ids).to(layer.params_dtype)
+        return values.reshape(*input_ids.shape, weight.shape[1])
