@@ -196,6 +196,27 @@ def test_single_row_products_split_over_threads(qext, threads: int) -> None:
         torch.set_num_threads(before)
 
 
+def test_many_rows_run_in_row_chunks(qext) -> None:
+    """Hundreds of rows of a wide K go in row chunks that fit L2 (K = 2048: 128 rows a
+    chunk, so 300 rows are 128 + 128 + 44), each chunk over every panel pair."""
+    w = _gguf_weight(quant_layouts.Q4_1, 37, 2048, seed=12)
+    x = torch.randn(300, 2048, generator=torch.Generator().manual_seed(12)).to(torch.bfloat16)
+    _check(wquant.gguf_linear, x, w, None, 32)
+
+
+def test_dequantize_tiles_product_matches_reference(qext) -> None:
+    """q_linear_tiles (per tile of output rows the weight dequantized to bf16, then a bf16
+    GEMM: measured slower than q_linear at every M, so only `bench kernels` calls it)."""
+    w = _gguf_weight(quant_layouts.Q4_1, 200, 96, seed=13)
+    lay = w.kernel_data["cpp"]
+    x = torch.randn(70, 96, generator=torch.Generator().manual_seed(13)).to(torch.bfloat16)
+    bias = torch.randn(200)
+    y = qext.q_linear_tiles(x, lay.codes, lay.scales, lay.offsets, 4, 32, 32, False, 200,
+                            bias, 64)
+    ref = x.double() @ _deq(w).to(torch.bfloat16).double().T + bias.double()
+    torch.testing.assert_close(y.double(), ref, rtol=2**-7, atol=1e-3 * ref.abs().max().item())
+
+
 @pytest.mark.parametrize("m", MS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8_linear_equals_reference(qext, m: int, dtype: torch.dtype) -> None:

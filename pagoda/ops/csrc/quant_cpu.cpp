@@ -52,6 +52,7 @@ constexpr int kGemvPanels = 4;  // panels per tile of a single-row product
 // NOTE: bytes ahead of each panel's codes to prefetch: one core's stream of a few panels
 // does not keep enough cache-line reads in flight on its own to reach DRAM bandwidth.
 constexpr int kPrefetch = 512;
+constexpr int64_t kChunkBytes = 256 << 10;  // int8 activation rows per row chunk
 
 enum Kind : int { kF32 = 0, kF16 = 1, kU8 = 2 };
 
@@ -325,14 +326,20 @@ void q_linear_impl(const Weights& w, const QuantActs& a, int64_t m, const Output
   }
   const int64_t panels = w.np / kPanel;
   const int64_t tasks = (panels + kPanelTile - 1) / kPanelTile;
-#pragma omp parallel for schedule(static)
-  for (int64_t t = 0; t < tasks; ++t) {
-    const int64_t p0 = t * kPanelTile;
-    const bool pair = p0 + 1 < panels;
-    for (int64_t r = 0; r < m; r += kRowTile) {
-      const int rows = static_cast<int>(std::min<int64_t>(kRowTile, m - r));
-      if (pair) run_rows<BITS, BLOCK, 2>(rows, w, a, r, p0, o);
-      else run_rows<BITS, BLOCK, 1>(rows, w, a, r, p0, o);
+  // NOTE: every task reads all the chunk's activation rows: chunks of them small enough to
+  // stay in L2 (else hundreds of rows stream from L3 once per panel pair).
+  const int64_t chunk_rows = std::max<int64_t>(kRowTile, kChunkBytes / a.kp / kRowTile * kRowTile);
+  const int64_t chunks = (m + chunk_rows - 1) / chunk_rows;
+#pragma omp parallel for schedule(static) collapse(2)
+  for (int64_t c = 0; c < chunks; ++c) {
+    for (int64_t t = 0; t < tasks; ++t) {
+      const int64_t p0 = t * kPanelTile, r1 = std::min(m, (c + 1) * chunk_rows);
+      const bool pair = p0 + 1 < panels;
+      for (int64_t r = c * chunk_rows; r < r1; r += kRowTile) {
+        const int rows = static_cast<int>(std::min<int64_t>(kRowTile, r1 - r));
+        if (pair) run_rows<BITS, BLOCK, 2>(rows, w, a, r, p0, o);
+        else run_rows<BITS, BLOCK, 1>(rows, w, a, r, p0, o);
+      }
     }
   }
 }
