@@ -12,8 +12,9 @@ None): the preparers build nothing for other dtypes (a float32 model never runs 
 
 Rounding: gguf_linear and wq_linear quantize the activations to int8 per block of 32 (16
 for Q6_K) before the integer dot products (llama.cpp's scheme), at every row count: the
-panel kernel (csrc/quant_cpu.cpp) beats dequantize + the dense bf16 GEMM from one row to
-hundreds (`pagoda bench kernels`), so there is no second path.
+panel kernel (csrc/quant_cpu.cpp) beats dequantize + the dense bf16 GEMM (`q_linear_tiles`,
+kept for `pagoda bench kernels` only) at every row count measured, 1 to 1,024, so there is
+no second path.
 
 The extension is a second module beside cpu_kernels' (whose sources belong to other ops),
 built by the same loader (`cpu_kernels.load_built`: named by CPU flags and sources, built
