@@ -18,7 +18,7 @@
 // dot products with VNNI vpdpbusd (an exact AVX-512 BW madd sequence without VNNI). One
 // decode of a weight register serves up to 4 activation rows; 2 panels (32 output rows)
 // per task. One activation row (decode) instead: each thread an equal share of the panels,
-// 4 at a time, each panel's halves in two accumulators, the codes prefetched ahead.
+// 4 at a time, each panel's halves in two accumulators, 4-bit codes prefetched ahead.
 // Rounding: that of the activation int8 rounding, then float32 sums.
 // i8_linear is W8A8 with a per-token scale, summed exactly in int32 and scaled in double,
 // which reproduces wquant.int8_linear_reference bit for bit.
@@ -49,9 +49,11 @@ constexpr int64_t kPanel = 16;  // output rows per panel: one int32 lane each
 constexpr int kRowTile = 4;     // activation rows sharing one decode of the weight codes
 constexpr int kPanelTile = 2;   // panels per task
 constexpr int kGemvPanels = 4;  // panels per tile of a single-row product
-// NOTE: bytes ahead of each panel's codes to prefetch: one core's stream of a few panels
-// does not keep enough cache-line reads in flight on its own to reach DRAM bandwidth.
-constexpr int kPrefetch = 512;
+// NOTE: bytes ahead of each panel's 4-bit codes to prefetch: one core's few panel streams
+// do not keep enough cache-line reads in flight on their own (the tied Q4_1 576 x 49152
+// from DRAM on one core: 0.72 ms without, 0.62 ms at 2 KiB). 8-bit codes (two loads per
+// 8 columns) ran no faster with it at any distance tried (512 B to 2 KiB): none there.
+constexpr int kPrefetch4 = 2048;
 constexpr int64_t kChunkBytes = 256 << 10;  // int8 activation rows per row chunk
 
 enum Kind : int { kF32 = 0, kF16 = 1, kU8 = 2 };
@@ -215,10 +217,10 @@ inline void tile(const Weights& w, int64_t panel0, const QuantActs& a, int64_t r
       for (int c = 0; c < BLOCK; c += 8) {
         const int64_t col = b * BLOCK + c;
         __m512i w0[P], w1[P];
-        for (int p = 0; p < P; ++p) {
-          const char* ahead = reinterpret_cast<const char*>(cp[p] + col * 2 * BITS) + kPrefetch;
-          _mm_prefetch(ahead, _MM_HINT_T0);
-          if constexpr (BITS == 8) _mm_prefetch(ahead + 64, _MM_HINT_T0);
+        if constexpr (BITS == 4) {
+          for (int p = 0; p < P; ++p) {
+            _mm_prefetch(reinterpret_cast<const char*>(cp[p] + col * 8) + kPrefetch4, _MM_HINT_T0);
+          }
         }
         for (int p = 0; p < P; ++p) decode8<BITS>(cp[p] + col * 2 * BITS, w0[p], w1[p]);
         for (int i = 0; i < R; ++i) {
