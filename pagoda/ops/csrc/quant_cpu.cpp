@@ -54,7 +54,7 @@ constexpr int kGemvPanels = 4;  // panels per tile of a single-row product
 // from DRAM on one core: 0.72 ms without, 0.62 ms at 2 KiB). 8-bit codes (two loads per
 // 8 columns) ran no faster with it at any distance tried (512 B to 2 KiB): none there.
 constexpr int kPrefetch4 = 2048;
-constexpr int64_t kChunkBytes = 256 << 10;  // int8 activation rows per row chunk
+constexpr int64_t kChunkBytes = 256 << 10;  // at most this many bytes of int8 rows a chunk
 
 enum Kind : int { kF32 = 0, kF16 = 1, kU8 = 2 };
 
@@ -219,7 +219,8 @@ inline void tile(const Weights& w, int64_t panel0, const QuantActs& a, int64_t r
         __m512i w0[P], w1[P];
         if constexpr (BITS == 4) {
           for (int p = 0; p < P; ++p) {
-            _mm_prefetch(reinterpret_cast<const char*>(cp[p] + col * 8) + kPrefetch4, _MM_HINT_T0);
+            const char* ahead = reinterpret_cast<const char*>(cp[p] + col * 8) + kPrefetch4;
+            _mm_prefetch(ahead, _MM_HINT_T0);
           }
         }
         for (int p = 0; p < P; ++p) decode8<BITS>(cp[p] + col * 2 * BITS, w0[p], w1[p]);
@@ -330,7 +331,8 @@ void q_linear_impl(const Weights& w, const QuantActs& a, int64_t m, const Output
   const int64_t tasks = (panels + kPanelTile - 1) / kPanelTile;
   // NOTE: every task reads all the chunk's activation rows: chunks of them small enough to
   // stay in L2 (else hundreds of rows stream from L3 once per panel pair).
-  const int64_t chunk_rows = std::max<int64_t>(kRowTile, kChunkBytes / a.kp / kRowTile * kRowTile);
+  const int64_t chunk_rows =
+      std::max<int64_t>(kRowTile, kChunkBytes / a.kp / kRowTile * kRowTile);
   const int64_t chunks = (m + chunk_rows - 1) / chunk_rows;
 #pragma omp parallel for schedule(static) collapse(2)
   for (int64_t c = 0; c < chunks; ++c) {
@@ -383,7 +385,7 @@ inline float load1(const void* base, int kind, int64_t idx) {
   return static_cast<float>(static_cast<const uint8_t*>(base)[idx]);
 }
 
-// Output row `row`'s code of column c in the panel layout.
+// The code of column c of row `lane` of a panel (the panel layout above).
 template <int BITS>
 inline int code_at(const uint8_t* panel, int64_t lane, int64_t c) {
   const int64_t j = c % 8;
@@ -489,7 +491,8 @@ at::Tensor q_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tens
 }
 
 // The same product through a bf16 GEMM: per tile of `tile` output rows (a multiple of 16),
-// the weights dequantized into a bf16 scratch [K, tile], then x @ scratch (+ bias).
+// the weights dequantized into a bf16 scratch [K, tile], then x @ scratch (+ bias). Only
+// `pagoda bench kernels` calls it: slower than q_linear at every row count measured.
 at::Tensor q_linear_tiles(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sc,
                           const at::Tensor& off, int64_t bits, int64_t block, int64_t group,
                           bool zero_form, int64_t n, const c10::optional<at::Tensor>& bias,
