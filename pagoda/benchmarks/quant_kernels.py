@@ -174,6 +174,9 @@ def add_quant_kernels_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--wq-model", default=None,
                    help="a GPTQ / AWQ / RTN int4 directory to decode too (`pagoda quantize`)")
+    p.add_argument("--throughput", action="store_true",
+                   help="with --decode: also each engine's offline tok/s on `bench "
+                        "throughput --quick`'s workload, in the same turns")
     p.add_argument("--llama-python", default=None,
                    help="a Python with llama-cpp-python, to measure llama.cpp in the same run")
     p.add_argument("--json", default=None, help="write the results here")
@@ -192,8 +195,10 @@ def run_quant_kernels(args: argparse.Namespace) -> dict:
         print_markdown(result["kernels"])
     if args.decode:
         result["decode"] = quant_decode.decode_table(args)
-        for name, ms in result["decode"].items():
+        for name, ms in result["decode"]["ms_per_token"].items():
             print(f"decode {name}: {ms:.2f} ms/token")
+        for name, tok_s in result["decode"].get("throughput_tok_s", {}).items():
+            print(f"throughput {name}: {tok_s:.1f} tok/s")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(result, f, indent=1)

@@ -12,8 +12,9 @@ None): the preparers build nothing for other dtypes (a float32 model never runs 
 
 Rounding: gguf_linear and wq_linear quantize the activations to int8 per block of 32 (16
 for Q6_K) before the integer dot products (llama.cpp's scheme), at every row count: the
-panel kernel (csrc/quant_cpu.cpp) beats dequantize + the dense bf16 GEMM from one row to
-hundreds (`pagoda bench kernels`), so there is no second path.
+panel kernel (csrc/quant_cpu.cpp) beats dequantize + the dense bf16 GEMM (`q_linear_tiles`,
+kept for `pagoda bench kernels` only) at every row count measured, 1 to 1,024, so there is
+no second path.
 
 The extension is a second module beside cpu_kernels' (whose sources belong to other ops),
 built by the same loader (`cpu_kernels.load_built`: named by CPU flags and sources, built
@@ -130,6 +131,21 @@ def _wq_linear(ext, x, w, bias=None):
     if w.perm is not None:
         x = x.index_select(-1, w.perm)
     return block_linear(ext, x, w.kernel_data[NAME], bias)
+
+
+def dequantize_rows(lay: BlockLayout, rows: torch.Tensor,
+                    dtype: torch.dtype) -> torch.Tensor | None:
+    """`lay.dequantize_rows(rows).to(dtype)` (float32 or bfloat16, bit for bit) in one
+    extension call, for a token table's lookups; None where the extension does not run here
+    or does not take the layout (the caller uses the reference)."""
+    ext = resolve()
+    if (ext is None or dtype not in EXACT_DTYPES or lay.codes.device.type != "cpu"
+            or lay.group != lay.block or rows.device.type != "cpu"):
+        return None
+    out = torch.empty(len(rows), lay.shape[1], dtype=dtype)
+    ext.dequant_rows(out, lay.codes, lay.scales, lay.offsets, lay.bits, lay.group,
+                     lay.zero_form, lay.shape[0], rows.to(torch.int64).contiguous())
+    return out
 
 
 def _int8_linear(ext, x, w, bias=None):

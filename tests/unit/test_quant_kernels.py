@@ -136,6 +136,19 @@ def test_gguf_layout_gives_back_the_blocks_and_gguf_values(qtype: int) -> None:
         quant_layouts.to_gguf(lay, quant_layouts.Q4_K)
 
 
+@pytest.mark.parametrize("qtype", list(QUANTIZABLE), ids=list(QUANTIZABLE.values()))
+def test_dequantize_rows_kernel_equals_the_layouts_reference(qext, qtype: int) -> None:
+    """The token table's lookups (GGUFEmbeddingMethod) in one call: bit for bit the
+    layout's own row dequantization, in float32 and in bf16 (rounded once)."""
+    lay = _gguf_weight(qtype, 37, 96, seed=qtype).kernel_data["cpp"]
+    rows = torch.tensor([36, 0, 17, 17, 5, 16])
+    ref = lay.dequantize_rows(rows)
+    for dtype in (torch.float32, torch.bfloat16):
+        assert torch.equal(quant_cpu.dequantize_rows(lay, rows, dtype), ref.to(dtype))
+    with pytest.raises(RuntimeError, match="out of range"):
+        quant_cpu.dequantize_rows(lay, torch.tensor([37]), torch.float32)
+
+
 def _group_weight(bits: int, n: int, k: int, group: int, perm: bool, seed: int,
                   zero_shift: float = 0.0):
     g = torch.Generator().manual_seed(seed)
@@ -164,6 +177,44 @@ def test_wq_linear_matches_reference(qext, bits: int, group: int, k: int, dtype)
         xp = x if w.perm is None else x.index_select(-1, w.perm)
         assert not _runs_reference(wquant.wq_linear, x, w, bias)
         _check_against_acts(wquant.wq_linear(x, w, bias), xp, _deq(w), bias, 32)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_single_row_products_split_over_threads(qext, threads: int) -> None:
+    """M = 1 runs the single-row path: each thread an equal share of the panels, 4 at a
+    time, then a pair and one: 13 panels (N = 200) over 1, 2 and 3 threads reach every tail."""
+    ws = [_gguf_weight(q, 200, 96, seed=q) for q in (quant_layouts.Q4_1, quant_layouts.Q8_0)]
+    ws.append(_group_weight(4, 200, 128, 64, perm=False, seed=11))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for w in ws:
+            op = wquant.gguf_linear if isinstance(w, wquant.GGUFWeight) else wquant.wq_linear
+            x = torch.randn(1, w.shape[1], generator=torch.Generator().manual_seed(threads))
+            _check(op, x.to(torch.bfloat16), w, torch.randn(200).to(torch.bfloat16), 32)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_many_rows_run_in_row_chunks(qext) -> None:
+    """Hundreds of rows of a wide K go in row chunks that fit L2 (K = 2048: 128 rows a
+    chunk, so 300 rows are 128 + 128 + 44), each chunk over every panel pair."""
+    w = _gguf_weight(quant_layouts.Q4_1, 37, 2048, seed=12)
+    x = torch.randn(300, 2048, generator=torch.Generator().manual_seed(12)).to(torch.bfloat16)
+    _check(wquant.gguf_linear, x, w, None, 32)
+
+
+def test_dequantize_tiles_product_matches_reference(qext) -> None:
+    """q_linear_tiles (per tile of output rows the weight dequantized to bf16, then a bf16
+    GEMM: measured slower than q_linear at every M, so only `bench kernels` calls it)."""
+    w = _gguf_weight(quant_layouts.Q4_1, 200, 96, seed=13)
+    lay = w.kernel_data["cpp"]
+    x = torch.randn(70, 96, generator=torch.Generator().manual_seed(13)).to(torch.bfloat16)
+    bias = torch.randn(200)
+    y = qext.q_linear_tiles(x, lay.codes, lay.scales, lay.offsets, 4, 32, 32, False, 200,
+                            bias, 64)
+    ref = x.double() @ _deq(w).to(torch.bfloat16).double().T + bias.double()
+    torch.testing.assert_close(y.double(), ref, rtol=2**-7, atol=1e-3 * ref.abs().max().item())
 
 
 @pytest.mark.parametrize("m", MS)

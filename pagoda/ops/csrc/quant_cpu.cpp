@@ -17,7 +17,9 @@
 // y += s * d * dot(q_w, q_x) + m * d * sum(q_x), m = -s * z in the zero form; the integer
 // dot products with VNNI vpdpbusd (an exact AVX-512 BW madd sequence without VNNI). One
 // decode of a weight register serves up to 4 activation rows; 2 panels (32 output rows)
-// per task. Rounding: that of the activation int8 rounding, then float32 sums.
+// per task. One activation row (decode) instead: each thread an equal share of the panels,
+// 4 at a time, each panel's halves in two accumulators, 4-bit codes prefetched ahead.
+// Rounding: that of the activation int8 rounding, then float32 sums.
 // i8_linear is W8A8 with a per-token scale, summed exactly in int32 and scaled in double,
 // which reproduces wquant.int8_linear_reference bit for bit.
 //
@@ -46,6 +48,13 @@ namespace pagoda_quant {
 constexpr int64_t kPanel = 16;  // output rows per panel: one int32 lane each
 constexpr int kRowTile = 4;     // activation rows sharing one decode of the weight codes
 constexpr int kPanelTile = 2;   // panels per task
+constexpr int kGemvPanels = 4;  // panels per tile of a single-row product
+// NOTE: bytes ahead of each panel's 4-bit codes to prefetch: one core's few panel streams
+// do not keep enough cache-line reads in flight on their own (the tied Q4_1 576 x 49152
+// from DRAM on one core: 0.72 ms without, 0.62 ms at 2 KiB). 8-bit codes (two loads per
+// 8 columns) ran no faster with it at any distance tried (512 B to 2 KiB): none there.
+constexpr int kPrefetch4 = 2048;
+constexpr int64_t kChunkBytes = 256 << 10;  // at most this many bytes of int8 rows a chunk
 
 enum Kind : int { kF32 = 0, kF16 = 1, kU8 = 2 };
 
@@ -183,6 +192,9 @@ inline void decode8(const uint8_t* p, __m512i& w0, __m512i& w1) {
 template <int BITS, int BLOCK, int R, int P>
 inline void tile(const Weights& w, int64_t panel0, const QuantActs& a, int64_t row0,
                  __m512 (&acc)[R][P]) {
+  // NOTE: one activation row leaves only P chains of dependent vpdpbusd (latency-bound):
+  // the columns c..c+3 and c+4..c+7 then sum into two accumulators, added per block.
+  constexpr bool kSplit = R == 1;
   const uint8_t* cp[P];
   for (int p = 0; p < P; ++p) {
     cp[p] = w.codes + (panel0 + p) * w.panel_bytes;
@@ -199,21 +211,31 @@ inline void tile(const Weights& w, int64_t panel0, const QuantActs& a, int64_t r
     }
     const int64_t b1 = g + 1 == w.groups ? nb : std::min(nb, (g + 1) * w.bpg);
     for (int64_t b = g * w.bpg; b < b1; ++b) {
-      __m512i iacc[R][P];
+      __m512i iacc[R][P], jacc[R][P];
       for (int i = 0; i < R; ++i)
-        for (int p = 0; p < P; ++p) iacc[i][p] = _mm512_setzero_si512();
+        for (int p = 0; p < P; ++p) iacc[i][p] = jacc[i][p] = _mm512_setzero_si512();
       for (int c = 0; c < BLOCK; c += 8) {
         const int64_t col = b * BLOCK + c;
         __m512i w0[P], w1[P];
+        if constexpr (BITS == 4) {
+          for (int p = 0; p < P; ++p) {
+            const char* ahead = reinterpret_cast<const char*>(cp[p] + col * 8) + kPrefetch4;
+            _mm_prefetch(ahead, _MM_HINT_T0);
+          }
+        }
         for (int p = 0; p < P; ++p) decode8<BITS>(cp[p] + col * 2 * BITS, w0[p], w1[p]);
         for (int i = 0; i < R; ++i) {
           const int8_t* xp = a.q.data() + (row0 + i) * kp + col;
           const __m512i x0 = bcast4(xp), x1 = bcast4(xp + 4);
           for (int p = 0; p < P; ++p) {
             iacc[i][p] = dpbusd(iacc[i][p], w0[p], x0);
-            iacc[i][p] = dpbusd(iacc[i][p], w1[p], x1);
+            if constexpr (kSplit) jacc[i][p] = dpbusd(jacc[i][p], w1[p], x1);
+            else iacc[i][p] = dpbusd(iacc[i][p], w1[p], x1);
           }
         }
+      }
+      if constexpr (kSplit) {
+        for (int p = 0; p < P; ++p) iacc[0][p] = _mm512_add_epi32(iacc[0][p], jacc[0][p]);
       }
       for (int i = 0; i < R; ++i) {
         const __m512 d = _mm512_set1_ps(a.d[(row0 + i) * nb + b]);
@@ -278,18 +300,50 @@ void run_rows(int rows, const Weights& w, const QuantActs& a, int64_t row0, int6
   }
 }
 
+// One activation row (decode): each thread takes an equal contiguous share of the panels,
+// kGemvPanels at a time (more independent loads and chains than a pair gives one row).
+template <int BITS, int BLOCK>
+void q_gemv(const Weights& w, const QuantActs& a, const Output& o) {
+  const int64_t panels = w.np / kPanel;
+#pragma omp parallel
+  {
+    const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num();
+    const int64_t end = panels * (tid + 1) / nth;
+    int64_t p = panels * tid / nth;
+    for (; p + kGemvPanels <= end; p += kGemvPanels) {
+      run_tile<BITS, BLOCK, 1, kGemvPanels>(w, a, 0, p, o);
+    }
+    if (p + 2 <= end) {
+      run_tile<BITS, BLOCK, 1, 2>(w, a, 0, p, o);
+      p += 2;
+    }
+    if (p < end) run_tile<BITS, BLOCK, 1, 1>(w, a, 0, p, o);
+  }
+}
+
 template <int BITS, int BLOCK>
 void q_linear_impl(const Weights& w, const QuantActs& a, int64_t m, const Output& o) {
+  if (m == 1) {
+    q_gemv<BITS, BLOCK>(w, a, o);
+    return;
+  }
   const int64_t panels = w.np / kPanel;
   const int64_t tasks = (panels + kPanelTile - 1) / kPanelTile;
-#pragma omp parallel for schedule(static)
-  for (int64_t t = 0; t < tasks; ++t) {
-    const int64_t p0 = t * kPanelTile;
-    const bool pair = p0 + 1 < panels;
-    for (int64_t r = 0; r < m; r += kRowTile) {
-      const int rows = static_cast<int>(std::min<int64_t>(kRowTile, m - r));
-      if (pair) run_rows<BITS, BLOCK, 2>(rows, w, a, r, p0, o);
-      else run_rows<BITS, BLOCK, 1>(rows, w, a, r, p0, o);
+  // NOTE: every task reads all the chunk's activation rows: chunks of them small enough to
+  // stay in L2 (else hundreds of rows stream from L3 once per panel pair).
+  const int64_t chunk_rows =
+      std::max<int64_t>(kRowTile, kChunkBytes / a.kp / kRowTile * kRowTile);
+  const int64_t chunks = (m + chunk_rows - 1) / chunk_rows;
+#pragma omp parallel for schedule(static) collapse(2)
+  for (int64_t c = 0; c < chunks; ++c) {
+    for (int64_t t = 0; t < tasks; ++t) {
+      const int64_t p0 = t * kPanelTile, r1 = std::min(m, (c + 1) * chunk_rows);
+      const bool pair = p0 + 1 < panels;
+      for (int64_t r = c * chunk_rows; r < r1; r += kRowTile) {
+        const int rows = static_cast<int>(std::min<int64_t>(kRowTile, r1 - r));
+        if (pair) run_rows<BITS, BLOCK, 2>(rows, w, a, r, p0, o);
+        else run_rows<BITS, BLOCK, 1>(rows, w, a, r, p0, o);
+      }
     }
   }
 }
@@ -321,6 +375,48 @@ void dequant_t(const Weights& w, int64_t group, int64_t k, int64_t t0, int64_t t
         _mm256_mask_storeu_epi16(wt + (c + j) * tn + col0, mask, to_bf16(y));
       }
     }
+  }
+}
+
+// One value of a [G, padded N] scale or offset tensor, as float32.
+inline float load1(const void* base, int kind, int64_t idx) {
+  if (kind == kF32) return static_cast<const float*>(base)[idx];
+  if (kind == kF16) return _cvtsh_ss(static_cast<const uint16_t*>(base)[idx]);
+  return static_cast<float>(static_cast<const uint8_t*>(base)[idx]);
+}
+
+// The code of column c of row `lane` of a panel (the panel layout above).
+template <int BITS>
+inline int code_at(const uint8_t* panel, int64_t lane, int64_t c) {
+  const int64_t j = c % 8;
+  if constexpr (BITS == 8) return panel[(c / 8) * 128 + (j >= 4 ? 64 : 0) + 4 * lane + j % 4];
+  const uint8_t b = panel[(c / 8) * 64 + 4 * lane + j % 4];
+  return j >= 4 ? b >> 4 : b & 0x0F;
+}
+
+// Row `row` of the weight into out (k values): 16 columns at a time, each operation rounded
+// on its own (explicit-rounding intrinsics: never contracted into an FMA), as the layout's
+// reference computes it.
+template <int BITS>
+void dequant_row(const Weights& w, int64_t group, int64_t k, int64_t row, void* out, bool bf16) {
+  const uint8_t* panel = w.codes + (row / kPanel) * w.panel_bytes;
+  const int64_t lane = row % kPanel;
+  constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  for (int64_t c0 = 0; c0 < k; c0 += 16) {
+    alignas(64) float q[16] = {}, s[16] = {}, o[16] = {};
+    for (int64_t j = 0; j < 16 && c0 + j < k; ++j) {
+      const int64_t idx = (w.groups == 1 ? 0 : (c0 + j) / group) * w.np + row;
+      q[j] = static_cast<float>(code_at<BITS>(panel, lane, c0 + j));
+      s[j] = load1(w.sc, w.sc_kind, idx);
+      o[j] = load1(w.off, w.off_kind, idx);
+    }
+    const __m512 vq = _mm512_load_ps(q), vs = _mm512_load_ps(s), vo = _mm512_load_ps(o);
+    const __m512 y = w.zero_form
+        ? _mm512_mul_round_ps(_mm512_sub_round_ps(vq, vo, kRound), vs, kRound)
+        : _mm512_add_round_ps(_mm512_mul_round_ps(vs, vq, kRound), vo, kRound);
+    const __mmask16 mask = first_lanes(k - c0);
+    if (bf16) _mm256_mask_storeu_epi16(static_cast<uint16_t*>(out) + c0, mask, to_bf16(y));
+    else _mm512_mask_storeu_ps(static_cast<float*>(out) + c0, mask, y);
   }
 }
 
@@ -395,7 +491,8 @@ at::Tensor q_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tens
 }
 
 // The same product through a bf16 GEMM: per tile of `tile` output rows (a multiple of 16),
-// the weights dequantized into a bf16 scratch [K, tile], then x @ scratch (+ bias).
+// the weights dequantized into a bf16 scratch [K, tile], then x @ scratch (+ bias). Only
+// `pagoda bench kernels` calls it: slower than q_linear at every row count measured.
 at::Tensor q_linear_tiles(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sc,
                           const at::Tensor& off, int64_t bits, int64_t block, int64_t group,
                           bool zero_form, int64_t n, const c10::optional<at::Tensor>& bias,
@@ -422,6 +519,37 @@ at::Tensor q_linear_tiles(const at::Tensor& x, const at::Tensor& codes, const at
   TORCH_CHECK(false, "pagoda quant kernels were built without AVX-512");
 #endif
   return out;
+}
+
+// out[i] = row rows[i] of the layout's weight (float32 or bf16 [R, K]): what the reference
+// (quant_layouts.BlockLayout.dequantize_rows) computes, without its dozen tensor ops.
+void dequant_rows(at::Tensor out, const at::Tensor& codes, const at::Tensor& sc,
+                  const at::Tensor& off, int64_t bits, int64_t group, bool zero_form, int64_t n,
+                  const at::Tensor& rows) {
+  TORCH_CHECK(out.dim() == 2 && out.is_contiguous() &&
+                  (out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16),
+              "out must be a contiguous float32 or bfloat16 [R, K]");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1 && rows.is_contiguous() &&
+                  rows.size(0) == out.size(0), "rows must be a contiguous int64 [R]");
+  const int64_t k = out.size(1);
+  const at::Tensor x = at::empty({0, k}, out.options());  // the shape checks' K
+  const Weights w = checked_weights(x, codes, sc, off, bits, 32, group, zero_form, n);
+  const int64_t* r = rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < rows.size(0); ++i) {
+    TORCH_CHECK(r[i] >= 0 && r[i] < n, "row ", r[i], " is out of range [0, ", n, ")");
+  }
+#if defined(PAGODA_Q_AVX512)
+  const bool bf16 = out.scalar_type() == at::kBFloat16;
+  auto* base = static_cast<char*>(out.data_ptr());
+  const int64_t row_bytes = k * out.element_size();
+#pragma omp parallel for schedule(static) if (rows.size(0) * k >= (1 << 16))
+  for (int64_t i = 0; i < rows.size(0); ++i) {
+    if (bits == 4) dequant_row<4>(w, group, k, r[i], base + i * row_bytes, bf16);
+    else dequant_row<8>(w, group, k, r[i], base + i * row_bytes, bf16);
+  }
+#else
+  TORCH_CHECK(false, "pagoda quant kernels were built without AVX-512");
+#endif
 }
 
 // W8A8: codes = int8 weight + 128 as uint8 [N, kp]; per-token scale s_t = max|x| / 127 (in
@@ -485,6 +613,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q_linear", &pagoda_quant::q_linear, "x @ w.T for panel-packed codes (int8 activations)");
   m.def("q_linear_tiles", &pagoda_quant::q_linear_tiles,
         "q_linear through per-tile bf16 dequantization and a bf16 GEMM");
+  m.def("dequant_rows", &pagoda_quant::dequant_rows,
+        "rows of a panel layout's weight, dequantized into out (float32 or bf16)");
   m.def("i8_linear", &pagoda_quant::i8_linear, "W8A8 with a dynamic per-token activation scale");
   m.def("kernel_isa", [] { return std::map<std::string, std::vector<std::string>>{
       {"quant", pagoda_quant::quant_isa()}}; }, "op -> the /proc/cpuinfo flags its vector path uses");
