@@ -16,12 +16,15 @@ columns' quantization.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 import torch
 
-from pagoda.quant.calibrate.rtn import QuantizedTensor, QuantSpec, fit_params, quantize_codes
+from pagoda.quant.calibrate.rtn import (
+    QuantizedTensor,
+    QuantSpec,
+    fit_params,
+    quantize_codes,
+    single_threaded,
+)
 
 
 class HessianAccumulator:
@@ -46,19 +49,6 @@ def _inverse_cholesky(hessian: torch.Tensor, percdamp: float) -> torch.Tensor:
     h.diagonal().add_(damp)
     lower = torch.linalg.cholesky(h)
     return torch.linalg.cholesky(torch.cholesky_inverse(lower), upper=True)
-
-
-@contextmanager
-def single_threaded() -> Iterator[None]:
-    """torch on one thread inside the block. NOTE: the column loop is thousands of small
-    ops; spread over OpenMP threads each one waits for the slowest thread, which on a busy
-    machine made it 40x slower than on one thread."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, spec: QuantSpec, *,

@@ -18,6 +18,8 @@ unchanged: still one float16 scale and one integer zero per group.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -141,6 +143,19 @@ def quantize_codes(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
     return torch.clamp(torch.round(w / scale) + zero, 0, maxq)
 
 
+@contextmanager
+def single_threaded() -> Iterator[None]:
+    """torch on one thread inside the block. NOTE: GPTQ's column loop and the group fits are
+    many small elementwise ops; spread over OpenMP threads each one waits for the slowest
+    thread, which on a busy machine made them 10-40x slower than on one thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def fake_quantize(w: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
     """w [N, K] quantized group-wise to nearest and dequantized again (float32)."""
     return quantize_rtn(w, spec).dequantize()
@@ -152,8 +167,9 @@ def quantize_rtn(w: torch.Tensor, spec: QuantSpec) -> QuantizedTensor:
     spec.check(k)
     gl = spec.group_len(k)
     groups = w.to(torch.float32).reshape(n * (k // gl), gl)
-    scale, zero = fit_params(groups, spec)
-    codes = quantize_codes(groups, scale, zero, spec.maxq).reshape(n, k).to(torch.uint8)
+    with single_threaded():
+        scale, zero = fit_params(groups, spec)
+        codes = quantize_codes(groups, scale, zero, spec.maxq).reshape(n, k).to(torch.uint8)
     g_idx = torch.arange(k) // gl
     return QuantizedTensor(codes, scale.reshape(n, k // gl), zero.reshape(n, k // gl), g_idx,
                            spec)
