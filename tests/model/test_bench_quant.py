@@ -91,9 +91,9 @@ def test_calibrated_dirs_are_reused_only_when_calibrated_the_same_way(tmp_path, 
     assert "damp0.1" in quant._quantized_dir(gptq, args).name and len(calls) == 3
     awq = next(r for r in quant.ROWS if r.name == "awq int4 g64")
     args.awq_search_tokens = 1024
-    assert quant._quantized_dir(awq, args).name == "awq-asym-g64-calib-n128-l512-s1024"
+    assert quant._quantized_dir(awq, args).name == "awq-asym-g64-calib-n64-l512-s1024"
     args.gptq_act_order = args.gptq_static_groups = args.gptq_mse_clip = True
     assert quant._quantized_dir(gptq, args).name == \
-        "gptq-asym-g64-calib-n128-l512-damp0.1-act-static-mse"
+        "gptq-asym-g64-calib-n64-l512-damp0.1-act-static-mse"
     rtn_mse = next(r for r in quant.ROWS if r.name == "rtn int4 g64 asym mse")
     assert quant._quantized_dir(rtn_mse, args).name == "rtn-asym-g64-mse"
