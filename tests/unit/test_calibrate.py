@@ -201,6 +201,13 @@ def test_calibration_config_errors_name_the_field(kwargs, match):
         CalibrationConfig(**fields)
 
 
+def test_quantize_refuses_mse_clip_for_awq(tmp_path):
+    from pagoda.quant.calibrate.command import quantize_to_dir
+
+    with pytest.raises(ValueError, match="mse_clip is for gptq and rtn"):
+        quantize_to_dir(str(tmp_path / "no-model"), tmp_path / "out", "awq", mse_clip=True)
+
+
 def test_awq_search_sees_an_evenly_strided_subsample():
     feats = _Features(10, max_rows=3)
     feats.add("x", torch.arange(6.0).reshape(6, 1))  # tokens 0-5, then 6-9 in a second batch

@@ -9,8 +9,9 @@ minimise the error of the block the weights feed (alpha = 0 is plain round-to-ne
 the search never does worse than it on the calibration tokens). The grid also holds the
 scales mean|x|^alpha / mean|w|^(1 - alpha), with mean|w| each input channel's weight
 magnitude relative to its group's largest (channels whose weights are already large need
-less scaling up); the search keeps whichever of the two families scores better. Then each group's clipping
-range is shrunk, as far as halfway, where that lowers the group's output error.
+less scaling up); the search keeps whichever of the two families scores better. Then each
+group's clipping range is shrunk, as far as halfway, where that lowers the group's output
+error.
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ class CalibrationConfig:
     damp_percent: float = 0.01  # gptq: dampening, this fraction of mean(diag(H))
     static_groups: bool = False  # gptq: groups fitted on the weight before any update
     # awq: at most this many calibration tokens (evenly strided) in the scale search, whose
-    # cost is 20 block forwards over them per scaling; the means see every token.
+    # cost is 40 block forwards over them per scaling; the means see every token.
     awq_search_tokens: int = AWQ_SEARCH_TOKENS
 
     def __post_init__(self) -> None:
