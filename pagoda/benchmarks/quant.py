@@ -33,6 +33,7 @@ DEFAULT_LLAMA_PYTHON = "/work/llama-venv/bin/python"
 class Row:
     name: str
     quantize: tuple[str, bool] | None = None  # (method, sym) for `pagoda quantize`
+    mse_clip: bool = False  # rtn: the searched group ranges (the grid GPTQ's --mse-clip fits)
     engine: dict[str, Any] = field(default_factory=dict)
     # The pagoda.ops.wquant weight class the loaded model must hold (None: dense): a row
     # whose method silently fell back to dense weights is reported as not available.
@@ -43,6 +44,8 @@ ROWS = (
     Row("bf16", engine={"gguf_native": "off"}),
     Row("rtn int4 g64 sym", quantize=("rtn", True), weight_class="GroupQuantWeight"),
     Row("rtn int4 g64 asym", quantize=("rtn", False), weight_class="GroupQuantWeight"),
+    Row("rtn int4 g64 asym mse", quantize=("rtn", False), mse_clip=True,
+        weight_class="GroupQuantWeight"),
     Row("gptq int4 g64", quantize=("gptq", False), weight_class="GroupQuantWeight"),
     Row("awq int4 g64", quantize=("awq", False), weight_class="GroupQuantWeight"),
     Row("int8 w8a8", engine={"quantization": "int8", "gguf_native": "off"},
@@ -61,13 +64,19 @@ def add_quant_args(p: argparse.ArgumentParser) -> None:
     # NOTE: the eval text's kind (Python docs), none of its pages: on SmolLM2 GPTQ g64 scored
     # 13.09 calibrated on it, 14.24 on the fortunes (RTN 14.38; docs/quantization.md).
     p.add_argument("--calib-data", default="howto")
-    p.add_argument("--calib-samples", type=int, default=128)
+    # NOTE: 64 x 512, GPTQ with --mse-clip and AWQ searching 2,048 tokens: the settings that
+    # met the issue's targets (docs/quantization.md), so a plain rerun reuses those dirs.
+    p.add_argument("--calib-samples", type=int, default=64)
     p.add_argument("--calib-seq-len", type=int, default=512)
     p.add_argument("--gptq-act-order", action="store_true",
                    help="the GPTQ row quantizes with act_order (desc_act)")
     p.add_argument("--gptq-damp-percent", type=float, default=0.01,
                    help="the GPTQ row's dampening (fraction of the Hessian's mean diagonal)")
-    p.add_argument("--awq-search-tokens", type=int, default=4096,
+    p.add_argument("--gptq-static-groups", action=argparse.BooleanOptionalAction,
+                   default=False, help="the GPTQ row's groups fitted before any update")
+    p.add_argument("--gptq-mse-clip", action=argparse.BooleanOptionalAction, default=True,
+                   help="the GPTQ row's group ranges searched for the lowest squared error")
+    p.add_argument("--awq-search-tokens", type=int, default=2048,
                    help="the AWQ row's scale search: calibration tokens it scores")
     p.add_argument("--seq-len", type=int, default=512, help="perplexity window")
     p.add_argument("--stride", type=int, default=256)
@@ -138,6 +147,8 @@ def _quantized_dir(row: Row, args: argparse.Namespace) -> Path:
 
     method, sym = row.quantize  # type: ignore[misc]
     name = f"{method}-{'sym' if sym else 'asym'}-g{GROUP_SIZE}"
+    mse_clip = row.mse_clip or (method == "gptq" and args.gptq_mse_clip)
+    static_groups = method == "gptq" and args.gptq_static_groups
     if method != "rtn":
         # The directory name holds every calibration setting, so a rerun reuses a directory
         # only where it was calibrated the same way.
@@ -145,7 +156,10 @@ def _quantized_dir(row: Row, args: argparse.Namespace) -> Path:
     act_order = method == "gptq" and args.gptq_act_order
     damp = args.gptq_damp_percent
     if method == "gptq":
-        name += f"-damp{damp:g}" + ("-act" if act_order else "")
+        name += f"-damp{damp:g}" + ("-act" if act_order else "") + \
+            ("-static" if static_groups else "")
+    if mse_clip:
+        name += "-mse"
     if method == "awq":
         name += f"-s{args.awq_search_tokens}"
     out = Path(args.work_dir) / name
@@ -159,7 +173,8 @@ def _quantized_dir(row: Row, args: argparse.Namespace) -> Path:
     quantize_to_dir(None, out, method, 4, GROUP_SIZE, act_order, sym, args.calib_data,
                     args.calib_samples, args.calib_seq_len, damp_percent=damp,
                     loaded=(copy.deepcopy(hf_model), tokenizer, source_dir),
-                    awq_search_tokens=args.awq_search_tokens)
+                    awq_search_tokens=args.awq_search_tokens, static_groups=static_groups,
+                    mse_clip=mse_clip)
     print(f"  quantized into {out} in {time.perf_counter() - start:.0f} s", flush=True)
     return out
 
@@ -259,16 +274,24 @@ def targets(results: dict[str, dict[str, Any]]) -> list[str]:
 
     lines = []
     base = ppl("bf16")
+    # Against the better min/max RTN (the issue's target), and against the best RTN of any
+    # grid benched (with the searched ranges GPTQ's --mse-clip also fits).
     rtns = [p for p in (ppl("rtn int4 g64 sym"), ppl("rtn int4 g64 asym")) if p is not None]
+    searched = [p for name, r in results.items() if name.startswith("rtn")
+                and (p := r.get("perplexity")) is not None]
+    baselines = [("best RTN", rtns)]
+    if searched and min(searched) < min(rtns, default=float("inf")):
+        baselines.append(("best RTN incl. mse", searched))
     for name in ("gptq int4 g64", "awq int4 g64"):
         p = ppl(name)
         if base is None or not rtns or p is None:
             lines.append(f"n/a   {name} recovers half of RTN's loss (rows missing)")
             continue
-        limit = base + 0.5 * (min(rtns) - base)
-        verdict = "PASS" if p <= limit else "FAIL"
-        lines.append(f"{verdict}  {name}: ppl {p:.3f} <= {limit:.3f} (bf16 {base:.3f} + half "
-                     f"of best RTN's loss {min(rtns) - base:.3f})")
+        for label, values in baselines:
+            limit = base + 0.5 * (min(values) - base)
+            verdict = "PASS" if p <= limit else "FAIL"
+            lines.append(f"{verdict}  {name}: ppl {p:.3f} <= {limit:.3f} (bf16 {base:.3f} + "
+                         f"half of {label}'s loss {min(values) - base:.3f})")
     llama_ms = results.get("llama.cpp", {}).get("decode_ms_per_token")
     for name in ("gguf q4_1 native", "gptq int4 g64"):
         ms = results.get(name, {}).get("decode_ms_per_token")
@@ -330,7 +353,8 @@ def run_quant(args: argparse.Namespace) -> dict[str, Any]:
           f"({BUILTIN_CORPORA.get(args.eval_data, 'file')}), {len(eval_ids)} tokens, "
           f"windows {args.seq_len} / stride {args.stride}; calibration: {args.calib_data}, "
           f"{args.calib_samples} x {args.calib_seq_len} tokens; group size {GROUP_SIZE}; "
-          f"gptq damp {args.gptq_damp_percent:g}, act_order {args.gptq_act_order}; awq "
+          f"gptq damp {args.gptq_damp_percent:g}, act_order {args.gptq_act_order}, "
+          f"static_groups {args.gptq_static_groups}, mse_clip {args.gptq_mse_clip}; awq "
           f"search on {args.awq_search_tokens} tokens; "
           f"decode: {args.decode_tokens} tokens after a 32-token prompt; throughput: "
           f"{QUICK_NUM_REQUESTS} requests, in {QUICK_INPUT_LEN}, out {QUICK_OUTPUT_LEN}, "

@@ -53,6 +53,21 @@ def test_targets_compare_against_the_better_rtn():
     assert lines[6].startswith("FAIL  awq int4 g64 throughput")
 
 
+def test_targets_also_compare_against_the_searched_rtn_grid():
+    results = {
+        "bf16": {"perplexity": 10.0},
+        "rtn int4 g64 sym": {"perplexity": 18.0},
+        "rtn int4 g64 asym": {"perplexity": 14.0},
+        "rtn int4 g64 asym mse": {"perplexity": 13.0},
+        "gptq int4 g64": {"perplexity": 11.8},
+    }
+    lines = targets(results)
+    assert lines[0].startswith("PASS  gptq") and "<= 12.000" in lines[0]
+    assert lines[1].startswith("FAIL  gptq") and "<= 11.500" in lines[1]
+    assert "best RTN incl. mse" in lines[1]
+    assert lines[2].startswith("n/a   awq")
+
+
 def test_calibrated_dirs_are_reused_only_when_calibrated_the_same_way(tmp_path, monkeypatch):
     calls = []
 
@@ -76,4 +91,9 @@ def test_calibrated_dirs_are_reused_only_when_calibrated_the_same_way(tmp_path, 
     assert "damp0.1" in quant._quantized_dir(gptq, args).name and len(calls) == 3
     awq = next(r for r in quant.ROWS if r.name == "awq int4 g64")
     args.awq_search_tokens = 1024
-    assert quant._quantized_dir(awq, args).name == "awq-asym-g64-calib-n128-l512-s1024"
+    assert quant._quantized_dir(awq, args).name == "awq-asym-g64-calib-n64-l512-s1024"
+    args.gptq_act_order = args.gptq_static_groups = args.gptq_mse_clip = True
+    assert quant._quantized_dir(gptq, args).name == \
+        "gptq-asym-g64-calib-n64-l512-damp0.1-act-static-mse"
+    rtn_mse = next(r for r in quant.ROWS if r.name == "rtn int4 g64 asym mse")
+    assert quant._quantized_dir(rtn_mse, args).name == "rtn-asym-g64-mse"

@@ -216,8 +216,8 @@ def test_gptq_calibrates_each_sublayer_after_the_ones_before_it(tiny_model, monk
     layer = model.model.layers[0]
     float_layer = copy.deepcopy(layer)
     hessians = _record_hessians(monkeypatch)
-    result = _gptq_layer(layer, layer_runner, hidden,
-                         CalibrationConfig("gptq", QuantSpec(4, GROUP, False)))
+    result, _ = _gptq_layer(layer, layer_runner, hidden,
+                            CalibrationConfig("gptq", QuantSpec(4, GROUP, False)))
     assert len(hessians) == len(SHARED_INPUTS)
     for g, names in enumerate(SHARED_INPUTS):
         replay = copy.deepcopy(float_layer)
@@ -232,6 +232,29 @@ def test_gptq_calibrates_each_sublayer_after_the_ones_before_it(tiny_model, monk
             assert not torch.allclose(hessians[g], floats, rtol=1e-6, atol=1e-9)
     for name in LINEARS:
         assert torch.equal(layer.get_submodule(name).weight, result[name].dequantize())
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_gptq_staged_layer_is_the_generic_path(tiny_model, monkeypatch, act_order):
+    # The one-forward staged path must quantize exactly as the generic one, which re-runs
+    # the layer's own forward up to each group's input: the same codes, scales and zeros,
+    # and the same output (the quantized layer's own forward).
+    path = tiny_model("LlamaForCausalLM")
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    hidden = model.model.embed_tokens(random_ids(5, 32)).detach()
+    layer_runner = LayerRunner(model, hidden, batch_size=2)
+    cfg = CalibrationConfig("gptq", QuantSpec(4, GROUP, False, min_zero=1), act_order)
+    staged_layer = model.model.layers[0]
+    generic_layer = copy.deepcopy(staged_layer)
+    staged, staged_out = _gptq_layer(staged_layer, layer_runner, hidden, cfg)
+    monkeypatch.setattr(runner, "_STAGED_CHILDREN", set())
+    generic, generic_out = _gptq_layer(generic_layer, layer_runner, hidden, cfg)
+    assert set(staged) == set(generic) == set(LINEARS)
+    for name in LINEARS:
+        for field in ("codes", "scales", "zeros", "g_idx"):
+            assert torch.equal(getattr(staged[name], field), getattr(generic[name], field))
+    assert torch.equal(staged_out, generic_out)
+    assert torch.equal(staged_out, layer_runner.run(staged_layer, hidden))
 
 
 def test_gptq_layer_output_closer_than_rtn(tiny_model):

@@ -4,10 +4,14 @@ A few input channels carry much larger activations than the rest, and the weight
 multiply them matter most. Scaling input channel c of a weight up by s_c (and its input down
 by 1 / s_c, folded into whatever op produces that input) leaves the float function unchanged
 but shrinks those weights' relative rounding error. The scales are s = mean|x|^alpha,
-normalised to a geometric mean of one, with alpha chosen on a grid of 20 points in [0, 1) to
+normalised so that max * min = 1, with alpha chosen on a grid of 20 points in [0, 1) to
 minimise the error of the block the weights feed (alpha = 0 is plain round-to-nearest, so
-the search never does worse than it on the calibration tokens). Then each group's clipping
-range is shrunk, as far as halfway, where that lowers the group's output error.
+the search never does worse than it on the calibration tokens). The grid also holds the
+scales mean|x|^alpha / mean|w|^(1 - alpha), with mean|w| each input channel's weight
+magnitude relative to its group's largest (channels whose weights are already large need
+less scaling up); the search keeps whichever of the two families scores better. Then each
+group's clipping range is shrunk, as far as halfway, where that lowers the group's output
+error.
 """
 
 from __future__ import annotations
@@ -26,10 +30,32 @@ CLIP_TOKENS = 512  # calibration tokens the clipping search looks at (it is per 
 BlockFn = Callable[[torch.Tensor, Sequence[torch.Tensor]], torch.Tensor]
 
 
-def candidate_scales(x_mean: torch.Tensor, alpha: float) -> torch.Tensor:
-    """mean|x|^alpha per input channel, normalised so that max * min = 1."""
-    s = x_mean.to(torch.float32).pow(alpha).clamp(min=1e-4)
+def candidate_scales(x_mean: torch.Tensor, alpha: float,
+                     w_mean: torch.Tensor | None = None) -> torch.Tensor:
+    """mean|x|^alpha (over mean|w|^(1 - alpha) where `w_mean` is given) per input channel,
+    normalised so that max * min = 1."""
+    s = x_mean.to(torch.float32).pow(alpha)
+    if w_mean is not None:
+        s = s / w_mean.pow(1 - alpha).clamp(min=1e-4)
+    s = s.clamp(min=1e-4)
     return s / torch.sqrt(s.max() * s.min())
+
+
+def weight_magnitude(weights: Sequence[torch.Tensor], spec: QuantSpec) -> torch.Tensor:
+    """Per input channel, the mean over every output row of |w| / (max |w| of its group)."""
+    w = torch.cat([wi.to(torch.float32) for wi in weights]).abs()
+    n, k = w.shape
+    gl = spec.group_len(k)
+    groups = w.reshape(n, k // gl, gl)
+    relative = groups / (groups.amax(dim=-1, keepdim=True) + 1e-6)
+    return relative.reshape(n, k).mean(dim=0)
+
+
+def _candidates(x_mean: torch.Tensor, weights: Sequence[torch.Tensor],
+                spec: QuantSpec) -> list[tuple[float, torch.Tensor]]:
+    w_mean = weight_magnitude(weights, spec)
+    return [(i / NUM_ALPHAS, candidate_scales(x_mean, i / NUM_ALPHAS, wm))
+            for wm in (None, w_mean) for i in range(NUM_ALPHAS)]
 
 
 def search_scales(x: torch.Tensor, x_mean: torch.Tensor, weights: Sequence[torch.Tensor],
@@ -40,11 +66,29 @@ def search_scales(x: torch.Tensor, x_mean: torch.Tensor, weights: Sequence[torch
     with torch.no_grad():
         reference = block_fn(x, weights)
         best = (float("inf"), torch.ones_like(x_mean, dtype=torch.float32), 0.0)
-        for i in range(NUM_ALPHAS):
-            alpha = i / NUM_ALPHAS
-            s = candidate_scales(x_mean, alpha)
+        for alpha, s in _candidates(x_mean, weights, spec):
             trial = [fake_quantize(w * s, spec) / s for w in weights]
             loss = (block_fn(x, trial) - reference).pow(2).mean().item()
+            if loss < best[0]:
+                best = (loss, s, alpha)
+    return best[1], best[2]
+
+
+def search_scales_linear(x: torch.Tensor, x_mean: torch.Tensor,
+                         weights: Sequence[torch.Tensor],
+                         spec: QuantSpec) -> tuple[torch.Tensor, float]:
+    """`search_scales` for the block that is the weights' outputs side by side: the squared
+    output error of a weight error D over the tokens x is trace(D X^T X D^T), so with the
+    Gram matrix X^T X taken once (float64) each alpha costs N K^2 instead of T N K."""
+    with torch.no_grad():
+        xd = x.to(torch.float64)
+        gram = xd.T @ xd
+        w = torch.cat([wi.to(torch.float32) for wi in weights])
+        scale = 1.0 / (x.shape[0] * w.shape[0])
+        best = (float("inf"), torch.ones_like(x_mean, dtype=torch.float32), 0.0)
+        for alpha, s in _candidates(x_mean, weights, spec):
+            d = (fake_quantize(w * s, spec) / s - w).to(torch.float64)
+            loss = ((d @ gram) * d).sum().item() * scale
             if loss < best[0]:
                 best = (loss, s, alpha)
     return best[1], best[2]

@@ -19,6 +19,12 @@ def add_quantize_args(p: argparse.ArgumentParser) -> None:
                    help="input columns per scale (-1: one group per output channel)")
     p.add_argument("--act-order", action="store_true",
                    help="gptq: quantize columns in decreasing Hessian diagonal (desc_act)")
+    p.add_argument("--static-groups", action="store_true",
+                   help="gptq: fit each group's scale/zero on the weight before any update, "
+                   "groups in column order (with --act-order: g_idx stays unpermuted)")
+    p.add_argument("--mse-clip", action="store_true",
+                   help="gptq and rtn: search each group's range (shrink factors) for the "
+                   "lowest squared error instead of min/max")
     p.add_argument("--sym", action=argparse.BooleanOptionalAction, default=None,
                    help="symmetric grid (default: gptq and rtn symmetric, awq with zero point)")
     p.add_argument("--calib-data", default="calib",
@@ -41,7 +47,8 @@ def quantize_to_dir(model: str | None, out_dir: str | Path, method: str, bits: i
                     calib_data: str = "calib", num_samples: int = 128, seq_len: int = 512,
                     batch_size: int = 8, damp_percent: float = 0.01,
                     loaded: tuple | None = None,
-                    awq_search_tokens: int | None = None) -> tuple[Any, dict]:
+                    awq_search_tokens: int | None = None, static_groups: bool = False,
+                    mse_clip: bool = False) -> tuple[Any, dict]:
     """Quantize and write OUT_DIR; returns (the in-memory quantized transformers model,
     the quantizations by linear name). `loaded`: load_float_model(model)'s result, to
     quantize (in place) instead of loading the model again. `awq_search_tokens`: None is
@@ -61,8 +68,12 @@ def quantize_to_dir(model: str | None, out_dir: str | Path, method: str, bits: i
     if sym is None:
         sym = method != "awq"
     # NOTE: gptq and rtn write GPTQ v1 (zeros stored minus one), AWQ its zeros as they are.
-    spec = QuantSpec(bits, group_size, sym, min_zero=0 if method == "awq" else 1)
+    if mse_clip and method == "awq":
+        raise ValueError("mse_clip is for gptq and rtn (awq has its own clipping search)")
+    spec = QuantSpec(bits, group_size, sym, min_zero=0 if method == "awq" else 1,
+                     mse_clip=mse_clip)
     cfg = CalibrationConfig(method, spec, act_order, batch_size, damp_percent,
+                            static_groups,
                             AWQ_SEARCH_TOKENS if awq_search_tokens is None
                             else awq_search_tokens)
     hf_model, tokenizer, source_dir = loaded or load_float_model(model)
@@ -82,7 +93,8 @@ def run_quantize(args: argparse.Namespace) -> int:
     _, quantized = quantize_to_dir(
         args.model, args.out_dir, args.method, args.bits, args.group_size, args.act_order,
         args.sym, args.calib_data, args.num_samples, args.seq_len, args.batch_size,
-        args.damp_percent, awq_search_tokens=args.awq_search_tokens)
+        args.damp_percent, awq_search_tokens=args.awq_search_tokens,
+        static_groups=args.static_groups, mse_clip=args.mse_clip)
     print(f"{args.method}: {len(quantized)} linears quantized to {args.bits} bits "
           f"(group {args.group_size}) in {time.perf_counter() - start:.1f} s -> {args.out_dir}")
     return 0

@@ -66,7 +66,7 @@ def quantization_config(cfg: CalibrationConfig) -> dict[str, Any]:
     return {"quant_method": "gptq", "bits": spec.bits, "group_size": spec.group_size,
             "desc_act": cfg.act_order, "sym": spec.sym, "checkpoint_format": "gptq",
             "damp_percent": cfg.damp_percent, "true_sequential": cfg.method == "gptq",
-            "static_groups": False}
+            "static_groups": cfg.static_groups}
 
 
 def _packed(qt: QuantizedTensor, method: str) -> dict[str, torch.Tensor]:

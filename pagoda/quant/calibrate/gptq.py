@@ -8,17 +8,23 @@ once as the upper Cholesky factor of H^-1, whose rows give each step's update, a
 are applied lazily: within a block of columns at once, to the rest of the matrix once per
 block. With act_order the columns go in order of decreasing diag(H) (the most sensitive
 first, while the most columns are left to compensate), groups are then formed in that order,
-and g_idx records each input column's group.
+and g_idx records each input column's group. With static groups the groups stay the weight's
+own column ranges (g_idx = k // group_size, the layout kernels take unpermuted), their
+scales and zeros fitted on the weight before any update, and act_order only orders the
+columns' quantization.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 import torch
 
-from pagoda.quant.calibrate.rtn import QuantizedTensor, QuantSpec, fit_params, quantize_codes
+from pagoda.quant.calibrate.rtn import (
+    QuantizedTensor,
+    QuantSpec,
+    fit_params,
+    quantize_codes,
+    single_threaded,
+)
 
 
 class HessianAccumulator:
@@ -45,27 +51,14 @@ def _inverse_cholesky(hessian: torch.Tensor, percdamp: float) -> torch.Tensor:
     return torch.linalg.cholesky(torch.cholesky_inverse(lower), upper=True)
 
 
-@contextmanager
-def single_threaded() -> Iterator[None]:
-    """torch on one thread inside the block. NOTE: the column loop is thousands of small
-    ops; spread over OpenMP threads each one waits for the slowest thread, which on a busy
-    machine made it 40x slower than on one thread."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
 def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, spec: QuantSpec, *,
                   act_order: bool = False, percdamp: float = 0.01,
-                  block_size: int = 128) -> QuantizedTensor:
+                  static_groups: bool = False, block_size: int = 128) -> QuantizedTensor:
     """Quantize `weight` [N, K] against `hessian` [K, K] (from HessianAccumulator). Rows
     are independent given H, so the weights of linears that read one input may be stacked
     into one call."""
     with single_threaded():
-        return _gptq(weight, hessian, spec, act_order, percdamp, block_size)
+        return _gptq(weight, hessian, spec, act_order, percdamp, static_groups, block_size)
 
 
 def _current_group(w: torch.Tensor, wb: torch.Tensor, errors: torch.Tensor,
@@ -80,8 +73,21 @@ def _current_group(w: torch.Tensor, wb: torch.Tensor, errors: torch.Tensor,
     return torch.cat([wb[:, i:], w[:, b1:end] - pending], dim=1)
 
 
+def _static_params(w: torch.Tensor, h_diag: torch.Tensor, spec: QuantSpec,
+                   gl: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every group's scale and zero [N, G], fitted on `w` [N, K] as it is."""
+    k = w.shape[1]
+    scales, zeros = [], []
+    for g in range(k // gl):
+        cols = slice(g * gl, (g + 1) * gl)
+        scale, zero = fit_params(w[:, cols], spec, h_diag[cols])
+        scales.append(scale)
+        zeros.append(zero)
+    return torch.stack(scales, 1), torch.stack(zeros, 1)
+
+
 def _gptq(weight: torch.Tensor, hessian: torch.Tensor, spec: QuantSpec, act_order: bool,
-          percdamp: float, block_size: int) -> QuantizedTensor:
+          percdamp: float, static_groups: bool, block_size: int) -> QuantizedTensor:
     n, k = weight.shape
     spec.check(k)
     gl = spec.group_len(k)
@@ -93,12 +99,17 @@ def _gptq(weight: torch.Tensor, hessian: torch.Tensor, spec: QuantSpec, act_orde
     w[:, dead] = 0.0
     perm = torch.argsort(torch.diag(h), descending=True, stable=True) if act_order \
         else torch.arange(k)
+    if static_groups:
+        scales, zeros = _static_params(w, torch.diag(h), spec, gl)
+        column_group = (perm // gl).tolist()  # the group of each column, in quantization order
+    else:
+        scales = torch.zeros(n, k // gl, dtype=torch.float32)
+        zeros = torch.zeros(n, k // gl, dtype=torch.int64)
     w, h = w[:, perm], h[perm][:, perm]
+    h_diag = torch.diag(h)
     hinv = _inverse_cholesky(h, percdamp)
 
     codes = torch.zeros(n, k, dtype=torch.uint8)
-    scales = torch.zeros(n, k // gl, dtype=torch.float32)
-    zeros = torch.zeros(n, k // gl, dtype=torch.int64)
     scale = zero = None
     for b0 in range(0, k, block_size):
         b1 = min(b0 + block_size, k)
@@ -107,9 +118,11 @@ def _gptq(weight: torch.Tensor, hessian: torch.Tensor, spec: QuantSpec, act_orde
         hb = hinv[b0:b1, b0:b1]
         for i in range(b1 - b0):
             col = b0 + i
-            if col % gl == 0:
+            if static_groups:
+                scale, zero = scales[:, column_group[col]], zeros[:, column_group[col]]
+            elif col % gl == 0:
                 group = _current_group(w, wb, errors, hinv, b0, b1, col, gl)
-                scale, zero = fit_params(group.to(torch.float32), spec)
+                scale, zero = fit_params(group, spec, h_diag[col : col + gl])
                 scales[:, col // gl], zeros[:, col // gl] = scale, zero
             q = quantize_codes(wb[:, i : i + 1].to(torch.float32), scale, zero, spec.maxq)
             codes[:, col] = q[:, 0].to(torch.uint8)
@@ -120,5 +133,5 @@ def _gptq(weight: torch.Tensor, hessian: torch.Tensor, spec: QuantSpec, act_orde
         w[:, b1:] -= errors @ hinv[b0:b1, b1:]
 
     inverse = torch.argsort(perm)
-    g_idx = (torch.arange(k) // gl)[inverse]
+    g_idx = torch.arange(k) // gl if static_groups else (torch.arange(k) // gl)[inverse]
     return QuantizedTensor(codes[:, inverse], scales, zeros, g_idx, spec)
