@@ -659,6 +659,7 @@ inline void tile_values_codes(const KV* __restrict v_cache, const TileRows& tr, 
     _mm256_store_si256(reinterpret_cast<__m256i*>(wq[h]), packed);
   }
   __m512i acc[NH][kNV];
+  const bool rescaled = s.rescaled;  // NOTE: a local: the stores to s.acc might alias it
   for (int h = 0; h < NH; ++h) {
     const float* a = s.acc.data() + (j0 + h) * kD;
     const __m512 corr = _mm512_loadu_ps(s.corr.data() + (j0 + h) * kTile);
@@ -667,7 +668,7 @@ inline void tile_values_codes(const KV* __restrict v_cache, const TileRows& tr, 
         acc[h][i] = _mm512_setzero_si512();
       } else {
         const __m512 x = _mm512_loadu_ps(a + 16 * i);
-        acc[h][i] = _mm512_castps_si512(s.rescaled ? _mm512_mul_ps(x, corr) : x);
+        acc[h][i] = _mm512_castps_si512(rescaled ? _mm512_mul_ps(x, corr) : x);
       }
     }
   }
@@ -699,7 +700,7 @@ inline void tile_values_codes(const KV* __restrict v_cache, const TileRows& tr, 
       __m512 out = _mm512_castsi512_ps(acc[h][i]);
       if constexpr (kInt) {
         __m512 old = _mm512_loadu_ps(a + 16 * i);
-        if (s.rescaled) old = _mm512_mul_ps(old, corr);
+        if (rescaled) old = _mm512_mul_ps(old, corr);
         out = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[h][i]), _mm512_set1_ps(wscale), old);
       }
       _mm512_storeu_ps(a + 16 * i, out);
