@@ -476,7 +476,9 @@ inline void tile_scores(const KV* __restrict k_cache, const TileRows& tr, int64_
 
 // Phase 2: the online-softmax update of heads [0, nh): probabilities into s.p, the rescale
 // of the accumulators into s.corr (and s.rescaled: whether any differs from 1).
-inline void tile_softmax(AvxScratch& s, int nh, __mmask16 mask) {
+// NOTE: forced inline (measured: 2-3% of the int8 path as a call once per tile).
+__attribute__((always_inline)) inline void tile_softmax(AvxScratch& s, int nh,
+                                                        __mmask16 mask) {
   const __m512 one = _mm512_set1_ps(1.0f);
   s.rescaled = false;
   for (int j = 0; j < nh; ++j) {
