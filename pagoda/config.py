@@ -186,10 +186,6 @@ class EngineConfig:
         if c.attention_sinks and c.streaming_window is None:
             raise ValueError("attention_sinks needs streaming_window (the tokens kept after "
                              "the sinks)")
-        if c.streaming_window is not None and c.kv_cache_dtype in ("fp8", "fp8_e4m3", "int8"):
-            # NOTE: the sink attention path reads the cache without scales.
-            raise ValueError(f"attention sinks (streaming_window) need an unquantized KV "
-                             f"cache, got kv_cache_dtype {c.kv_cache_dtype!r}")
         if c.streaming_window is not None and self.speculative is not None:
             # NOTE: drafts are written past a row's tokens, which a growing stream lacks.
             raise ValueError("attention sinks (streaming_window) and speculative_config "

@@ -20,6 +20,7 @@ import torch
 
 from pagoda.layers.rotary import rotate_by
 from pagoda.ops import gather_blocks
+from pagoda.ops.kv_quant import dequantize
 
 
 def gather_range(cache: torch.Tensor, block_table: torch.Tensor, start: int, end: int
@@ -33,6 +34,16 @@ def gather_range(cache: torch.Tensor, block_table: torch.Tensor, start: int, end
     return rows[start - first * bs :]
 
 
+def gather_values(cache: torch.Tensor, scale: torch.Tensor | None, block_table: torch.Tensor,
+                  start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
+    """gather_range in `dtype`, dequantized through `scale` for a quantized cache."""
+    rows = gather_range(cache, block_table, start, end)
+    if scale is None:
+        return rows.to(dtype)
+    return dequantize(rows, gather_range(scale[..., None], block_table, start, end)[..., 0],
+                      dtype)
+
+
 def sink_attention(
     q: torch.Tensor,  # [Q, H, D]: the queries of one sequence at positions [p0, p0 + Q)
     first_position: int,
@@ -43,6 +54,8 @@ def sink_attention(
     window: int,
     inv_freq: torch.Tensor,
     scale: float,
+    k_scale: torch.Tensor | None = None,  # a quantized cache's scales (ops/kv_quant.py)
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """[Q, H, D] in q's dtype: each query over its sinks and window, positions in the cache."""
     num_q, num_heads, _ = q.shape
@@ -50,10 +63,9 @@ def sink_attention(
     pos = torch.arange(first_position, last + 1, device=q.device)
     num_sinks = min(num_sink_tokens, last + 1)
     win_start = max(num_sinks, first_position - window + 1)
-    keys = [gather_range(k_cache, block_table, 0, num_sinks),
-            gather_range(k_cache, block_table, win_start, last + 1)]
-    values = [gather_range(v_cache, block_table, 0, num_sinks),
-              gather_range(v_cache, block_table, win_start, last + 1)]
+    keys, values = ([gather_values(cache, sc, block_table, a, b, q.dtype)
+                     for a, b in ((0, num_sinks), (win_start, last + 1))]
+                    for cache, sc in ((k_cache, k_scale), (v_cache, v_scale)))
     group = num_heads // k_cache.shape[2]
     evicted = (pos - (num_sink_tokens + window - 1)).clamp(min=0)
     queries = [rotate_by(q, -evicted, inv_freq), q]
@@ -61,12 +73,12 @@ def sink_attention(
                torch.arange(win_start, last + 1, device=q.device)]
     scores, vals = [], []
     for part, (qx, kx, vx, kp) in enumerate(zip(queries, keys, values, key_pos, strict=True)):
-        kx = kx.to(q.dtype).repeat_interleave(group, dim=1)  # [L, H, D]
+        kx = kx.repeat_interleave(group, dim=1)  # [L, H, D]
         s = torch.einsum("qhd,khd->hqk", qx, kx) * scale
         valid = kp[None, :] <= pos[:, None]
         if part == 1:  # the window (the sinks are read by every query past them)
             valid &= kp[None, :] > pos[:, None] - window
         scores.append(s.masked_fill(~valid[None], float("-inf")))
-        vals.append(vx.to(q.dtype).repeat_interleave(group, dim=1))
+        vals.append(vx.repeat_interleave(group, dim=1))
     probs = torch.softmax(torch.cat(scores, dim=-1), dim=-1)
     return torch.einsum("hqk,khd->qhd", probs, torch.cat(vals, dim=0))

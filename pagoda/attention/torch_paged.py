@@ -68,8 +68,7 @@ class TorchPagedAttention:
         if not kv_written:
             ops.write_kv(k, v, k_cache, v_cache, md.slot_mapping, *scales)
         if self.sinks is not None:
-            # NOTE: EngineConfig refuses sinks with a quantized cache (no scales here).
-            return self._forward_sinks(q, k_cache, v_cache, md)
+            return self._forward_sinks(q, k_cache, v_cache, md, scales)
         if md.prefills and q.dtype in TOKEN_ROW_DTYPES:
             out = self._forward_kernels(q, k_cache, v_cache, md, scales)
             if out is not None:
@@ -173,30 +172,35 @@ class TorchPagedAttention:
 
     def _forward_sinks(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-        md: AttentionMetadata,
+        md: AttentionMetadata, scales: list[torch.Tensor],
     ) -> torch.Tensor:
         """Every row as a query row through `ops.paged_attention` with the sinks' query
         (`_sink_rows`) where the step has a table per token, else the decode rows so and each
-        prefill through `sink_attention` (the PyTorch path)."""
+        prefill through `sink_attention` (the PyTorch path). `scales`: a quantized cache's
+        (k_scale, v_scale), else empty."""
+        k_scale, v_scale = scales or (None, None)
         if md.token_seq_lens is not None:
             out = self._sink_rows(q, k_cache, v_cache, md.token_block_tables,
-                                  md.token_seq_lens, None)
+                                  md.token_seq_lens, None, k_scale, v_scale)
             return out.view(q.shape[0], -1)
         out = torch.empty_like(q)
         num_sinks, window, inv_freq = self.sinks
         nd = md.num_decode_tokens
         if nd:
             out[:nd] = self._sink_rows(q[:nd], k_cache, v_cache, md.decode_block_tables,
-                                       md.decode_seq_lens, md.decode_max_seq_len)
+                                       md.decode_seq_lens, md.decode_max_seq_len, k_scale,
+                                       v_scale)
         for seq in md.prefills:
             s = slice(seq.query_start, seq.query_start + seq.query_len)
             out[s] = sink_attention(q[s], seq.seq_len - seq.query_len, k_cache, v_cache,
-                                    seq.block_table, num_sinks, window, inv_freq, self.scale)
+                                    seq.block_table, num_sinks, window, inv_freq, self.scale,
+                                    k_scale, v_scale)
         return out.view(q.shape[0], -1)
 
     def _sink_rows(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int | None,
+        k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
     ) -> torch.Tensor:
         """Query rows q [R, H, D] (row r at position seq_lens[r] - 1) over their sinks and
         window: the sinks read with the query rotated back by the evicted tokens."""
@@ -204,7 +208,7 @@ class TorchPagedAttention:
         evicted = (seq_lens - (num_sinks + window)).clamp(min=0)
         q_sink = rotate_by(q, -evicted, inv_freq)
         return ops.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, self.scale,
-                                   window, max_seq_len, None, None, q_sink, num_sinks)
+                                   window, max_seq_len, k_scale, v_scale, q_sink, num_sinks)
 
     def _prefill(
         self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_start: int = 0

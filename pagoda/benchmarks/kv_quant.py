@@ -3,7 +3,8 @@ costs against the model-dtype cache, in one run:
 
 - decode attention time per step: the paged-attention op alone (the kernel the engine
   calls), every layer of the model's shape, `--batch` sequences of `--context` tokens in
-  randomly placed blocks, best of `--repeats`;
+  randomly placed blocks, best of `--repeats` rounds that each time every dtype in turn;
+  `--micro`: one layer only, ms and GB/s per dtype at 1 and 2 threads (kv_quant_micro.py);
 - KV bytes per token and conversations of `--conversation-tokens` held per GiB;
 - perplexity through the engine's prompt logprobs on a real text (sliding windows), and its
   delta against the model-dtype cache;
@@ -41,6 +42,10 @@ def add_kv_quant_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host-compressions", default="none,int8,int4",
                    help="comma-separated --kv-host-compression values to measure ('' skips)")
     p.add_argument("--output-json")
+    p.add_argument("--micro", action="store_true",
+                   help="only one layer's decode attention op: ms and GB/s of K/V read per "
+                        "dtype and thread count (--micro-threads), dtypes alternated per round")
+    p.add_argument("--micro-threads", default="1,2", help="comma-separated thread counts")
 
 
 def _random_cache(kv: str, shape, num_blocks: int, block_size: int, g: torch.Generator):
@@ -57,37 +62,40 @@ def _random_cache(kv: str, shape, num_blocks: int, block_size: int, g: torch.Gen
     return (kc, vc, ks, vs)
 
 
-def decode_attention_ms(kv: str, shape, batch: int, context: int,
-                        repeats: int) -> tuple[float, float]:
-    """(wall, process CPU) milliseconds of one decode step's attention over all layers, each
-    the best of `repeats`. NOTE: CPU time is what a shared, oversubscribed machine can still
-    measure; wall time is the figure on a quiet one."""
+def decode_attention_ms(kvs: list[str], shape, batch: int, context: int,
+                        repeats: int) -> dict[str, tuple[float, float]]:
+    """{kv dtype: (wall, process CPU) milliseconds of one decode step's attention over all
+    layers}, each the best of `repeats` rounds that time every dtype in turn (A, B, A, B:
+    the ratios share the machine's load). NOTE: CPU time is what a shared, oversubscribed
+    machine can still measure; wall time is the figure on a quiet one."""
     from pagoda import ops
 
     block_size = 16
     g = torch.Generator().manual_seed(0)
     per_seq = math.ceil(context / block_size)
     num_blocks = batch * per_seq + 1
-    layers = [_random_cache(kv, shape, num_blocks, block_size, g)
-              for _ in range(shape.num_layers)]
+    layers = {kv: [_random_cache(kv, shape, num_blocks, block_size, g)
+                   for _ in range(shape.num_layers)] for kv in kvs}
     tables = (torch.randperm(num_blocks - 1, generator=g)[: batch * per_seq] + 1).view(
         batch, per_seq)
     lens = torch.full((batch,), context, dtype=torch.long)
     q = torch.randn(batch, shape.num_heads, shape.head_dim, generator=g).to(torch.bfloat16)
     scale = shape.head_dim**-0.5
 
-    def step() -> None:
-        for k, v, *scales in layers:
+    def step(kv: str) -> None:
+        for k, v, *scales in layers[kv]:
             ops.paged_attention(q, k, v, tables, lens, scale, None, context, *scales)
 
-    step()
-    wall = cpu = math.inf
+    best = {kv: (math.inf, math.inf) for kv in kvs}
+    for kv in kvs:
+        step(kv)
     for _ in range(repeats):
-        start, start_cpu = time.perf_counter(), time.process_time()
-        step()
-        wall = min(wall, time.perf_counter() - start)
-        cpu = min(cpu, time.process_time() - start_cpu)
-    return wall * 1e3, cpu * 1e3
+        for kv in kvs:
+            start, start_cpu = time.perf_counter(), time.process_time()
+            step(kv)
+            wall, cpu = time.perf_counter() - start, time.process_time() - start_cpu
+            best[kv] = (min(best[kv][0], wall * 1e3), min(best[kv][1], cpu * 1e3))
+    return best
 
 
 def _windows_perplexity(llm, ids: list[int], window: int) -> float:
@@ -191,20 +199,26 @@ def run_kv_quant(args: argparse.Namespace) -> dict[str, Any]:
         torch.set_num_threads(args.threads)
     src = resolve_model(args.model)
     shape = rl.shape_from_hf_config(load_config(src))
+    if args.micro:
+        from pagoda.benchmarks.kv_quant_micro import run_micro
+
+        return {"setup": {"model": src.label, "machine": rl.describe_machine()["cpu"]},
+                "micro": run_micro(args, shape)}
     ids: list[int] = []
     if args.ppl_tokens:
         with open(args.text, encoding="utf-8") as f:
             text = f.read()
         tokenizer = LLM(model=args.model, max_model_len=64).get_tokenizer()
         ids = tokenizer.encode(text)[: args.ppl_tokens]
+    from pagoda.config import resolve_kv_cache_dtype
+    from pagoda.core.kv_cache_spec import group_layers
+
+    times = decode_attention_ms(kvs, shape, args.batch, args.context, args.repeats)
     rows = {}
     for kv in kvs:
-        from pagoda.config import resolve_kv_cache_dtype
-        from pagoda.core.kv_cache_spec import group_layers
-
         (spec,) = group_layers([None] * shape.num_layers, 16, shape.num_kv_heads,
                                shape.head_dim, resolve_kv_cache_dtype(kv, torch.bfloat16))
-        wall, cpu = decode_attention_ms(kv, shape, args.batch, args.context, args.repeats)
+        wall, cpu = times[kv]
         row = {
             "attention_ms": wall,
             "attention_cpu_ms": cpu,

@@ -61,6 +61,23 @@ def test_stream_runs_4x_max_model_len_in_bounded_blocks(tiny_model, chunk):
     assert engine.kv_cache_manager.retentions[0].num_sink_tokens == SINKS
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+def test_quantized_stream_is_bounded_and_matches_the_reference(tiny_model, monkeypatch,
+                                                               kv_cache_dtype):
+    """A quantized cache with sinks: the same bounded footprint, and the decode kernel (sinks
+    with their scales) gives the reference path's greedy tokens on the same codes."""
+    path = tiny_model("LlamaForCausalLM")
+    (prompt,) = random_prompts(1, seed=23, lo=50, hi=50)
+    kwargs = {"max_num_batched_tokens": 8, "kv_cache_dtype": kv_cache_dtype}
+    out, engine = stream(path, prompt, **kwargs)
+    assert len(out.token_ids) == NUM_TOKENS - len(prompt)
+    assert engine.kv_cache_manager.peak_num_used_blocks == 4
+    assert engine.kv_cache_manager.retentions[0].num_sink_tokens == SINKS
+    monkeypatch.setenv("PAGODA_DISABLE_CPU_KERNELS", "1")
+    ref, _ = stream(path, prompt, **kwargs)
+    assert list(ref.token_ids) == list(out.token_ids)
+
+
 def test_streaming_settings_are_checked(tiny_model):
     path = tiny_model("LlamaForCausalLM")
     with pytest.raises(ValueError, match="exceeds max_model_len"):

@@ -135,11 +135,14 @@ def test_paged_attention_reads_quantized_cache(ext, code, d, block_size, hk, gro
 
 
 @pytest.mark.parametrize("code", CODES)
-@pytest.mark.parametrize(("d", "block_size", "group"), [(64, 16, 4), (96, 8, 3), (128, 32, 2)])
-def test_paged_attention_bf16_q_on_quantized_cache(ext, code, d, block_size, group) -> None:
-    """A bf16 q takes the dot-product paths (int8: int16 q and weights, vpdpwssd; fp8:
-    vdpbf16ps), with partial first and last tiles (odd lengths, windows)."""
-    q, kc, vc, tables, lens, ks, vs = _attention_case([3, 33, 64, 17], 2, group, d,
+@pytest.mark.parametrize(("d", "block_size", "hk", "group"),
+                         [(64, 16, 2, 4), (96, 8, 2, 3), (128, 32, 2, 2), (64, 16, 3, 3),
+                          (32, 16, 1, 1), (256, 32, 1, 2)])
+def test_paged_attention_bf16_q_on_quantized_cache(ext, code, d, block_size, hk, group) -> None:
+    """A bf16 q takes the code paths (int8: int16 q and weights, vpdpwssd; fp8: vdpbf16ps),
+    with partial first and last tiles (odd lengths, windows), scales staged per range (block
+    sizes that are multiples of 16) or read per row (8), and contexts of many tiles."""
+    q, kc, vc, tables, lens, ks, vs = _attention_case([3, 33, 64, 17, 301], hk, group, d,
                                                       block_size, code, torch.bfloat16,
                                                       seed=3)
     args = (q, kc, vc, tables, lens, 0.125, None, None, ks, vs)

@@ -95,12 +95,17 @@ def test_kernel_refuses_bad_sink_arguments(ext) -> None:
                                    SINKS)
 
 
-def test_backend_sends_sink_rows_through_the_kernel(ext, monkeypatch) -> None:
+@pytest.mark.parametrize("code", [None, torch.int8])
+def test_backend_sends_sink_rows_through_the_kernel(ext, monkeypatch, code) -> None:
     """A bf16 step of one decode row and one prefill chunk: one kernel call for every row,
-    equal to attention/sinks.py per sequence."""
+    equal to attention/sinks.py per sequence (a quantized cache: both read its scales)."""
     _, kc, vc, tables, _, inv_freq = _case([90, 60], 2, 3, 64, 16, seed=7)
     tables = torch.arange(1, tables.numel() + 1).view_as(tables)  # every block real
     q, kc, vc = (torch.randn(7, 6, 64) / 2).bfloat16(), kc.bfloat16(), vc.bfloat16()
+    scales = []
+    if code is not None:
+        (kc, ks), (vc, vs) = quantize(kc, code), quantize(vc, code)
+        scales = [ks, vs]
     positions = np.array([89, *range(54, 60)])
     common = CommonAttentionMetadata(
         query_start_loc=np.array([0, 1, 7]), seq_lens=np.array([90, 60]), num_decodes=1,
@@ -111,9 +116,9 @@ def test_backend_sends_sink_rows_through_the_kernel(ext, monkeypatch) -> None:
     calls = spy_on_extension(ext, monkeypatch)
     attn = TorchPagedAttention(6, 2, 64)
     attn.set_attention_sinks(SINKS, WINDOW, inv_freq)
-    out = attn.forward(q, None, None, (kc, vc), md, kv_written=True).view_as(q)
+    out = attn.forward(q, None, None, (kc, vc, *scales), md, kv_written=True).view_as(q)
     assert calls.count("paged_decode_attention") == 1
     want = torch.cat([
-        sink_attention(q[:1], 89, kc, vc, tables[0], SINKS, WINDOW, inv_freq, 0.125),
-        sink_attention(q[1:], 54, kc, vc, tables[1], SINKS, WINDOW, inv_freq, 0.125)])
+        sink_attention(q[:1], 89, kc, vc, tables[0], SINKS, WINDOW, inv_freq, 0.125, *scales),
+        sink_attention(q[1:], 54, kc, vc, tables[1], SINKS, WINDOW, inv_freq, 0.125, *scales)])
     torch.testing.assert_close(out.float(), want.float(), rtol=2e-2, atol=2e-2)

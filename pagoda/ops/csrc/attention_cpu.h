@@ -189,6 +189,16 @@ inline void tile_rows(int64_t bs, const int64_t* table, int64_t row_stride, int6
   const int64_t pos0 = tile * kTile;
   tr.lo = static_cast<int>(std::max(start, pos0) - pos0);
   tr.hi = static_cast<int>(std::min(seq_len, pos0 + kTile) - pos0);
+  tr.mask = static_cast<__mmask16>(((1u << tr.hi) - 1u) & ~((1u << tr.lo) - 1u));
+  if (bs % kTile == 0) {
+    // NOTE: the tile lies in one block, so its slots are consecutive: no table walk per row.
+    const int64_t slot0 = table[pos0 / bs] * bs + pos0 % bs;
+    for (int t = 0; t < kTile; ++t) {
+      tr.slot[t] = slot0 + std::clamp(t, tr.lo, tr.hi - 1);
+      tr.off[t] = tr.slot[t] * row_stride;
+    }
+    return;
+  }
   int64_t blk = (pos0 + tr.lo) / bs;
   int64_t r = pos0 + tr.lo - blk * bs;
   int64_t base = table[blk] * bs;
@@ -202,7 +212,6 @@ inline void tile_rows(int64_t bs, const int64_t* table, int64_t row_stride, int6
   }
   for (int t = 0; t < tr.lo; ++t) tr.off[t] = tr.off[tr.lo], tr.slot[t] = tr.slot[tr.lo];
   for (int t = tr.hi; t < kTile; ++t) tr.off[t] = tr.off[tr.lo], tr.slot[t] = tr.slot[tr.lo];
-  tr.mask = static_cast<__mmask16>(((1u << tr.hi) - 1u) & ~((1u << tr.lo) - 1u));
 }
 #endif  // __AVX512F__
 

@@ -31,7 +31,8 @@
 // Quantized caches are read in place too (no dequantized copy): q . code is scaled by the
 // row's K scale (one multiply per score) and each probability by the row's V scale before it
 // weights the codes. With a bf16 q, int8 rows go through vpdpwssd (int16 q and weights) and
-// fp8 K rows through vdpbf16ps (codes widened to bf16).
+// fp8 rows through vdpbf16ps (codes widened to bf16; bf16 weights): tile_scores_codes /
+// tile_values_codes.
 
 #include <torch/extension.h>
 
@@ -219,6 +220,12 @@ inline void prefetch_block(const KV* cache, const Problem& p, int64_t block_id, 
 //    leaves the accumulators in an even/odd-permuted dim order, undone once per request.
 //
 // The next tile's rows are software-prefetched while the current one is computed.
+//
+// Quantized rows with a bf16 q (the code paths) read 1-byte codes, so per byte they must do
+// half the bf16 path's work to stay memory-bound: the K rows of a group of four are
+// interleaved so that the dot products land in sum4's layout (no sum4 per head), int8 sums
+// stay integer to the end, a tile's scales are vector loads (one block: consecutive slots),
+// and V takes two rows per dot-product instruction (16-bit weights).
 // ---------------------------------------------------------------------------------------
 
 // Where dim d of a row loaded by load_row_f32 lives (and so of q and the accumulators).
@@ -251,6 +258,16 @@ inline __m512 sum16(__m512 w0, __m512 w1, __m512 w2, __m512 w3) {
                                    _mm512_shuffle_f32x4(w2, w3, kOdd));
   return _mm512_add_ps(_mm512_shuffle_f32x4(x01, x23, kEven),
                        _mm512_shuffle_f32x4(x01, x23, kOdd));
+}
+
+// a + b lane by lane: int32 lanes (kInt) or fp32 lanes, both in the bits of a __m512i.
+template <bool kInt>
+inline __m512i add_lanes(__m512i a, __m512i b) {
+  if constexpr (kInt) {
+    return _mm512_add_epi32(a, b);
+  } else {
+    return _mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(b)));
+  }
 }
 
 // Max of 16 lanes, broadcast to every lane.
@@ -309,8 +326,13 @@ struct Prefetcher {
     v_minus_k = reinterpret_cast<intptr_t>(v_cache) - reinterpret_cast<intptr_t>(k_cache);
     rows = tr.hi - tr.lo;
     for (int t = 0; t < rows; ++t) off[t] = (tr.off[tr.lo + t] + col0) * sizeof(KV);
-    row = 0;
     span = span_bytes;
+    if (off[rows - 1] - off[0] == (rows - 1) * span) {
+      // NOTE: rows back to back (one block, all kv heads): one span, no row switches.
+      span *= rows;
+      rows = 1;
+    }
+    row = 0;
     done = span;  // no current row: the first issue() starts row 0
   }
 };
@@ -324,11 +346,21 @@ struct AvxScratch {
   std::vector<float> p;      // one tile of scores, then probabilities: [heads][16]
   std::vector<float> corr;   // this tile's rescale of acc (broadcast): [heads][16]
   std::vector<float> ks, vs; // quantized caches: this tile's K / V scales: [kv heads][16]
-  std::vector<float> qscale;  // int8 dot path: the scale of each head's int16 q (in qb)
+  std::vector<float> qscale;  // int8 code path: the scale of each head's int16 q (in qb)
+  // The code paths' q: per head and 32-value chunk, its 16-bit pairs doubled by dword
+  // unpacks, lo then hi (tile_scores_codes): [heads][kD / 32][2][16]
+  std::vector<uint32_t> qy;
+  std::vector<float> hscale;  // the code paths' score multiplier per head (softmax, q scale)
+  bool rescaled = false;      // tile_softmax: whether any head's corr differs from 1
+  // A range's K / V scales staged tile by tile ([tiles][16][Hk], stage_scales), and the
+  // current tile's (nullptr: not staged, read through the slots).
+  std::vector<float> k_stage, v_stage;
+  const float* k_tile = nullptr;
+  const float* v_tile = nullptr;
   AvxScratch(int heads, int d, int /*block_size*/)
       : qb(heads * d), qf(heads * d), acc(heads * d), m(heads * kTile), l(heads * kTile),
         p(heads * kTile), corr(heads * kTile), ks(heads * kTile), vs(heads * kTile),
-        qscale(heads) {}
+        qscale(heads), qy(heads * d), hscale(heads) {}
 };
 
 // 32 values of a row as the 16-bit operands of a dot-product instruction: bf16 rows as
@@ -353,30 +385,45 @@ template <typename T>
 inline __m512i load_dot_chunk(const T*) { return _mm512_setzero_si512(); }
 #endif
 
-// q . row over kNC chunks of 32 pairs, as 16 fp32 partial sums.
-template <typename KV, int kNC>
+// bf16 q . bf16 row over kNC chunks of 32 pairs, as 16 fp32 partial sums.
+template <int kNC>
 inline __m512 dot_chunks(const __m512i* q, const __m512i* kx) {
+  __m512 d = _mm512_setzero_ps();
+#if defined(__AVX512BF16__)
+  for (int c = 0; c < kNC; ++c) d = _mm512_dpbf16_ps(d, (__m512bh)q[c], (__m512bh)kx[c]);
+#endif
+  return d;  // NOTE: zero is unreachable: dispatch_avx takes kDot only where built
+}
+
+// acc + the products of 16-bit pairs q and x, lane by lane, in the bits of a __m512i: int32
+// lanes through vpdpwssd for int8 codes (int16 pairs), fp32 lanes through vdpbf16ps for fp8
+// codes (bf16 pairs). NOTE: the int8 sums are exact: |q| <= 32767, |code| <= 127, so 256
+// products stay inside int32.
+template <typename KV>
+inline __m512i dot_pairs(__m512i acc, __m512i q, __m512i x) {
   if constexpr (std::is_same_v<KV, int8_t>) {
 #if defined(PAGODA_INT8_DOT)
-    // NOTE: exact: |q| <= 32767, |code| <= 127, so 256 products stay far inside int32.
-    __m512i d = _mm512_setzero_si512();
-    for (int c = 0; c < kNC; ++c) d = _mm512_dpwssd_epi32(d, q[c], kx[c]);
-    return _mm512_cvtepi32_ps(d);
+    return _mm512_dpwssd_epi32(acc, q, x);
 #endif
   } else {
-#if defined(__AVX512BF16__)
-    __m512 d = _mm512_setzero_ps();
-    for (int c = 0; c < kNC; ++c) d = _mm512_dpbf16_ps(d, (__m512bh)q[c], (__m512bh)kx[c]);
-    return d;
+#if defined(PAGODA_FP8_DOT)
+    return _mm512_castps_si512(
+        _mm512_dpbf16_ps(_mm512_castsi512_ps(acc), (__m512bh)q, (__m512bh)x));
 #endif
   }
-  return _mm512_setzero_ps();  // NOTE: unreachable: dispatch_avx takes kDot only where built
+  return acc;  // NOTE: unreachable: dispatch_avx takes the code paths only where built
+}
+
+// dot_pairs onto zero: int8 codes through vpmaddwd (no accumulator to copy first).
+template <typename KV>
+inline __m512i first_pairs(__m512i q, __m512i x) {
+  if constexpr (std::is_same_v<KV, int8_t>) return _mm512_madd_epi16(q, x);
+  return dot_pairs<KV>(_mm512_setzero_si512(), q, x);
 }
 
 // Phase 1 of a tile: the scaled, masked scores of query heads [j0, j0 + NH) of one kv head
-// (rows at column col) into s.p. kDot: a 32-pair dot-product instruction on 16-bit q and
-// rows: vdpbf16ps for bf16 rows and for fp8 rows widened to bf16, vpdpwssd for int8 rows
-// widened to int16 against q quantized to int16 (dot_chunk).
+// (rows at column col) into s.p. kDot (bf16 rows): vdpbf16ps on the raw bf16 q and rows.
+// Quantized rows with a bf16 q take tile_scores_codes instead.
 template <typename KV, int kD, int NH, bool kDot>
 inline void tile_scores(const KV* __restrict k_cache, const TileRows& tr, int64_t col,
                         AvxScratch& s, int j0, __m512 vscale, const float* ksc,
@@ -395,18 +442,11 @@ inline void tile_scores(const KV* __restrict k_cache, const TileRows& tr, int64_
         const KV* kr = k_cache + tr.off[4 * g + u] + col;
         __m512i kx[kNC];
         for (int c = 0; c < kNC; ++c) kx[c] = load_dot_chunk(kr + 32 * c);
-        for (int h = 0; h < NH; ++h) a[u][h] = dot_chunks<KV, kNC>(q[h], kx);
+        for (int h = 0; h < NH; ++h) a[u][h] = dot_chunks<kNC>(q[h], kx);
       }
       for (int h = 0; h < NH; ++h) w[g][h] = sum4(a[0][h], a[1][h], a[2][h], a[3][h]);
       pf.issue();
       pf.issue();
-    }
-    if constexpr (std::is_same_v<KV, int8_t>) {
-      // NOTE: the int16 q's scale, per head (one vector of 16 scores each).
-      for (int h = 0; h < NH; ++h) {
-        const __m512 qs = _mm512_set1_ps(s.qscale[j0 + h]);
-        for (int g = 0; g < 4; ++g) w[g][h] = _mm512_mul_ps(w[g][h], qs);
-      }
     }
   } else {
     for (int g = 0; g < 4; ++g) {
@@ -435,18 +475,24 @@ inline void tile_scores(const KV* __restrict k_cache, const TileRows& tr, int64_
 }
 
 // Phase 2: the online-softmax update of heads [0, nh): probabilities into s.p, the rescale
-// of the accumulators into s.corr.
-inline void tile_softmax(AvxScratch& s, int nh, __mmask16 mask) {
+// of the accumulators into s.corr (and s.rescaled: whether any differs from 1).
+// NOTE: forced inline (measured: 2-3% of the int8 path as a call once per tile).
+__attribute__((always_inline)) inline void tile_softmax(AvxScratch& s, int nh,
+                                                        __mmask16 mask) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  s.rescaled = false;
   for (int j = 0; j < nh; ++j) {
     float* pj = s.p.data() + j * kTile;
     const __m512 sc = _mm512_loadu_ps(pj);
     const __m512 m_old = _mm512_loadu_ps(s.m.data() + j * kTile);
-    const __m512 m_new = _mm512_max_ps(m_old, hmax16(sc));
-    // NOTE: the max rarely grows after the first tiles; skip the exp then (exp(0) == 1).
-    // On the first tile m_old = -inf and the rescale is exp(-87) ~ 0 (acc and l are 0).
-    __m512 corr = _mm512_set1_ps(1.0f);
-    if (_mm512_cmp_ps_mask(m_new, m_old, _CMP_NEQ_UQ) != 0) {
+    // NOTE: the max rarely grows after the first tiles: then no lane exceeds it, and the
+    // horizontal max and the rescale's exp are skipped (exp(0) == 1). On the first tile
+    // m_old = -inf and the rescale is exp(-87) ~ 0 (acc and l are 0).
+    __m512 m_new = m_old, corr = one;
+    if (_mm512_cmp_ps_mask(sc, m_old, _CMP_GT_OQ) != 0) {
+      m_new = _mm512_max_ps(m_old, hmax16(sc));
       corr = exp16_nonpos(_mm512_sub_ps(m_old, m_new));
+      s.rescaled = true;
     }
     const __m512 e = _mm512_maskz_mov_ps(mask, exp16_nonpos(_mm512_sub_ps(sc, m_new)));
     _mm512_storeu_ps(pj, e);
@@ -492,12 +538,13 @@ inline void tile_values(const KV* __restrict v_cache, const TileRows& tr, int64_
       _mm512_storeu_ps(s.acc.data() + (j0 + h) * kD + 16 * i, acc[h][i]);
 }
 
-// Where dim d of an accumulator lives: the rows' layout (row_index), except on the int8 dot
-// path, whose int16 row pairs (unpacklo / unpackhi of two rows, per 128-bit lane) leave 32
-// dims c as lanes [4k + j] of vector 2c (d = 32c + 8k + j) and 2c + 1 (d = 32c + 8k + 4 + j).
+// Where dim d of an accumulator lives: the rows' layout (row_index), except on the code
+// paths (quantized rows with a bf16 q), whose 16-bit row pairs (unpacklo / unpackhi of two
+// rows, per 128-bit lane) leave 32 dims c as lanes [4k + j] of vector 2c (d = 32c + 8k + j)
+// and 2c + 1 (d = 32c + 8k + 4 + j).
 template <typename KV, bool kDot>
 inline int acc_index(int d) {
-  if constexpr (kDot && std::is_same_v<KV, int8_t>) {
+  if constexpr (kDot && kQuantized<KV>) {
     const int c = d >> 5, r = d & 31;
     return (2 * c + ((r >> 2) & 1)) * 16 + (r >> 3) * 4 + (r & 3);
   } else {
@@ -505,65 +552,171 @@ inline int acc_index(int d) {
   }
 }
 
-// Phase 3 for int8 rows with a bf16 q: each probability times its row's V scale, quantized
-// per head and tile to int16 (max -> 32767; error <= 1.5e-5 of the tile's largest weight),
-// then two rows at a time against their codes as int16 pairs with vpdpwssd (32 exact
-// multiply-adds per instruction, against 16 FMAs after two conversions on the fp32 path);
-// the tile's integer sums are scaled into the fp32 accumulators once.
-#if defined(PAGODA_INT8_DOT)
-template <int kD, int NH>
-inline void tile_values_int8(const int8_t* __restrict v_cache, const TileRows& tr, int64_t col,
-                             AvxScratch& s, int j0, const float* vsc, Prefetcher& pf) {
+#if defined(PAGODA_INT8_DOT) || defined(PAGODA_FP8_DOT)
+// Phase 1 for quantized rows with a bf16 q. Each pair of rows (a, b) has its 32-value
+// chunks, widened to 16-bit pairs, interleaved by dword unpacks into two vectors whose
+// 128-bit lane k holds (a, b, a, b) of pairs 4k, 4k, 4k + 1, 4k + 1 (lo) and 4k + 2, 4k + 2,
+// 4k + 3, 4k + 3 (hi); against q unpacked the same way (s.qy: lo, hi per chunk), the
+// products of two rows share one vector, and one qword unpack per four rows and head puts
+// them in sum4's layout: the first level of the transpose-add tree is done on the rows, once
+// for all NH heads, and the second costs a third of sum4. int8 sums stay exact int32 up to
+// one conversion per 16 scores. lane_scale: the rows' K scales (times the codes' unit);
+// s.hscale: the heads' multipliers.
+template <typename KV, int kD, int NH>
+inline void tile_scores_codes(const KV* __restrict k_cache, const TileRows& tr, int64_t col,
+                              AvxScratch& s, int j0, __m512 lane_scale, Prefetcher& pf) {
+  constexpr int kNC = kD / 32;
+  constexpr bool kInt = std::is_same_v<KV, int8_t>;
+  constexpr int kEven = _MM_SHUFFLE(2, 0, 2, 0), kOdd = _MM_SHUFFLE(3, 1, 3, 1);
+  __m512i q[NH][kNC][2];
+  for (int h = 0; h < NH; ++h)
+    for (int c = 0; c < kNC; ++c)
+      for (int x = 0; x < 2; ++x)
+        q[h][c][x] = _mm512_loadu_si512(s.qy.data() + ((j0 + h) * kNC + c) * 32 + 16 * x);
+  // Rows (t, t + 1) of every head: 16 partial sums, lane 4k + r (r < 2: row r of the pair;
+  // r = 2, 3: row r - 2, the other pairs of chunk k).
+  auto pair_sums = [&](int t, __m512i* out) {
+    const KV* ra = k_cache + tr.off[t] + col;
+    const KV* rb = k_cache + tr.off[t + 1] + col;
+    // NOTE: lo and hi accumulate apart: dependency chains of kNC, not 2 * kNC.
+    __m512i lo[NH], hi[NH];
+    for (int c = 0; c < kNC; ++c) {
+      const __m512i xa = load_dot_chunk(ra + 32 * c), xb = load_dot_chunk(rb + 32 * c);
+      const __m512i ulo = _mm512_unpacklo_epi32(xa, xb), uhi = _mm512_unpackhi_epi32(xa, xb);
+      for (int h = 0; h < NH; ++h) {
+        if (c == 0) {
+          lo[h] = first_pairs<KV>(q[h][0][0], ulo);
+          hi[h] = first_pairs<KV>(q[h][0][1], uhi);
+        } else {
+          lo[h] = dot_pairs<KV>(lo[h], q[h][c][0], ulo);
+          hi[h] = dot_pairs<KV>(hi[h], q[h][c][1], uhi);
+        }
+      }
+    }
+    for (int h = 0; h < NH; ++h) out[h] = add_lanes<kInt>(lo[h], hi[h]);
+  };
+  // Four rows from t: sum4's layout (lane 4k + r: row t + r, chunk k).
+  auto quad_sums = [&](int t, __m512i* out) {
+    __m512i ab[NH], cd[NH];
+    pair_sums(t, ab);
+    pair_sums(t + 2, cd);
+    for (int h = 0; h < NH; ++h) {
+      out[h] = add_lanes<kInt>(_mm512_unpacklo_epi64(ab[h], cd[h]),
+                               _mm512_unpackhi_epi64(ab[h], cd[h]));
+    }
+    pf.issue();
+  };
+  // sum16's levels as the quads come: lane t of `total` = the full sum of row t.
+  __m512i half[2][NH];
+  for (int k = 0; k < 2; ++k) {
+    __m512i w0[NH], w1[NH];
+    quad_sums(8 * k, w0);
+    quad_sums(8 * k + 4, w1);
+    for (int h = 0; h < NH; ++h) {
+      half[k][h] = add_lanes<kInt>(_mm512_shuffle_i32x4(w0[h], w1[h], kEven),
+                                   _mm512_shuffle_i32x4(w0[h], w1[h], kOdd));
+    }
+  }
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int h = 0; h < NH; ++h) {
+    const __m512i total = add_lanes<kInt>(_mm512_shuffle_i32x4(half[0][h], half[1][h], kEven),
+                                          _mm512_shuffle_i32x4(half[0][h], half[1][h], kOdd));
+    const __m512 sum = kInt ? _mm512_cvtepi32_ps(total) : _mm512_castsi512_ps(total);
+    const __m512 sc = _mm512_mul_ps(sum, _mm512_mul_ps(lane_scale,
+                                                       _mm512_set1_ps(s.hscale[j0 + h])));
+    _mm512_storeu_ps(s.p.data() + (j0 + h) * kTile, _mm512_mask_mov_ps(neg_inf, tr.mask, sc));
+  }
+}
+
+// Phase 3 for quantized rows with a bf16 q: each probability times its row's V scale as a
+// 16-bit weight (int8: int16 with one scale per tile, the tile's largest V scale -> 32767,
+// error <= 1.5e-5 of that scale; fp8: bf16, 2^-9 relative), packed so that rows t, t + 1 (t even) are one dword to
+// broadcast; then two rows at a time, their codes widened to 16 bits and paired by word
+// unpacks, through dot_pairs: 32 products per instruction against 16 FMAs after two to
+// three widening ops on the fp32 path. int8 sums are scaled into the fp32 accumulators once
+// per tile. vsc: the tile's V scales, 0 outside [lo, hi) (a lane there has weight 0).
+template <typename KV, int kD, int NH>
+inline void tile_values_codes(const KV* __restrict v_cache, const TileRows& tr, int64_t col,
+                              AvxScratch& s, int j0, const float* vsc, Prefetcher& pf) {
   constexpr int kNV = kD / 16;
-  alignas(64) int32_t wq[NH][kTile];
-  float wscale[NH];
-  const __m512 vs = _mm512_loadu_ps(vsc);
+  constexpr bool kInt = std::is_same_v<KV, int8_t>;
+  alignas(32) uint16_t wq[NH][kTile];
+  __m512 vs = _mm512_loadu_ps(vsc);
+  float wscale = 1.0f;
+  if constexpr (kInt) {
+    // NOTE: probabilities are <= 1, so the tile's largest V scale bounds every weight: one
+    // int16 scale per tile for all NH heads (no horizontal max per head).
+    const float vmax = _mm512_reduce_max_ps(vs);
+    wscale = vmax / 32767.0f;
+    vs = _mm512_mul_ps(vs, _mm512_set1_ps(vmax > 0.0f ? 32767.0f / vmax : 0.0f));
+  }
   for (int h = 0; h < NH; ++h) {
     const __m512 w = _mm512_mul_ps(_mm512_loadu_ps(s.p.data() + (j0 + h) * kTile), vs);
-    const float wmax = _mm512_reduce_max_ps(w);
-    wscale[h] = wmax / 32767.0f;
-    const __m512 inv = _mm512_set1_ps(wmax > 0.0f ? 32767.0f / wmax : 0.0f);
-    _mm512_store_si512(wq[h], _mm512_cvtps_epi32(_mm512_mul_ps(w, inv)));
+    __m256i packed;
+    if constexpr (kInt) {
+      packed = _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(w));
+    } else {
+      packed = (__m256i)_mm512_cvtneps_pbh(w);
+    }
+    _mm256_store_si256(reinterpret_cast<__m256i*>(wq[h]), packed);
   }
-  __m512i iacc[NH][kNV];
-  for (int h = 0; h < NH; ++h)
-    for (int i = 0; i < kNV; ++i) iacc[h][i] = _mm512_setzero_si512();
-  // NOTE: pairs from an even lane; a lane outside [lo, hi) repeats a valid row, weight 0.
-  for (int t = tr.lo & ~1; t < tr.hi; t += 2) {
-    const int8_t* ra = v_cache + tr.off[t] + col;
-    const int8_t* rb = v_cache + tr.off[t + 1] + col;
+  __m512i acc[NH][kNV];
+  const bool rescaled = s.rescaled;  // NOTE: a local: the stores to s.acc might alias it
+  for (int h = 0; h < NH; ++h) {
+    const float* a = s.acc.data() + (j0 + h) * kD;
+    const __m512 corr = _mm512_loadu_ps(s.corr.data() + (j0 + h) * kTile);
+    for (int i = 0; i < kNV; ++i) {
+      if constexpr (kInt) {
+        acc[h][i] = _mm512_setzero_si512();
+      } else {
+        const __m512 x = _mm512_loadu_ps(a + 16 * i);
+        acc[h][i] = _mm512_castps_si512(rescaled ? _mm512_mul_ps(x, corr) : x);
+      }
+    }
+  }
+  // NOTE: all 8 pairs, a lane outside [lo, hi) with weight 0 (its row repeats a valid one):
+  // a fixed trip count, unrolled, keeps the accumulators in place (a loop of variable length
+  // compiled to a copy of each accumulator per iteration).
+#pragma GCC unroll 8
+  for (int t = 0; t < kTile; t += 2) {
+    const KV* ra = v_cache + tr.off[t] + col;
+    const KV* rb = v_cache + tr.off[t + 1] + col;
     pf.issue();
     __m512i x[kNV];
     for (int c = 0; c < kD / 32; ++c) {
-      const __m512i wa = _mm512_cvtepi8_epi16(
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ra + 32 * c)));
-      const __m512i wb = _mm512_cvtepi8_epi16(
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rb + 32 * c)));
-      x[2 * c] = _mm512_unpacklo_epi16(wa, wb);
-      x[2 * c + 1] = _mm512_unpackhi_epi16(wa, wb);
+      const __m512i xa = load_dot_chunk(ra + 32 * c), xb = load_dot_chunk(rb + 32 * c);
+      x[2 * c] = _mm512_unpacklo_epi16(xa, xb);
+      x[2 * c + 1] = _mm512_unpackhi_epi16(xa, xb);
     }
     for (int h = 0; h < NH; ++h) {
-      const uint32_t pair = (static_cast<uint32_t>(wq[h][t + 1]) << 16) |
-                            (static_cast<uint32_t>(wq[h][t]) & 0xFFFFu);
-      const __m512i wp = _mm512_set1_epi32(static_cast<int32_t>(pair));
-      for (int i = 0; i < kNV; ++i) iacc[h][i] = _mm512_dpwssd_epi32(iacc[h][i], wp, x[i]);
+      int32_t pair;
+      std::memcpy(&pair, &wq[h][t], sizeof(pair));
+      const __m512i wp = _mm512_set1_epi32(pair);
+      for (int i = 0; i < kNV; ++i) acc[h][i] = dot_pairs<KV>(acc[h][i], wp, x[i]);
     }
   }
   for (int h = 0; h < NH; ++h) {
+    float* a = s.acc.data() + (j0 + h) * kD;
     const __m512 corr = _mm512_loadu_ps(s.corr.data() + (j0 + h) * kTile);
-    const __m512 ws = _mm512_set1_ps(wscale[h]);
-    float* acc = s.acc.data() + (j0 + h) * kD;
     for (int i = 0; i < kNV; ++i) {
-      const __m512 a = _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * i), corr);
-      _mm512_storeu_ps(acc + 16 * i, _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[h][i]), ws, a));
+      __m512 out = _mm512_castsi512_ps(acc[h][i]);
+      if constexpr (kInt) {
+        __m512 old = _mm512_loadu_ps(a + 16 * i);
+        if (rescaled) old = _mm512_mul_ps(old, corr);
+        out = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[h][i]), _mm512_set1_ps(wscale), old);
+      }
+      _mm512_storeu_ps(a + 16 * i, out);
     }
   }
 }
 #else
-// NOTE: never called (dispatch_avx takes the int8 dot path only where it was built).
-template <int kD, int NH>
-inline void tile_values_int8(const int8_t*, const TileRows&, int64_t, AvxScratch&, int,
-                             const float*, Prefetcher&) {}
+// NOTE: never called (dispatch_avx takes the code paths only where they were built).
+template <typename KV, int kD, int NH>
+inline void tile_scores_codes(const KV*, const TileRows&, int64_t, AvxScratch&, int, __m512,
+                              Prefetcher&) {}
+template <typename KV, int kD, int NH>
+inline void tile_values_codes(const KV*, const TileRows&, int64_t, AvxScratch&, int,
+                              const float*, Prefetcher&) {}
 #endif
 
 // Query heads handled together per call of tile_scores / tile_values: the accumulators
@@ -592,20 +745,71 @@ inline void for_head_chunks(int G, Fn&& fn) {
   }
 }
 
+// Lane t = base[t * stride + offset] for t < 16, from the 16 * stride floats at base:
+// pairs of vectors through a two-source permute each (no gather).
+inline __m512 strided16(const float* base, int stride, int offset) {
+  const __m512i idx0 = _mm512_add_epi32(
+      _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                         _mm512_set1_epi32(stride)),
+      _mm512_set1_epi32(offset));
+  __m512 r = _mm512_setzero_ps();
+  for (int j = 0; j < stride; j += 2) {
+    const __m512i idx = _mm512_sub_epi32(idx0, _mm512_set1_epi32(16 * j));
+    const __mmask16 in = _mm512_cmplt_epu32_mask(idx, _mm512_set1_epi32(32));
+    if (in == 0) continue;
+    const __m512 lo = _mm512_loadu_ps(base + 16 * j);
+    const __m512 hi = j + 1 < stride ? _mm512_loadu_ps(base + 16 * j + 16) : lo;
+    r = _mm512_mask_mov_ps(r, in, _mm512_permutex2var_ps(lo, idx, hi));
+  }
+  return r;
+}
+
 // A quantized tile's K and V scales of kv heads [kvh0, kvh1) into s.ks / s.vs (times the
-// codes' unit), lane t = the tile's row t.
+// codes' unit), lane t = the tile's row t; V scales are 0 outside [lo, hi) (so a weight
+// there is 0 whatever the slot holds).
 template <typename KV>
 inline void tile_scales(const Problem& p, const TileRows& tr, int kvh0, int kvh1,
                         AvxScratch& s) {
-  constexpr float kUnit = kCodeUnit<KV>;
+  const __m512 unit = _mm512_set1_ps(kCodeUnit<KV>);
+  const int hk = p.num_kv_heads;
+  if (s.k_tile != nullptr) {
+    // NOTE: staged (stage_scales): the tile's 16 slots' scales, consecutive.
+    for (int kvh = kvh0; kvh < kvh1; ++kvh) {
+      const __m512 ks = strided16(s.k_tile, hk, kvh);
+      const __m512 vs = strided16(s.v_tile, hk, kvh);
+      _mm512_storeu_ps(s.ks.data() + (kvh - kvh0) * kTile, _mm512_mul_ps(ks, unit));
+      _mm512_storeu_ps(s.vs.data() + (kvh - kvh0) * kTile,
+                       _mm512_maskz_mul_ps(tr.mask, vs, unit));
+    }
+    return;
+  }
   for (int kvh = kvh0; kvh < kvh1; ++kvh) {
     float* ks = s.ks.data() + (kvh - kvh0) * kTile;
     float* vs = s.vs.data() + (kvh - kvh0) * kTile;
     for (int t = 0; t < kTile; ++t) {
-      const int64_t i = tr.slot[t] * p.num_kv_heads + kvh;
-      ks[t] = p.k_scale[i] * kUnit;
-      vs[t] = p.v_scale[i] * kUnit;
+      const int64_t i = tr.slot[t] * hk + kvh;
+      const bool valid = t >= tr.lo && t < tr.hi;
+      ks[t] = p.k_scale[i] * kCodeUnit<KV>;
+      vs[t] = valid ? p.v_scale[i] * kCodeUnit<KV> : 0.0f;
     }
+  }
+}
+
+// The K / V scales of tiles [first, last] of a range (block size a multiple of 16: a
+// tile's 16 slots are consecutive) copied into s.k_stage / s.v_stage, 16 * Hk floats per
+// tile. NOTE (measured): read where each tile starts, the scales missed the cache at their
+// first load although prefetched one or two tiles ahead (a third of the int8 path's time);
+// these copies are independent loads, so their misses overlap (a burst per range).
+inline void stage_scales(const Problem& p, const int64_t* table, int64_t first, int64_t last,
+                         AvxScratch& s) {
+  const int64_t bs = p.block_size, per = kTile * p.num_kv_heads;
+  s.k_stage.resize((last - first + 1) * per);
+  s.v_stage.resize((last - first + 1) * per);
+  for (int64_t tile = first; tile <= last; ++tile) {
+    const int64_t pos0 = tile * kTile;
+    const int64_t src = (table[pos0 / bs] * bs + pos0 % bs) * p.num_kv_heads;
+    std::memcpy(s.k_stage.data() + (tile - first) * per, p.k_scale + src, per * sizeof(float));
+    std::memcpy(s.v_stage.data() + (tile - first) * per, p.v_scale + src, per * sizeof(float));
   }
 }
 
@@ -647,13 +851,23 @@ inline void stage_queries(const Problem& p, const void* q, int64_t q_base, int n
     const int64_t q0 = q_base + static_cast<int64_t>(j) * kD;
     if constexpr (kDot && std::is_same_v<KV, int8_t>) {
       quantize_q_int16(p, q, q0, kD, s.qb.data() + j * kD, s.qscale[j]);
-      continue;
+    } else {
+      for (int d = 0; d < kD; ++d) {
+        if constexpr (kDot) {
+          s.qb[j * kD + d] = static_cast<const c10::BFloat16*>(q)[q0 + d].x;  // a bf16 q
+        } else {
+          s.qf[j * kD + row_index<KV>(d)] = load_q(p, q, q0 + d);
+        }
+      }
     }
-    for (int d = 0; d < kD; ++d) {
-      if constexpr (kDot) {
-        s.qb[j * kD + d] = static_cast<const c10::BFloat16*>(q)[q0 + d].x;  // q is bf16 here
-      } else {
-        s.qf[j * kD + row_index<KV>(d)] = load_q(p, q, q0 + d);
+    if constexpr (kDot && kQuantized<KV>) {
+      // NOTE: tile_scores_codes' operands: each chunk's pairs doubled by dword unpacks.
+      s.hscale[j] = p.scale * (std::is_same_v<KV, int8_t> ? s.qscale[j] : 1.0f);
+      for (int c = 0; c < kD / 32; ++c) {
+        const __m512i pairs = _mm512_loadu_si512(s.qb.data() + j * kD + 32 * c);
+        uint32_t* dst = s.qy.data() + (j * (kD / 32) + c) * 32;
+        _mm512_storeu_si512(dst, _mm512_unpacklo_epi32(pairs, pairs));
+        _mm512_storeu_si512(dst + 16, _mm512_unpackhi_epi32(pairs, pairs));
       }
     }
   }
@@ -674,13 +888,18 @@ inline void decode_tile(const Problem& p, const KV* k_cache, const KV* v_cache,
   const int G = p.num_heads / p.num_kv_heads;
   const __m512 vscale = _mm512_set1_ps(p.scale);
   if constexpr (kQuantized<KV>) tile_scales<KV>(p, tr, kvh0, kvh1, s);
+  constexpr bool kCodes = kDot && kQuantized<KV>;
   for (int kvh = kvh0; kvh < kvh1; ++kvh) {
     const int64_t col = static_cast<int64_t>(kvh) * kD;
     const int jk = (kvh - kvh0) * G;
     const float* ksc = s.ks.data() + (kvh - kvh0) * kTile;
     for_head_chunks<kNH>(G, [&](auto nh_c, int g0) {
-      tile_scores<KV, kD, decltype(nh_c)::value, kDot>(k_cache, tr, col, s, jk + g0, vscale,
-                                                       ksc, pf);
+      constexpr int kNHc = decltype(nh_c)::value;
+      if constexpr (kCodes) {
+        tile_scores_codes<KV, kD, kNHc>(k_cache, tr, col, s, jk + g0, _mm512_loadu_ps(ksc), pf);
+      } else {
+        tile_scores<KV, kD, kNHc, kDot>(k_cache, tr, col, s, jk + g0, vscale, ksc, pf);
+      }
     });
   }
   tile_softmax(s, (kvh1 - kvh0) * G, tr.mask);
@@ -690,8 +909,8 @@ inline void decode_tile(const Problem& p, const KV* k_cache, const KV* v_cache,
     const float* vsc = s.vs.data() + (kvh - kvh0) * kTile;
     for_head_chunks<kNH>(G, [&](auto nh_c, int g0) {
       constexpr int kNHc = decltype(nh_c)::value;
-      if constexpr (kDot && std::is_same_v<KV, int8_t>) {
-        tile_values_int8<kD, kNHc>(v_cache, tr, col, s, jk + g0, vsc, pf);
+      if constexpr (kCodes) {
+        tile_values_codes<KV, kD, kNHc>(v_cache, tr, col, s, jk + g0, vsc, pf);
       } else {
         tile_values<KV, kD, kNHc>(v_cache, tr, col, s, jk + g0, vsc, pf);
       }
@@ -709,18 +928,36 @@ void attend_range(const Problem& p, const KV* k_cache, const KV* v_cache, const 
   const int64_t col0 = static_cast<int64_t>(kvh0) * kD;
   const int64_t span_bytes = static_cast<int64_t>(kvh1 - kvh0) * kD * sizeof(KV);
   const int64_t first = start / kTile, last = (end - 1) / kTile;
-  TileRows rows[2];
+  // NOTE: a tile of 1-byte codes takes about half a bf16 tile's time, so its rows are asked
+  // for two tiles ahead (the same distance in time).
+  constexpr int kAhead = kQuantized<KV> ? 2 : 1;
+  TileRows rows[kAhead + 1];
+  auto rows_of = [&](int64_t tile) -> TileRows& { return rows[(tile - first) % (kAhead + 1)]; };
   Prefetcher pf;
-  tile_rows(p.block_size, table, row_stride, first, start, end, rows[0]);
-  pf.start(k_cache, v_cache, rows[0], col0, span_bytes);
+  const bool staged = kQuantized<KV> && p.block_size % kTile == 0 && p.num_kv_heads <= 16;
+  if (staged) stage_scales(p, table, first, last, s);
+  s.k_tile = s.v_tile = nullptr;
+  auto ask_for = [&](int64_t tile) {
+    TileRows& tr = rows_of(tile);
+    tile_rows(p.block_size, table, row_stride, tile, start, end, tr);
+    pf.start(k_cache, v_cache, tr, col0, span_bytes);
+    if constexpr (kQuantized<KV>) {
+      if (!staged) prefetch_scales(p, tr, kvh0);
+    }
+  };
+  for (int64_t tile = first; tile < first + kAhead - 1 && tile <= last; ++tile) {
+    ask_for(tile);
+    pf.flush();
+  }
+  ask_for(std::min(first + kAhead - 1, last));
   for (int64_t tile = first; tile <= last; ++tile) {
-    const TileRows& tr = rows[(tile - first) & 1];
-    pf.flush();  // the rest of this tile's rows (all of them on the first tile)
-    if (tile < last) {
-      TileRows& next = rows[(tile - first + 1) & 1];
-      tile_rows(p.block_size, table, row_stride, tile + 1, start, end, next);
-      pf.start(k_cache, v_cache, next, col0, span_bytes);
-      if constexpr (kQuantized<KV>) prefetch_scales(p, next, kvh0);
+    const TileRows& tr = rows_of(tile);
+    pf.flush();  // the rest of tile + kAhead - 1's rows (all of the first ones')
+    if (tile + kAhead <= last) ask_for(tile + kAhead);
+    if (staged) {
+      const int64_t at = (tile - first) * kTile * p.num_kv_heads;
+      s.k_tile = s.k_stage.data() + at;
+      s.v_tile = s.v_stage.data() + at;
     }
     decode_tile<KV, kD, kDot>(p, k_cache, v_cache, tr, kvh0, kvh1, s, pf);
   }
