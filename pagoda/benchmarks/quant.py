@@ -192,22 +192,11 @@ def _decode_ms(llm: Any, prompt: list[int], num_tokens: int) -> float:
     return (timed(num_tokens + 1) - timed(1)) * 1000 / num_tokens
 
 
-def _throughput(llm: Any, workload: list[tuple[list[int], int]]) -> float:
-    from pagoda import SamplingParams
-
-    prompts = [{"prompt_token_ids": p} for p, _ in workload]
-    params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0)
-              for _, n in workload]
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
-    return sum(len(o.outputs[0].token_ids) for o in outs) / elapsed
-
-
 def run_row(row: Row, args: argparse.Namespace, eval_ids: list[int],
             workload: list) -> dict[str, Any]:
     """One row's numbers, or {"not_available": reason}."""
     from pagoda import LLM
+    from pagoda.benchmarks.quant_decode import pagoda_throughput
     from pagoda.eval.perplexity import perplexity
 
     try:
@@ -229,7 +218,7 @@ def run_row(row: Row, args: argparse.Namespace, eval_ids: list[int],
             "num_tokens_scored": ppl.num_tokens_scored,
             "weight_bytes": weight_bytes(model_),
             "decode_ms_per_token": _decode_ms(llm, eval_ids[:32], args.decode_tokens),
-            "throughput_tok_s": _throughput(llm, workload),
+            "throughput_tok_s": pagoda_throughput(llm, workload),
         }
     finally:
         del llm
