@@ -4,6 +4,10 @@ Which calls they take (anything else runs the reference):
   gguf_linear  Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K;
   wq_linear    codes of up to 8 bits whose group size is a multiple of 32 (or covers K);
   int8_linear  any shape (W8A8, bit-identical to the reference);
+  fp8_linear   e4m3fn weights with per-tensor, per-channel or per-block scales (blocks of a
+               multiple of 16 input columns): up to FP8_GEMV_MAX_ROWS activation rows each
+               code widened in registers (csrc/fp8_cpu.cpp), more rows the weight
+               dequantized to bf16 per call and oneDNN's bf16 GEMM;
 with x bfloat16 (int8_linear also float32: it is exact), on a CPU whose flags hold what the
 extension was compiled for (AVX-512 F/BW/VL at least; VNNI is used where compiled), when the
 weight went through `wquant.prepare(op, w, "cpu", dtype)` with a dtype the kernel takes (or
@@ -24,6 +28,8 @@ once under a lock, a failed build never retried in the process).
 from __future__ import annotations
 
 import logging
+import threading
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
@@ -41,7 +47,7 @@ NAME = "cpp"  # the key of this kernel's layout in w.kernel_data
 DTYPES = frozenset({torch.bfloat16})
 EXACT_DTYPES = frozenset({torch.float32, torch.bfloat16})
 REQUIRED_ISA = ("avx512f", "avx512bw", "avx512vl")
-_SOURCES = [Path(__file__).parent / "csrc" / "quant_cpu.cpp"]
+_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("quant_cpu.cpp", "fp8_cpu.cpp")]
 _module: ModuleType | None = None
 _load_failed = False
 _allowed: bool | None = None
@@ -110,6 +116,35 @@ def _prepare_int8(w: wquant.Int8Weight, dtype: torch.dtype | None) -> None:
         w.kernel_data[NAME] = quant_layouts.int8_codes(w.qweight)
 
 
+@dataclass(frozen=True, slots=True)
+class Fp8Layout:
+    codes: torch.Tensor  # uint8 [N, K]: the e4m3fn weight's own bytes (a view)
+    scales: torch.Tensor  # float32 [N, ceil(K / kblock)]
+    kblock: int
+
+
+def fp8_layout(w: wquant.Fp8Weight) -> Fp8Layout | None:
+    """The kernel's view of an fp8 weight: its bytes and one scale per (row, K block); None
+    for blocks the kernel does not take (K blocks neither a multiple of 16 nor all of K)."""
+    n, k = w.weight.shape
+    s = w.scale.float()
+    if w.block is None:
+        scales, kblock = (s.reshape(n, 1) if s.numel() == n else s.reshape(1, 1).expand(n, 1)), k
+    else:
+        bn, kblock = w.block
+        if kblock % 16 and kblock < k:
+            return None
+        scales = s.repeat_interleave(bn, 0)[:n]
+    return Fp8Layout(w.weight.contiguous().view(torch.uint8), scales.contiguous(), kblock)
+
+
+def _prepare_fp8(w: wquant.Fp8Weight, dtype: torch.dtype | None) -> None:
+    if w.weight.device.type == "cpu" and _takes(dtype, DTYPES):
+        layout = fp8_layout(w)
+        if layout is not None:
+            w.kernel_data[NAME] = layout
+
+
 # ---- kernels -------------------------------------------------------------------------------
 def block_linear(ext: ModuleType, x: torch.Tensor, lay: BlockLayout,
                  bias: torch.Tensor | None) -> torch.Tensor:
@@ -155,6 +190,40 @@ def _int8_linear(ext, x, w, bias=None):
     return y.view(*x.shape[:-1], w.qweight.shape[0])
 
 
+# NOTE: activation rows up to which widening every code per call beats dequantizing the
+# weight to bf16 and oneDNN's GEMM (docs/quantization.md, `bench kernels`).
+FP8_GEMV_MAX_ROWS = 8
+
+
+_fp8_buffers = threading.local()
+
+
+def _fp8_scratch(n: int, k: int) -> torch.Tensor:
+    """This thread's bf16 [n, k] buffer for a dequantized fp8 weight, reused by every layer
+    of that shape: a fresh tensor each call was mostly page faults (a 576 x 49152 weight:
+    20 ms, above glibc's mmap threshold every allocation maps new pages)."""
+    buffers = getattr(_fp8_buffers, "by_shape", None)
+    if buffers is None:
+        buffers = _fp8_buffers.by_shape = {}
+    buf = buffers.get((n, k))
+    if buf is None:
+        buf = buffers[(n, k)] = torch.empty(n, k, dtype=torch.bfloat16)
+    return buf
+
+
+def _fp8_linear(ext, x, w, bias=None):
+    lay: Fp8Layout = w.kernel_data[NAME]
+    n, k = lay.codes.shape
+    x2 = x.reshape(-1, k)
+    if x2.shape[0] <= FP8_GEMV_MAX_ROWS:
+        y = ext.fp8_gemv(x2.contiguous(), lay.codes, lay.scales, lay.kblock, bias)
+    else:
+        wb = _fp8_scratch(n, k)
+        ext.fp8_dequant(lay.codes, lay.scales, lay.kblock, wb)
+        y = torch.nn.functional.linear(x2, wb, None if bias is None else bias.to(x.dtype))
+    return y.view(*x.shape[:-1], n)
+
+
 def _has_layout(x, w, bias=None) -> bool:
     return NAME in w.kernel_data and x.shape[-1] == w.shape[1] and x.device.type == "cpu"
 
@@ -163,11 +232,16 @@ def _int8_has_layout(x, w, bias=None) -> bool:
     return NAME in w.kernel_data and x.shape[-1] == w.qweight.shape[1]
 
 
+def _fp8_has_layout(x, w, bias=None) -> bool:
+    return NAME in w.kernel_data and x.shape[-1] == w.weight.shape[1] and x.device.type == "cpu"
+
+
 def register() -> None:
     for op, fn, prep, supports, dtypes in (
         ("gguf_linear", _gguf_linear, _prepare_gguf, _has_layout, DTYPES),
         ("wq_linear", _wq_linear, _prepare_wq, _has_layout, DTYPES),
         ("int8_linear", _int8_linear, _prepare_int8, _int8_has_layout, EXACT_DTYPES),
+        ("fp8_linear", _fp8_linear, _prepare_fp8, _fp8_has_layout, DTYPES),
     ):
         OPS[op].register("cpu", Kernel(NAME, fn, dtypes, resolve, supports))
         wquant.register_preparer(op, "cpu", prep)

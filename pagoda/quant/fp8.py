@@ -139,6 +139,7 @@ class Fp8LinearMethod(QuantizeMethodBase):
         n, k = sum(output_partition_sizes), input_size_per_partition
         loader = extra_weight_attrs["weight_loader"]
         dtype = FP8_DTYPE if self.serialized else params_dtype
+        layer.params_dtype = params_dtype  # the activations' dtype, for the kernels' preparers
         self._add(layer, "weight", (n, k), dtype, {"input_dim": 1, "output_dim": 0}, loader)
         layer.quant_weight = None
         if not self.serialized:
@@ -175,7 +176,8 @@ class Fp8LinearMethod(QuantizeMethodBase):
             layer.weight_scale.data.copy_(scales)
         scale = layer.weight_scale_inv if self.block is not None else layer.weight_scale
         weight = wquant.Fp8Weight(layer.weight.data, scale.data.float(), self.block)
-        wquant.prepare("fp8_linear", weight, weight.weight.device.type)
+        wquant.prepare("fp8_linear", weight, weight.weight.device.type,
+                       getattr(layer, "params_dtype", None))
         layer.quant_weight = weight
 
     def apply(

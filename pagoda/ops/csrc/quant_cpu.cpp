@@ -217,7 +217,9 @@ inline void tile(const Weights& w, int64_t panel0, const QuantActs& a, int64_t r
       for (int c = 0; c < BLOCK; c += 8) {
         const int64_t col = b * BLOCK + c;
         __m512i w0[P], w1[P];
-        if constexpr (BITS == 4) {
+        // NOTE: single rows only: a tile of several rows is compute-bound, and there the
+        // prefetches only cost time (docs/quantization.md).
+        if constexpr (BITS == 4 && R == 1) {
           for (int p = 0; p < P; ++p) {
             const char* ahead = reinterpret_cast<const char*>(cp[p] + col * 8) + kPrefetch4;
             _mm_prefetch(ahead, _MM_HINT_T0);
@@ -330,9 +332,13 @@ void q_linear_impl(const Weights& w, const QuantActs& a, int64_t m, const Output
   const int64_t panels = w.np / kPanel;
   const int64_t tasks = (panels + kPanelTile - 1) / kPanelTile;
   // NOTE: every task reads all the chunk's activation rows: chunks of them small enough to
-  // stay in L2 (else hundreds of rows stream from L3 once per panel pair).
-  const int64_t chunk_rows =
-      std::max<int64_t>(kRowTile, kChunkBytes / a.kp / kRowTile * kRowTile);
+  // stay in L2 (else hundreds of rows stream from L3 once per panel pair), and of equal
+  // size: the static schedule below gives each thread a run of (chunk, task) pairs, so a
+  // short last chunk left one thread most of the work (512 rows of K = 576 on 2 threads:
+  // chunks of 452 and 60 rows, 1.8x the time of one chunk).
+  const int64_t max_rows = std::max<int64_t>(kRowTile, kChunkBytes / a.kp / kRowTile * kRowTile);
+  const int64_t even = (m + (m + max_rows - 1) / max_rows - 1) / ((m + max_rows - 1) / max_rows);
+  const int64_t chunk_rows = (even + kRowTile - 1) / kRowTile * kRowTile;
   const int64_t chunks = (m + chunk_rows - 1) / chunk_rows;
 #pragma omp parallel for schedule(static) collapse(2)
   for (int64_t c = 0; c < chunks; ++c) {
@@ -603,6 +609,12 @@ at::Tensor i8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
 }
 
+// fp8_cpu.cpp
+at::Tensor fp8_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                    int64_t kblock, const c10::optional<at::Tensor>& bias);
+void fp8_dequant(const at::Tensor& codes, const at::Tensor& scales, int64_t kblock,
+                 at::Tensor& out);
+
 }  // namespace pagoda_quant
 
 // NOTE: also a dispatcher op, so that the other extension's whole-layer calls
@@ -616,6 +628,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequant_rows", &pagoda_quant::dequant_rows,
         "rows of a panel layout's weight, dequantized into out (float32 or bf16)");
   m.def("i8_linear", &pagoda_quant::i8_linear, "W8A8 with a dynamic per-token activation scale");
+  m.def("fp8_gemv", &pagoda_quant::fp8_gemv, "x @ w.T for e4m3fn codes with block scales (few rows)");
+  m.def("fp8_dequant", &pagoda_quant::fp8_dequant, "e4m3fn codes times their scales, into a bf16 buffer");
   m.def("kernel_isa", [] { return std::map<std::string, std::vector<std::string>>{
       {"quant", pagoda_quant::quant_isa()}}; }, "op -> the /proc/cpuinfo flags its vector path uses");
 }
