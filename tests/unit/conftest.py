@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagoda.ops import cpu_kernels
+from pagoda.ops import cpu_kernels, quant_cpu
 
 
 @pytest.fixture(scope="module")
@@ -15,4 +15,13 @@ def ext():
     module = cpu_kernels.load_extension()
     if module is None:
         pytest.skip("the C++ extension could not be built here (no compiler?)")
+    return module
+
+
+@pytest.fixture(scope="module")
+def qext():
+    """The built quant extension, allowed to run on this CPU; else the test is skipped."""
+    module = quant_cpu.resolve()
+    if module is None:
+        pytest.skip("the quant CPU kernels are disabled, unbuildable or not for this CPU")
     return module

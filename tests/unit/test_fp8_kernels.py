@@ -19,14 +19,6 @@ from pagoda.ops.registry import OPS
 FP8 = torch.float8_e4m3fn
 
 
-@pytest.fixture(scope="module")
-def qext():
-    ext = quant_cpu.resolve()
-    if ext is None:
-        pytest.skip("the quant CPU kernels are disabled, unbuildable or not for this CPU")
-    return ext
-
-
 def _weight(n: int, k: int, scale_kind: str, seed: int) -> wquant.Fp8Weight:
     g = torch.Generator().manual_seed(seed)
     codes = (torch.randn(n, k, generator=g) * 64).clamp(-448, 448).to(FP8)

@@ -26,15 +26,6 @@ QUANTIZABLE = {quant_layouts.Q4_0: "Q4_0", quant_layouts.Q4_1: "Q4_1", quant_lay
 KQUANTS = {quant_layouts.Q4_K: "Q4_K", quant_layouts.Q5_K: "Q5_K", quant_layouts.Q6_K: "Q6_K"}
 
 
-@pytest.fixture(scope="module")
-def qext():
-    """The built quant extension, allowed to run on this CPU; else the test is skipped."""
-    ext = quant_cpu.resolve()
-    if ext is None:
-        pytest.skip("the quant CPU kernels are disabled, unbuildable or not for this CPU")
-    return ext
-
-
 def _quantized_acts(x: torch.Tensor, block: int) -> torch.Tensor:
     """x with each block rounded as the kernel does: d = max|x| / 127, round(x * (1 / d)) * d."""
     m, k = x.shape
