@@ -62,6 +62,25 @@ def _random_cache(kv: str, shape, num_blocks: int, block_size: int, g: torch.Gen
     return (kc, vc, ks, vs)
 
 
+BLOCK_SIZE = 16
+
+
+def decode_inputs(kvs: list[str], shape, batch: int, context: int, num_layers: int):
+    """A decode step's attention inputs, seeded: per kv dtype `num_layers` caches, block
+    tables placing `batch` sequences of `context` tokens in random blocks of BLOCK_SIZE (no
+    block 0), their lengths, and a bf16 q [batch, heads, head_dim]."""
+    g = torch.Generator().manual_seed(0)
+    per_seq = math.ceil(context / BLOCK_SIZE)
+    num_blocks = batch * per_seq + 1
+    layers = {kv: [_random_cache(kv, shape, num_blocks, BLOCK_SIZE, g)
+                   for _ in range(num_layers)] for kv in kvs}
+    tables = (torch.randperm(num_blocks - 1, generator=g)[: batch * per_seq] + 1).view(
+        batch, per_seq)
+    lens = torch.full((batch,), context, dtype=torch.long)
+    q = torch.randn(batch, shape.num_heads, shape.head_dim, generator=g).to(torch.bfloat16)
+    return layers, tables, lens, q
+
+
 def decode_attention_ms(kvs: list[str], shape, batch: int, context: int,
                         repeats: int) -> dict[str, tuple[float, float]]:
     """{kv dtype: (wall, process CPU) milliseconds of one decode step's attention over all
@@ -70,16 +89,7 @@ def decode_attention_ms(kvs: list[str], shape, batch: int, context: int,
     machine can still measure; wall time is the figure on a quiet one."""
     from pagoda import ops
 
-    block_size = 16
-    g = torch.Generator().manual_seed(0)
-    per_seq = math.ceil(context / block_size)
-    num_blocks = batch * per_seq + 1
-    layers = {kv: [_random_cache(kv, shape, num_blocks, block_size, g)
-                   for _ in range(shape.num_layers)] for kv in kvs}
-    tables = (torch.randperm(num_blocks - 1, generator=g)[: batch * per_seq] + 1).view(
-        batch, per_seq)
-    lens = torch.full((batch,), context, dtype=torch.long)
-    q = torch.randn(batch, shape.num_heads, shape.head_dim, generator=g).to(torch.bfloat16)
+    layers, tables, lens, q = decode_inputs(kvs, shape, batch, context, shape.num_layers)
     scale = shape.head_dim**-0.5
 
     def step(kv: str) -> None:
@@ -171,8 +181,8 @@ def _host_rows(args, shape, ids) -> dict[str, dict[str, Any]]:
     from pagoda.core.kv_cache_spec import group_layers
     from pagoda.worker.kv_compress import host_bytes_per_block
 
-    (spec,) = group_layers([None] * shape.num_layers, 16, shape.num_kv_heads, shape.head_dim,
-                           resolve_kv_cache_dtype("auto", torch.bfloat16))
+    (spec,) = group_layers([None] * shape.num_layers, BLOCK_SIZE, shape.num_kv_heads,
+                           shape.head_dim, resolve_kv_cache_dtype("auto", torch.bfloat16))
     rows = {}
     for compression in [c for c in args.host_compressions.split(",") if c]:
         per_token = host_bytes_per_block([spec], compression) // 16
@@ -216,7 +226,7 @@ def run_kv_quant(args: argparse.Namespace) -> dict[str, Any]:
     times = decode_attention_ms(kvs, shape, args.batch, args.context, args.repeats)
     rows = {}
     for kv in kvs:
-        (spec,) = group_layers([None] * shape.num_layers, 16, shape.num_kv_heads,
+        (spec,) = group_layers([None] * shape.num_layers, BLOCK_SIZE, shape.num_kv_heads,
                                shape.head_dim, resolve_kv_cache_dtype(kv, torch.bfloat16))
         wall, cpu = times[kv]
         row = {

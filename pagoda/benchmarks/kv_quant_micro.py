@@ -13,7 +13,6 @@ from typing import Any
 
 import torch
 
-BLOCK_SIZE = 16
 CALLS_PER_ROUND = 8
 
 
@@ -42,17 +41,11 @@ def _call_ms(q, layer, tables, lens, context: int) -> float:
 def run_micro(args, shape) -> dict[str, Any]:
     """{threads: {kv dtype: {ms, gb_s, speedup}}} (speedup against the first dtype), printed
     as a table per thread count."""
-    from pagoda.benchmarks.kv_quant import _random_cache
+    from pagoda.benchmarks.kv_quant import decode_inputs
 
     kvs = [k for k in args.kv_cache_dtypes.split(",") if k]
-    g = torch.Generator().manual_seed(0)
-    per_seq = math.ceil(args.context / BLOCK_SIZE)
-    num_blocks = args.batch * per_seq + 1
-    layers = {kv: _random_cache(kv, shape, num_blocks, BLOCK_SIZE, g) for kv in kvs}
-    tables = (torch.randperm(num_blocks - 1, generator=g)[: args.batch * per_seq] + 1).view(
-        args.batch, per_seq)
-    lens = torch.full((args.batch,), args.context, dtype=torch.long)
-    q = torch.randn(args.batch, shape.num_heads, shape.head_dim, generator=g).to(torch.bfloat16)
+    layered, tables, lens, q = decode_inputs(kvs, shape, args.batch, args.context, 1)
+    layers = {kv: caches[0] for kv, caches in layered.items()}
     before = torch.get_num_threads()
     report: dict[str, Any] = {}
     try:
@@ -73,6 +66,8 @@ def run_micro(args, shape) -> dict[str, Any]:
 
 
 def _print_micro(report: dict[str, Any], args, shape) -> None:
+    from pagoda.benchmarks.kv_quant import BLOCK_SIZE
+
     print(f"== one layer's decode attention: {args.batch} x {args.context} tokens, "
           f"{shape.num_heads}/{shape.num_kv_heads} heads x {shape.head_dim}, block "
           f"{BLOCK_SIZE}, bf16 q; best of {args.repeats} rounds of {CALLS_PER_ROUND} calls ==")

@@ -191,7 +191,7 @@ def _int8_linear(ext, x, w, bias=None):
 
 
 # NOTE: activation rows up to which widening every code per call beats dequantizing the
-# weight to bf16 and oneDNN's GEMM (docs/quantization.md, `bench kernels`).
+# weight to bf16 and oneDNN's GEMM (measured per shape: docs/quantization.md).
 FP8_GEMV_MAX_ROWS = 8
 
 
@@ -232,16 +232,12 @@ def _int8_has_layout(x, w, bias=None) -> bool:
     return NAME in w.kernel_data and x.shape[-1] == w.qweight.shape[1]
 
 
-def _fp8_has_layout(x, w, bias=None) -> bool:
-    return NAME in w.kernel_data and x.shape[-1] == w.weight.shape[1] and x.device.type == "cpu"
-
-
 def register() -> None:
     for op, fn, prep, supports, dtypes in (
         ("gguf_linear", _gguf_linear, _prepare_gguf, _has_layout, DTYPES),
         ("wq_linear", _wq_linear, _prepare_wq, _has_layout, DTYPES),
         ("int8_linear", _int8_linear, _prepare_int8, _int8_has_layout, EXACT_DTYPES),
-        ("fp8_linear", _fp8_linear, _prepare_fp8, _fp8_has_layout, DTYPES),
+        ("fp8_linear", _fp8_linear, _prepare_fp8, _has_layout, DTYPES),
     ):
         OPS[op].register("cpu", Kernel(NAME, fn, dtypes, resolve, supports))
         wquant.register_preparer(op, "cpu", prep)

@@ -113,6 +113,10 @@ class Fp8Weight:
     block: tuple[int, int] | None = None
     kernel_data: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.weight.shape)
+
     def dequantize(self) -> torch.Tensor:
         w = self.weight.to(torch.float32)
         s = self.scale.float()

@@ -334,11 +334,10 @@ void q_linear_impl(const Weights& w, const QuantActs& a, int64_t m, const Output
   // NOTE: every task reads all the chunk's activation rows: chunks of them small enough to
   // stay in L2 (else hundreds of rows stream from L3 once per panel pair), and of equal
   // size: the static schedule below gives each thread a run of (chunk, task) pairs, so a
-  // short last chunk left one thread most of the work (512 rows of K = 576 on 2 threads:
-  // chunks of 452 and 60 rows, 1.8x the time of one chunk).
+  // short last chunk left one thread most of the work (docs/quantization.md).
   const int64_t max_rows = std::max<int64_t>(kRowTile, kChunkBytes / a.kp / kRowTile * kRowTile);
-  const int64_t even = (m + (m + max_rows - 1) / max_rows - 1) / ((m + max_rows - 1) / max_rows);
-  const int64_t chunk_rows = (even + kRowTile - 1) / kRowTile * kRowTile;
+  const int64_t wanted = (m + max_rows - 1) / max_rows;
+  const int64_t chunk_rows = ((m + wanted - 1) / wanted + kRowTile - 1) / kRowTile * kRowTile;
   const int64_t chunks = (m + chunk_rows - 1) / chunk_rows;
 #pragma omp parallel for schedule(static) collapse(2)
   for (int64_t c = 0; c < chunks; ++c) {
