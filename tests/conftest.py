@@ -70,3 +70,18 @@ def _fresh_ops_dispatch():
     registry.refresh()
     yield
     registry.refresh()
+
+
+@pytest.fixture
+def wide_gemm(monkeypatch: pytest.MonkeyPatch) -> Callable[[str], int | None]:
+    """set(mode) -> the threshold: PAGODA_WIDE_GEMM=mode for this test, decided afresh
+    (ops/gemm_dispatch.py decides once per process); forgotten again afterwards."""
+    from pagoda.ops import gemm_dispatch
+
+    def set_mode(mode: str) -> int | None:
+        monkeypatch.setenv("PAGODA_WIDE_GEMM", mode)
+        gemm_dispatch.reset()
+        return gemm_dispatch.configure()
+
+    yield set_mode
+    gemm_dispatch.reset()

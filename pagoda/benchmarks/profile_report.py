@@ -47,6 +47,11 @@ def _dispatch(d: dict[str, Any]) -> list[str]:
     lines = ["== dispatch (what each op ran in the warm-up steps) =="]
     lines += [f"op   {name:<20}: {', '.join(kernels)}" for name, kernels in d["ops"].items()]
     lines += [f"gemm {name:<20}: {how}" for name, how in d["gemms"].items()]
+    if (wide := d.get("wide_bf16_gemm")) is not None:
+        rows = wide.get("fp32_min_rows")
+        how = "oneDNN bf16 at every row count" if rows is None else f"float32 from {rows} rows"
+        detail = wide.get("timings", wide.get("reason", ""))
+        lines.append(f"wide bf16 GEMMs          : {how} ({wide.get('mode')}; {detail})")
     lines.append(f"attention backend        : {d['attention_backend']}")
     lines.append("fused decoder layers     : " + ("on (one C++ call per layer between attention "
                  "calls)" if d.get("fused_layers") else "off (op by op)"))

@@ -221,6 +221,7 @@ def run_step_profile(args: argparse.Namespace) -> dict[str, Any]:
     """Run every case; print the report; return it (the keys of SECTIONS)."""
     from pagoda.benchmarks.onednn_probe import probe
     from pagoda.benchmarks.profile_report import print_report
+    from pagoda.ops import gemm_dispatch as wide_gemm
 
     engine = _engine(args)
     inst = StepInstrumentation(engine)
@@ -240,7 +241,8 @@ def run_step_profile(args: argparse.Namespace) -> dict[str, Any]:
     report["dispatch"] = {"ops": {k: sorted(v) for k, v in sorted(inst.dispatch.items())},
                           "gemms": gemm_dispatch(engine),
                           "fused_layers": engine.executor.worker.model.fused_stack() is not None,
-                          "attention_backend": engine.config.model.attn_backend}
+                          "attention_backend": engine.config.model.attn_backend,
+                          "wide_bf16_gemm": wide_gemm.probe_report() or None}
     spec = engine.executor.worker.model.spec
     shapes = [((spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim, spec.hidden_size),
               (spec.hidden_size, spec.num_heads * spec.head_dim),

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from pagoda import ops
-from pagoda.ops import quant_cpu
+from pagoda.ops import gemm_dispatch, quant_cpu
 from pagoda.quant.gguf import GGUFLinearMethod
 from pagoda.quant.group_quant import GroupQuantLinearMethod
 from pagoda.quant.unquantized import UnquantizedLinearMethod, is_packed
@@ -53,9 +53,14 @@ def _quant_layout(linear: nn.Module) -> Any:
     return weight.kernel_data.get(quant_cpu.NAME) if quant_cpu.resolve() is not None else None
 
 
-def _eligible(layer: nn.Module, dtype: torch.dtype) -> bool:
+def _linears(layer: nn.Module) -> tuple[nn.Module, ...]:
     attn, mlp = layer.self_attn, layer.mlp
-    linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    return (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+
+
+def _eligible(layer: nn.Module, dtype: torch.dtype) -> bool:
+    attn = layer.self_attn
+    linears = _linears(layer)
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
     return (
         not attn.qk_norm
@@ -75,6 +80,7 @@ class FusedDecoderStack:
         self.first_norm = layers[0].input_layernorm
         self.attns = [layer.self_attn.attn for layer in layers]
         self.layers = [self._layer(ext, layer) for layer in layers]
+        self.has_dense = any(_packed_dense(m) for layer in layers for m in _linears(layer))
         self.qkv: Callable[..., Any] = ext.decoder_qkv
         self.mlp: Callable[..., Any] = ext.decoder_mlp
         self.mlp_qkv: Callable[..., Any] = ext.decoder_mlp_qkv
@@ -120,6 +126,13 @@ class FusedDecoderStack:
             return None
         with torch.no_grad():
             return cls(ext, layers, dtype)
+
+    def widens(self, x: torch.Tensor) -> bool:
+        """Whether x has enough rows that this CPU's dense bf16 products run in float32
+        (ops/gemm_dispatch.py): the extension's GEMMs are oneDNN's bf16 ones, so the model
+        then runs op by op, where that dispatch happens. Prefill-sized batches only: the
+        host time the stack saves is negligible beside their GEMMs."""
+        return self.has_dense and x.shape[0] >= gemm_dispatch.active_min_rows
 
     def run(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,

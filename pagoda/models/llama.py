@@ -322,7 +322,7 @@ class LlamaForCausalLM(nn.Module):
         layer_mds = md if isinstance(md, list) else [md] * len(kv_caches)
         cos, sin = self.rotary.cos, self.rotary.sin
         stack = self.fused_stack() if fused is not None else None
-        if stack is not None and stack.dtype == x.dtype == cos.dtype:
+        if stack is not None and stack.dtype == x.dtype == cos.dtype and not stack.widens(x):
             if len(kv_caches) != len(stack.layers):
                 raise ValueError(f"{len(kv_caches)} KV caches for {len(stack.layers)} layers")
             x, residual = stack.run(x, cos, sin, positions, kv_caches, layer_mds)

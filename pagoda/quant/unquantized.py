@@ -4,7 +4,8 @@ On CPU, `F.linear` in bfloat16/float16 hands oneDNN a plain row-major weight and
 reorders it into its blocked layout on every call: a full extra pass over the weight, which
 at decode batch sizes costs as much as the product itself (1.2x slower at 32 rows, 2x at one
 row on this machine's EPYC). Repacking once after loading removes that pass; the results are
-bit-identical to `F.linear` (checked in tests/unit/test_linear.py).
+bit-identical to `F.linear` (checked in tests/unit/test_linear.py), except where this CPU's
+start-up probe sends wide bf16 products to float32 (ops/gemm_dispatch.py).
 
 The packed tensor replaces the dense one as the registered `weight` (an opaque mkldnn
 tensor: no second copy is kept). `state_dict()` shows it densified (`to_dense()` is exact),
@@ -26,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagoda.ops import gemm_dispatch
 from pagoda.quant.base import QuantizeMethodBase, set_weight_attrs
 
 _PACKED_DTYPES = (torch.bfloat16, torch.float16)
@@ -61,6 +63,11 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
 def packed_linear(
     x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
+    # NOTE: wide bf16 products may run in float32 where this CPU's probe chose it
+    # (ops/gemm_dispatch.py); the threshold is sys.maxsize until an engine configures it.
+    if x.shape[0] >= gemm_dispatch.active_min_rows and x.dtype == torch.bfloat16 \
+            and x.dim() == 2:
+        return gemm_dispatch.widened_linear(x, packed, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 

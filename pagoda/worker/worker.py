@@ -31,6 +31,7 @@ from pagoda.core.scheduler_output import SchedulerOutput
 from pagoda.cpu_features import request_amx_tiles
 from pagoda.models.factory import build_model
 from pagoda.models.loader import Checkpoint
+from pagoda.ops import gemm_dispatch
 from pagoda.ops import registry as ops_registry
 from pagoda.ops.cpu_kernels import load_extension
 from pagoda.spec_decode.proposer import ProposerContext, create_proposer
@@ -65,6 +66,9 @@ class Worker:
             # NOTE: build (or load the cached build of) the C++ kernels now, so the first
             # request does not pay the compile time.
             load_extension()
+            # NOTE: once per process, before the model: which kernel wide bf16 GEMMs take.
+            if self.dtype == torch.bfloat16:
+                gemm_dispatch.configure()
         # NOTE: ops resolve their kernels once per engine (the environment may have changed
         # since an earlier engine in this process: PAGODA_DISABLE_CPU_KERNELS in tests).
         ops_registry.refresh()
