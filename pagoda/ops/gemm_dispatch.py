@@ -42,10 +42,9 @@ FORCED_MIN_ROWS = 128
 # big enough that the timing is the kernel's, small enough that the probe takes ~0.1 s.
 _PROBE_K, _PROBE_N = 1024, 2048
 
-_UNSET = object()
-_min_rows: int | None | object = _UNSET
 # NOTE: what the hot path reads: the threshold, or a row count no product reaches.
 active_min_rows: int = sys.maxsize
+_decided = False
 _probe_report: dict[str, object] = {}
 
 
@@ -59,7 +58,7 @@ def mode() -> str:
 def fp32_min_rows() -> int | None:
     """Rows from which a bf16 packed product runs in float32, or None (always bf16).
     None until `configure()` has run in this process."""
-    return None if _min_rows is _UNSET else _min_rows  # type: ignore[return-value]
+    return None if active_min_rows == sys.maxsize else active_min_rows
 
 
 def probe_report() -> dict[str, object]:
@@ -109,29 +108,30 @@ def _probe() -> int | None:
 
 def configure() -> int | None:
     """Decides the threshold once per process (the probe runs on first call); returns it."""
-    global _min_rows, active_min_rows
-    if _min_rows is not _UNSET:
-        return _min_rows  # type: ignore[return-value]
+    global _decided, active_min_rows
+    if _decided:
+        return fp32_min_rows()
     chosen = mode()
     _probe_report.clear()
     _probe_report["mode"] = chosen
     if chosen == "bf16":
-        _min_rows = None
+        rows = None
     elif chosen == "fp32":
-        _min_rows = FORCED_MIN_ROWS
+        rows = FORCED_MIN_ROWS
     else:
-        _min_rows = _probe()
+        rows = _probe()
         logger.info("wide bf16 GEMMs: %s (%s)",
-                    "oneDNN bf16" if _min_rows is None else f"float32 from {_min_rows} rows",
+                    "oneDNN bf16" if rows is None else f"float32 from {rows} rows",
                     _probe_report.get("timings", _probe_report.get("reason")))
-    _probe_report["fp32_min_rows"] = _min_rows
-    active_min_rows = sys.maxsize if _min_rows is None else _min_rows  # type: ignore[assignment]
-    return _min_rows  # type: ignore[return-value]
+    _probe_report["fp32_min_rows"] = rows
+    active_min_rows = sys.maxsize if rows is None else rows
+    _decided = True
+    return rows
 
 
 def reset() -> None:
     """Forgets the decision (tests; the next `configure()` decides again)."""
-    global _min_rows, active_min_rows
-    _min_rows = _UNSET
+    global _decided, active_min_rows
+    _decided = False
     active_min_rows = sys.maxsize
     _probe_report.clear()
