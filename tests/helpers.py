@@ -106,3 +106,12 @@ def spy_on_extension(ext: Any, monkeypatch: Any) -> list[str]:
 
     monkeypatch.setattr(cpu_kernels, "_module", Spy())
     return calls
+
+
+def bf16_packs() -> bool:
+    """Whether oneDNN packs a bf16 linear weight here (it refuses on a CPU without AVX-512:
+    UnquantizedLinearMethod then keeps the dense weight on F.linear)."""
+    from pagoda.quant.unquantized import can_pack, pack_weight
+
+    probe = torch.zeros(16, 16, dtype=torch.bfloat16)
+    return can_pack(probe) and pack_weight(probe) is not None

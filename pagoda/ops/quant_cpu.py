@@ -9,7 +9,8 @@ Which calls they take (anything else runs the reference):
                code widened in registers (csrc/fp8_cpu.cpp), more rows the weight
                dequantized to bf16 per call and oneDNN's bf16 GEMM;
 with x bfloat16 (int8_linear also float32: it is exact), on a CPU whose flags hold what the
-extension was compiled for (AVX-512 F/BW/VL at least; VNNI is used where compiled), when the
+extension was compiled for (AVX-512 F/BW/VL, or AVX2 + FMA + F16C; VNNI is used where
+compiled; the fp8 kernels are AVX-512 only: `fp8_allowed()`), when the
 weight went through `wquant.prepare(op, w, "cpu", dtype)` with a dtype the kernel takes (or
 None): the preparers build nothing for other dtypes (a float32 model never runs them).
 `PAGODA_DISABLE_CPU_KERNELS=1` forces the reference.
@@ -46,7 +47,8 @@ NAME = "cpp"  # the key of this kernel's layout in w.kernel_data
 # dequantized weight's: float32, the dtype exact against transformers, keeps the reference.
 DTYPES = frozenset({torch.bfloat16})
 EXACT_DTYPES = frozenset({torch.float32, torch.bfloat16})
-REQUIRED_ISA = ("avx512f", "avx512bw", "avx512vl")
+# The vector paths quant_cpu.cpp compiles: one of them must be there for the kernels to run.
+REQUIRED_ISA = (("avx512f", "avx512bw", "avx512vl"), ("avx2", "fma", "f16c"))
 _SOURCES = [Path(__file__).parent / "csrc" / name for name in ("quant_cpu.cpp", "fp8_cpu.cpp")]
 _module: ModuleType | None = None
 _load_failed = False
@@ -67,8 +69,9 @@ def load_extension() -> ModuleType | None:
 
 
 def isa_allows(compiled: list[str] | tuple[str, ...], flags: frozenset[str]) -> bool:
-    """Every compiled subset present on the CPU (no SIGILL) and the required ones compiled."""
-    return all(f in flags for f in compiled) and all(f in compiled for f in REQUIRED_ISA)
+    """Every compiled subset present on the CPU (no SIGILL) and one vector path compiled."""
+    return all(f in flags for f in compiled) and any(
+        all(f in compiled for f in path) for path in REQUIRED_ISA)
 
 
 def resolve() -> ModuleType | None:
@@ -83,8 +86,9 @@ def resolve() -> ModuleType | None:
         compiled = ext.kernel_isa()["quant"]
         _allowed = isa_allows(compiled, cpu_kernels.cpu_flags())
         if not _allowed:
-            logger.warning("pagoda quant CPU kernels not used here: compiled for %s, CPU lacks "
-                           "some of %s", compiled or "scalar code only", list(REQUIRED_ISA))
+            logger.warning("pagoda quant CPU kernels not used here: compiled for %s; they run "
+                           "where the CPU has those flags and one of the vector paths %s",
+                           compiled or "scalar code only", [list(p) for p in REQUIRED_ISA])
     return ext if _allowed else None
 
 
@@ -138,8 +142,14 @@ def fp8_layout(w: wquant.Fp8Weight) -> Fp8Layout | None:
     return Fp8Layout(w.weight.contiguous().view(torch.uint8), scales.contiguous(), kblock)
 
 
+def fp8_allowed() -> bool:
+    """Whether the fp8 kernels (AVX-512 only) were compiled for this CPU's vector path."""
+    ext = resolve()
+    return ext is not None and bool(ext.kernel_isa().get("fp8"))
+
+
 def _prepare_fp8(w: wquant.Fp8Weight, dtype: torch.dtype | None) -> None:
-    if w.weight.device.type == "cpu" and _takes(dtype, DTYPES):
+    if w.weight.device.type == "cpu" and _takes(dtype, DTYPES) and fp8_allowed():
         layout = fp8_layout(w)
         if layout is not None:
             w.kernel_data[NAME] = layout

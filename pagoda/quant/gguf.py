@@ -58,6 +58,41 @@ def native_enabled(mode: str, device: torch.device, dtype: torch.dtype) -> bool:
     return wquant.gguf_linear.kernel_for(probe) is not None
 
 
+# HF module names that one packed pagoda layer loads together (a packed layer runs from its
+# blocks only when its parts share one ggml type).
+_PACKED_PARTS = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
+                 "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
+
+
+def all_linears_native(types: dict[str, GGMLQuantizationType]) -> bool:
+    """Whether every 2-D weight of a GGUF file (HF module path -> ggml type) would run from
+    its blocks: each of a native type, and the parts of each packed layer of one type."""
+    packed: dict[str, set[GGMLQuantizationType]] = {}
+    for module, qtype in types.items():
+        if qtype not in NATIVE_TYPES:
+            return False
+        parent, _, leaf = module.rpartition(".")
+        packed.setdefault(f"{parent}.{_PACKED_PARTS.get(leaf, leaf)}", set()).add(qtype)
+    return bool(types) and all(len(t) == 1 for t in packed.values())
+
+
+def prefers_bf16(ckpt: Any, quantization: str | None, mode: str, device: torch.device) -> bool:
+    """Whether dtype "auto" takes bfloat16 on a CPU without bf16 arithmetic (AVX2, or
+    AVX-512 without AVX512_BF16), where it is float32 otherwise: a GGUF file all of whose
+    linears run from their blocks there, with bf16 activations. No dense bf16 GEMM is then
+    left to emulate (oneDNN has no bf16 kernel on such a CPU: a dense one runs ~5x slower
+    than float32), and the blocks read a quarter of float32's bytes (measured faster,
+    docs/architecture.md). An explicit float32 keeps the exact dequantized path."""
+    from pagoda.config import cpu_has_bf16
+
+    if (device.type != "cpu" or getattr(ckpt, "format", None) != "gguf" or cpu_has_bf16()
+            or quantization not in (None, "gguf") or mode == "off"):
+        return False
+    if not native_enabled(mode, device, torch.bfloat16):
+        return False
+    return all_linears_native(GGUFNativeConfig.from_checkpoint(ckpt.iter_raw_tensors()).types)
+
+
 @register_quantization_config("gguf")
 class GGUFNativeConfig(QuantizationConfig):
     """`types`: each checkpoint module's ggml type (HF module path, e.g.

@@ -34,6 +34,7 @@ from pagoda.models.loader import Checkpoint
 from pagoda.ops import gemm_dispatch
 from pagoda.ops import registry as ops_registry
 from pagoda.ops.cpu_kernels import load_extension
+from pagoda.quant.gguf import prefers_bf16
 from pagoda.spec_decode.proposer import ProposerContext, create_proposer
 from pagoda.worker.block_copies import LayerCaches, swap_blocks
 from pagoda.worker.kv_compress import host_layer_tensors, pool_format
@@ -55,6 +56,9 @@ class Worker:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
+        if config.model.dtype == "auto" and prefers_bf16(
+                ckpt, config.model.quantization, config.model.gguf_native, self.device):
+            self.dtype = torch.bfloat16
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype)
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids

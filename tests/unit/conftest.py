@@ -25,3 +25,20 @@ def qext():
     if module is None:
         pytest.skip("the quant CPU kernels are disabled, unbuildable or not for this CPU")
     return module
+
+
+@pytest.fixture(scope="module")
+def fp8ext(qext):
+    """The quant extension where its fp8 kernels (AVX-512 only) run; else skipped, saying so."""
+    if not quant_cpu.fp8_allowed():
+        pytest.skip(f"the fp8 kernels need AVX-512; this build has {qext.kernel_isa()['quant']}")
+    return qext
+
+
+@pytest.fixture(scope="module")
+def fused_ext(ext):
+    """The extension where dispatch takes its fused ops (AVX-512 F/BW/VL); else skipped,
+    saying so (their scalar code still builds there, and the tests calling it run)."""
+    if cpu_kernels.kernel_for("fused_ops") is None:
+        pytest.skip("dispatch takes the fused ops only with AVX-512 F/BW/VL; this CPU lacks it")
+    return ext

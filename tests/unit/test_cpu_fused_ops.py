@@ -137,9 +137,9 @@ def test_silu_and_mul_matches_pytorch(ext, dtype: torch.dtype, rows: int) -> Non
 
 
 # ---- the layers' dispatch --------------------------------------------------------------
-def test_layers_use_fused_ops_for_bf16_only(ext, monkeypatch: pytest.MonkeyPatch) -> None:
-    assert cpu_kernels.kernel_for("fused_ops") is ext  # the ISA decision, made before the spy
-    calls = spy_on_extension(ext, monkeypatch)
+def test_layers_use_fused_ops_for_bf16_only(fused_ext, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert cpu_kernels.kernel_for("fused_ops") is fused_ext  # the ISA decision, made before the spy
+    calls = spy_on_extension(fused_ext, monkeypatch)
     norm = RMSNorm(64, 1e-6)
     for dtype, fused in ((torch.bfloat16, True), (torch.float32, False)):
         calls.clear()

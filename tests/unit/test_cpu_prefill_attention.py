@@ -91,13 +91,21 @@ def _check(case, window, tol, scales=(None, None), num_decodes=0):
 
 @pytest.mark.parametrize("group", [1, 3, 4])
 @pytest.mark.parametrize("window", [None, 5, 40])
-def test_float32_matches_oracle_and_reference(ext, group: int, window: int | None) -> None:
+def test_float32_matches_oracle_and_reference(tiled, ext, group: int, window: int | None) -> None:
     case = _case(REQUESTS, 2, group, torch.float32, seed=group, num_decodes=3)
     _check(case, window, 1e-5, num_decodes=3)
 
 
+@pytest.fixture
+def tiled(ext):
+    """The tests of the tiled kernel itself: skipped, saying why, where it cannot run (it is
+    AVX-512 only; prefill rows take the decode kernel there, tested below)."""
+    if cpu_kernels.kernel_for("paged_prefill_attention") is None:
+        pytest.skip("the tiled prefill kernel is AVX-512 only; this CPU lists no avx512f")
+
+
 @pytest.fixture(params=[True, False], ids=["bf16_dot", "fp32_fma"])
-def bf16_path(request: pytest.FixtureRequest, ext):
+def bf16_path(request: pytest.FixtureRequest, ext, tiled):
     """Both inner paths for bf16: vdpbf16ps (where the CPU has AVX512_BF16) and the fp32-FMA
     fallback of CPUs without it."""
     path = ext.set_bf16_dot(request.param)
@@ -117,7 +125,7 @@ def test_bfloat16_paths_match_oracle(bf16_path: str, group: int, window: int | N
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [32, 96, 128, 256])
 @pytest.mark.parametrize("group", [1, 4])
-def test_head_dims(ext, dtype: torch.dtype, head_dim: int, group: int) -> None:
+def test_head_dims(tiled, ext, dtype: torch.dtype, head_dim: int, group: int) -> None:
     """Head dims with other tile heights (64 / G rows up to 64, 32 / G to 128, 16 / G)."""
     requests = [(70, 70), (3, 40), (33, 60)]
     case = _case(requests, 2, group, dtype, d=head_dim, seed=head_dim)
@@ -128,7 +136,7 @@ def test_head_dims(ext, dtype: torch.dtype, head_dim: int, group: int) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [1, 8, 24, 32])
-def test_block_sizes(ext, dtype: torch.dtype, block_size: int) -> None:
+def test_block_sizes(tiled, ext, dtype: torch.dtype, block_size: int) -> None:
     """Tiles of 16 positions over several blocks or parts of one."""
     case = _case(REQUESTS, 3, 3, dtype, block_size=block_size, seed=block_size)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
@@ -147,7 +155,7 @@ def test_float32_query_on_bfloat16_cache_is_near_exact(bf16_path: str) -> None:
     ("d", "block_size", "hk", "group"), [(64, 16, 2, 4), (64, 8, 1, 3), (96, 32, 2, 2),
                                          (128, 1, 2, 1)],
 )
-def test_quantized_caches(ext, code, q_dtype, d, block_size, hk, group) -> None:
+def test_quantized_caches(tiled, ext, code, q_dtype, d, block_size, hk, group) -> None:
     """int8 / fp8 codes read in place (codes staged as exact bf16 on the dot path)."""
     q, k_cache, v_cache, tables, starts, qlens, lens = _case(
         REQUESTS, hk, group, torch.float32, d=d, block_size=block_size, q_dtype=q_dtype,
@@ -162,7 +170,7 @@ def test_quantized_caches(ext, code, q_dtype, d, block_size, hk, group) -> None:
         _check(case, window, tol, scales=(k_scale, v_scale))
 
 
-def test_window_reads_nothing_before_it(ext) -> None:
+def test_window_reads_nothing_before_it(tiled, ext) -> None:
     """A windowed group nulls the table entries before a chunk's window (core/kv_groups):
     those entries are neither read nor checked."""
     requests = [(20, 100), (8, 64)]
@@ -179,14 +187,14 @@ def test_window_reads_nothing_before_it(ext) -> None:
 
 
 @pytest.mark.parametrize(("bad", "match"), [(-1, "out of range"), (10**6, "out of range")])
-def test_out_of_range_block_id_is_a_clear_error(ext, bad: int, match: str) -> None:
+def test_out_of_range_block_id_is_a_clear_error(tiled, ext, bad: int, match: str) -> None:
     q, k_cache, v_cache, tables, starts, qlens, lens = _case([(5, 20)], 1, 2, torch.float32)
     tables[0, 1] = bad
     with pytest.raises(RuntimeError, match=match):
         _tiled(q, k_cache, v_cache, tables, starts, qlens, lens, 0.125)
 
 
-def test_rows_outside_q_or_context_are_refused(ext) -> None:
+def test_rows_outside_q_or_context_are_refused(tiled, ext) -> None:
     q, k_cache, v_cache, tables, starts, qlens, lens = _case([(5, 20)], 1, 2, torch.float32)
     with pytest.raises(RuntimeError, match="outside q"):
         _tiled(q, k_cache, v_cache, tables, starts + 1, qlens, lens, 0.125)
@@ -226,7 +234,7 @@ def _metadata(case, num_decodes: int, decode_lens: list[int], tiled: bool) -> At
 
 
 @pytest.mark.parametrize("window", [None, 30])
-def test_backend_takes_tiled_prefill_and_decode_kernels(ext, monkeypatch, window) -> None:
+def test_backend_takes_tiled_prefill_and_decode_kernels(tiled, ext, monkeypatch, window) -> None:
     """A mixed bf16 step: decode rows through the decode kernel, prefill rows through the
     tiled kernel, one call each, equal to the per-token rows path and the oracle."""
     case = _case(REQUESTS, 3, 3, torch.bfloat16, num_decodes=2, seed=21)
@@ -247,7 +255,7 @@ def test_backend_takes_tiled_prefill_and_decode_kernels(ext, monkeypatch, window
 
 
 @pytest.mark.parametrize("group", [1, 4])
-def test_requests_with_few_query_vectors_take_the_decode_kernel(ext, monkeypatch, group) -> None:
+def test_requests_with_few_query_vectors_take_the_decode_kernel(tiled, ext, monkeypatch, group) -> None:
     """Query rows x G below TILED_MIN_QUERY_VECTORS (speculative k + 1 rows, short chunks)
     go with the decode rows through the decode kernel, the others through the tiled one:
     one call each, and all rows right. G = 4: 4 rows are enough, 3 are not."""

@@ -40,7 +40,7 @@ CASES = [(37, 100, "channel"), (64, 576, "tensor"), (256, 320, "block")]
 
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 16, 17, 64])
 @pytest.mark.parametrize("n,k,scale_kind", CASES)
-def test_fp8_linear_matches_reference(qext, m: int, n: int, k: int, scale_kind: str) -> None:
+def test_fp8_linear_matches_reference(fp8ext, m: int, n: int, k: int, scale_kind: str) -> None:
     w = _weight(n, k, scale_kind, seed=m * 7 + n)
     wquant.prepare("fp8_linear", w, "cpu", torch.bfloat16)
     g = torch.Generator().manual_seed(m)
@@ -60,7 +60,7 @@ def test_fp8_linear_matches_reference(qext, m: int, n: int, k: int, scale_kind: 
     torch.testing.assert_close(y.double(), ref, rtol=rtol, atol=atol_frac * ref.abs().max().item())
 
 
-def test_every_code_widens_to_its_value(qext) -> None:
+def test_every_code_widens_to_its_value(fp8ext) -> None:
     # NOTE: 0x7f / 0xff are e4m3fn's NaN, which no checkpoint stores; the rest includes the
     # subnormals (exponent field 0) and both zeros.
     codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
@@ -74,11 +74,11 @@ def test_every_code_widens_to_its_value(qext) -> None:
     assert torch.equal(y[0].float(), values)
     lay = w.kernel_data["cpp"]
     deq = torch.empty(lay.codes.shape, dtype=torch.bfloat16)
-    qext.fp8_dequant(lay.codes, lay.scales, lay.kblock, deq)
+    fp8ext.fp8_dequant(lay.codes, lay.scales, lay.kblock, deq)
     assert torch.equal(deq.float(), values.reshape(-1, 1).expand(-1, 16))
 
 
-def test_preparer_skips_float32_and_blocks_it_cannot_take(qext) -> None:
+def test_preparer_skips_float32_and_blocks_it_cannot_take(fp8ext) -> None:
     w = _weight(37, 100, "channel", seed=1)
     wquant.prepare("fp8_linear", w, "cpu", torch.float32)  # float32 keeps the exact reference
     assert not w.kernel_data and _runs_reference(torch.randn(1, 100), w)
@@ -89,10 +89,25 @@ def test_preparer_skips_float32_and_blocks_it_cannot_take(qext) -> None:
     assert torch.equal(wquant.fp8_linear(x, odd), wquant.fp8_linear_reference(x, odd))
 
 
-def test_disabled_kernels_run_the_reference(qext, monkeypatch) -> None:
+def test_disabled_kernels_run_the_reference(fp8ext, monkeypatch) -> None:
     w = _weight(64, 576, "tensor", seed=2)
     wquant.prepare("fp8_linear", w, "cpu", torch.bfloat16)
     x = torch.randn(2, 576).to(torch.bfloat16)
     monkeypatch.setenv("PAGODA_DISABLE_CPU_KERNELS", "1")
     assert _runs_reference(x, w)
     assert torch.equal(wquant.fp8_linear(x, w), wquant.fp8_linear_reference(x, w))
+
+
+def test_a_build_without_the_fp8_kernels_runs_the_reference(qext, monkeypatch) -> None:
+    """An AVX2 build has the block kernels but no fp8 ones: fp8 weights get no layout."""
+    monkeypatch.setattr(quant_cpu, "fp8_allowed", lambda: False)
+    w = _weight(64, 576, "tensor", seed=3)
+    wquant.prepare("fp8_linear", w, "cpu", torch.bfloat16)
+    x = torch.randn(2, 576).to(torch.bfloat16)
+    assert not w.kernel_data and _runs_reference(x, w)
+    assert torch.equal(wquant.fp8_linear(x, w), wquant.fp8_linear_reference(x, w))
+
+
+def test_fp8_allowed_follows_the_build(qext) -> None:
+    assert quant_cpu.fp8_allowed() == bool(qext.kernel_isa()["fp8"])
+    assert quant_cpu.fp8_allowed() == ("avx512f" in qext.kernel_isa()["quant"])

@@ -48,7 +48,7 @@ def _rotary_case(seed: int, dtype=torch.bfloat16, tokens=7, heads=4, kv_heads=2,
 
 
 @pytest.mark.parametrize("code", CODES)
-def test_fused_rotary_write_quantizes_like_the_reference(ext, code) -> None:
+def test_fused_rotary_write_quantizes_like_the_reference(fused_ext, code) -> None:
     qkv, cos, sin, positions, slots, h, hk = _rotary_case(seed=1)
     results = []
     for fn in (ops.rotary_and_cache, reference.rotary_and_cache):

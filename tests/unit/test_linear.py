@@ -10,10 +10,12 @@ import torch.nn.functional as F
 from pagoda.layers.linear import ReplicatedLinear
 from pagoda.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from pagoda.quant import unquantized
-from pagoda.quant.unquantized import UnquantizedLinearMethod, can_pack
+from pagoda.quant.unquantized import UnquantizedLinearMethod
+from tests.helpers import bf16_packs
 
 needs_mkldnn = pytest.mark.skipif(
-    not can_pack(torch.zeros(2, 2, dtype=torch.bfloat16)), reason="no oneDNN in this torch"
+    not bf16_packs(),
+    reason="no oneDNN in this torch, or oneDNN packs no bf16 weight on this CPU (no AVX-512)",
 )
 
 
@@ -134,3 +136,16 @@ def test_lm_head_and_tied_embedding_pack_for_logits() -> None:
     embed.to(torch.float32)
     assert embed.packed_logits_weight is None and embed.weight.dtype == torch.float32
     assert torch.equal(embed.compute_logits(hidden.float()), F.linear(hidden.float(), table.float()))
+
+
+def test_a_weight_onednn_cannot_pack_stays_dense_on_f_linear(monkeypatch) -> None:
+    """Where oneDNN refuses a weight (bf16 on a CPU without AVX-512, float16 without
+    AVX512_FP16): the dense weight is kept, and the product is F.linear's."""
+    monkeypatch.setattr(unquantized, "pack_weight", lambda w: None)
+    layer = _layer(32, 24, torch.bfloat16, bias=True)
+    weight, bias = layer.weight.detach().clone(), layer.bias.detach().clone()
+    layer.process_weights_after_loading()
+    assert not layer.weight.is_mkldnn and torch.equal(layer.weight, weight)
+    x = torch.randn(5, 32).to(torch.bfloat16)
+    assert torch.equal(layer(x), F.linear(x, weight, bias))
+    assert torch.equal(layer.state_dict()["weight"], weight)

@@ -260,6 +260,12 @@ def test_disabled_kernels_fall_back_to_reference(qext, monkeypatch) -> None:
 def test_cpu_without_the_instructions_falls_back(qext, monkeypatch) -> None:
     assert not quant_cpu.isa_allows(["avx512f", "avx512bw", "avx512vl"], frozenset({"avx2"}))
     assert not quant_cpu.isa_allows(["avx512f"], frozenset({"avx512f", "avx512bw", "avx512vl"}))
+    # The AVX2 path (AVX2 + FMA + F16C): whole, and only where the CPU has all three.
+    avx2 = frozenset({"avx2", "fma", "f16c"})
+    assert quant_cpu.isa_allows(sorted(avx2), avx2)
+    assert not quant_cpu.isa_allows(sorted(avx2), frozenset({"avx2", "fma"}))
+    assert not quant_cpu.isa_allows(["avx2"], avx2)
+    assert not quant_cpu.isa_allows([], avx2)
     w = _gguf_weight(quant_layouts.Q8_0, 8, 64, seed=4)
     monkeypatch.setattr(quant_cpu, "_allowed", False)
     x = torch.randn(1, 64).to(torch.bfloat16)

@@ -30,6 +30,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 namespace pagoda_quant {
@@ -102,6 +103,14 @@ void row_dot(const uint8_t* w, const float* s, const float* xf, int64_t kp, int6
 #endif
 
 }  // namespace
+
+std::vector<std::string> fp8_isa() {
+#if defined(PAGODA_FP8_AVX512)
+  return {"avx512f", "avx512bw", "avx512vl"};
+#else
+  return {};
+#endif
+}
 
 at::Tensor fp8_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                     int64_t kblock, const c10::optional<at::Tensor>& bias) {

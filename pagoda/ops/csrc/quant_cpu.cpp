@@ -23,8 +23,9 @@
 // i8_linear is W8A8 with a per-token scale, summed exactly in int32 and scaled in double,
 // which reproduces wquant.int8_linear_reference bit for bit.
 //
-// Vector path only: compiled when the build targets AVX-512 F/BW/VL (the Python side uses
-// the reference elsewhere; quant_isa() reports what was compiled).
+// Vector paths only: AVX-512 F/BW/VL where the build targets them, else AVX2 with FMA and
+// F16C (the same arithmetic on 8-lane halves of each panel: the same bits); the Python side
+// uses the reference elsewhere; quant_isa() reports what was compiled.
 
 #include <torch/extension.h>
 #include <torch/library.h>
@@ -33,6 +34,11 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define PAGODA_Q_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define PAGODA_Q_AVX2 1
+#endif
+#if defined(PAGODA_Q_AVX512) || defined(PAGODA_Q_AVX2)
+#define PAGODA_Q_VEC 1
 #include <immintrin.h>
 #endif
 
@@ -78,11 +84,16 @@ std::vector<std::string> quant_isa() {
 #if defined(__AVX512VNNI__)
   isa.push_back("avx512_vnni");
 #endif
+#elif defined(PAGODA_Q_AVX2)
+  isa.insert(isa.end(), {"avx2", "fma", "f16c"});
+#if defined(__AVXVNNI__)
+  isa.push_back("avx_vnni");
+#endif
 #endif
   return isa;
 }
 
-#if defined(PAGODA_Q_AVX512)
+#if defined(PAGODA_Q_VEC)
 
 // Activations quantized to int8 per block: q [m, kp] (zero past K), d and d * sum(q) [m, nb].
 struct QuantActs {
@@ -92,6 +103,26 @@ struct QuantActs {
   int64_t kp = 0;
   int64_t nb = 0;
 };
+
+// One value of a [G, padded N] scale or offset tensor, as float32.
+inline float load1(const void* base, int kind, int64_t idx) {
+  if (kind == kF32) return static_cast<const float*>(base)[idx];
+  if (kind == kF16) return _cvtsh_ss(static_cast<const uint16_t*>(base)[idx]);
+  return static_cast<float>(static_cast<const uint8_t*>(base)[idx]);
+}
+
+// The code of column c of row `lane` of a panel (the panel layout above).
+template <int BITS>
+inline int code_at(const uint8_t* panel, int64_t lane, int64_t c) {
+  const int64_t j = c % 8;
+  if constexpr (BITS == 8) return panel[(c / 8) * 128 + (j >= 4 ? 64 : 0) + 4 * lane + j % 4];
+  const uint8_t b = panel[(c / 8) * 64 + 4 * lane + j % 4];
+  return j >= 4 ? b >> 4 : b & 0x0F;
+}
+
+#endif  // PAGODA_Q_VEC
+
+#if defined(PAGODA_Q_AVX512)
 
 inline __m512 load_x16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
 
@@ -383,22 +414,6 @@ void dequant_t(const Weights& w, int64_t group, int64_t k, int64_t t0, int64_t t
   }
 }
 
-// One value of a [G, padded N] scale or offset tensor, as float32.
-inline float load1(const void* base, int kind, int64_t idx) {
-  if (kind == kF32) return static_cast<const float*>(base)[idx];
-  if (kind == kF16) return _cvtsh_ss(static_cast<const uint16_t*>(base)[idx]);
-  return static_cast<float>(static_cast<const uint8_t*>(base)[idx]);
-}
-
-// The code of column c of row `lane` of a panel (the panel layout above).
-template <int BITS>
-inline int code_at(const uint8_t* panel, int64_t lane, int64_t c) {
-  const int64_t j = c % 8;
-  if constexpr (BITS == 8) return panel[(c / 8) * 128 + (j >= 4 ? 64 : 0) + 4 * lane + j % 4];
-  const uint8_t b = panel[(c / 8) * 64 + 4 * lane + j % 4];
-  return j >= 4 ? b >> 4 : b & 0x0F;
-}
-
 // Row `row` of the weight into out (k values): 16 columns at a time, each operation rounded
 // on its own (explicit-rounding intrinsics: never contracted into an FMA), as the layout's
 // reference computes it.
@@ -425,7 +440,363 @@ void dequant_row(const Weights& w, int64_t group, int64_t k, int64_t row, void* 
   }
 }
 
-#endif  // PAGODA_Q_AVX512
+// u8 codes times s8 activations, summed exactly per int32 lane (kp a multiple of 64).
+inline int32_t i8_dot(const uint8_t* w, const int8_t* x, int64_t kp) {
+  __m512i acc = _mm512_setzero_si512();
+  for (int64_t c = 0; c < kp; c += 64) {
+    acc = dpbusd(acc, _mm512_loadu_si512(w + c), _mm512_loadu_si512(x + c));
+  }
+  return _mm512_reduce_add_epi32(acc);
+}
+
+#elif defined(PAGODA_Q_AVX2)
+
+// The same kernels in 256-bit registers. A panel's 16 rows are two units of 8 (its int32
+// lanes 0-7 and 8-15: the low and high 32 bytes of each 64-byte group), and each unit does
+// per lane what the AVX-512 path does per lane, in the same order: the integer dot products
+// are exact either way, and the float steps are the same operations, so both paths give the
+// same bits.
+
+constexpr int kUnit = 8;        // output rows per unit: one int32 lane each
+constexpr int kUnitTile = 2;    // units per task of a many-row product (one panel)
+constexpr int kGemvUnits = 4;   // units per tile of a single-row product
+
+inline __m256 load_x8(const float* p, int64_t count) {
+  if (count >= 8) return _mm256_loadu_ps(p);
+  alignas(32) float t[8] = {};
+  if (count > 0) std::memcpy(t, p, count * sizeof(float));
+  return _mm256_load_ps(t);
+}
+
+inline __m256 load_x8(const at::BFloat16* p, int64_t count) {
+  __m128i raw;
+  if (count >= 8) {
+    raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  } else {
+    alignas(16) uint16_t t[8] = {};
+    if (count > 0) std::memcpy(t, p, count * sizeof(uint16_t));
+    raw = _mm_load_si128(reinterpret_cast<const __m128i*>(t));
+  }
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+inline float hmax8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+  return _mm_cvtss_f32(m);
+}
+
+inline int32_t hsum8(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  return _mm_cvtsi128_si32(s);
+}
+
+template <typename T>
+void quantize_acts(const T* x, int64_t m, int64_t k, int64_t kp, int64_t block, QuantActs& a) {
+  const int64_t nb = kp / block;
+  a.kp = kp;
+  a.nb = nb;
+  a.q.assign(m * kp, 0);
+  a.d.assign(m * nb, 0.f);
+  a.dsum.assign(m * nb, 0.f);
+  const int nv = static_cast<int>(block / 8);
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+#pragma omp parallel for schedule(static) if (m * kp >= (1 << 17))
+  for (int64_t r = 0; r < m; ++r) {
+    for (int64_t b = 0; b < nb && b * block < k; ++b) {
+      const int64_t k0 = b * block;
+      __m256 v[4];
+      __m256 vmax = _mm256_setzero_ps();
+      for (int j = 0; j < nv; ++j) {
+        v[j] = load_x8(x + r * k + k0 + 8 * j, k - k0 - 8 * j);
+        vmax = _mm256_max_ps(vmax, _mm256_and_ps(v[j], abs_mask));
+      }
+      const float d = hmax8(vmax) / 127.f;
+      const __m256 id = _mm256_set1_ps(d != 0.f ? 1.f / d : 0.f);
+      __m256i sum = _mm256_setzero_si256();
+      for (int j = 0; j < nv; ++j) {
+        const __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], id));  // MXCSR: half-even
+        sum = _mm256_add_epi32(sum, q);
+        const __m128i q16 = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(a.q.data() + r * kp + k0 + 8 * j),
+                         _mm_packs_epi16(q16, q16));
+      }
+      a.d[r * nb + b] = d;
+      a.dsum[r * nb + b] = d * static_cast<float>(hsum8(sum));
+    }
+  }
+}
+
+// acc + per int32 lane the sum over its 4 bytes of u8 a times s8 b (exact, no saturation).
+inline __m256i dpbusd(__m256i acc, __m256i a, __m256i b) {
+#if defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(acc, a, b);
+#else
+  const __m256i lo8 = _mm256_set1_epi16(0x00FF);
+  const __m256i a_even = _mm256_and_si256(a, lo8), a_odd = _mm256_srli_epi16(a, 8);
+  const __m256i b_even = _mm256_srai_epi16(_mm256_slli_epi16(b, 8), 8);
+  const __m256i b_odd = _mm256_srai_epi16(b, 8);
+  return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(a_even, b_even),
+                                                _mm256_madd_epi16(a_odd, b_odd)));
+#endif
+}
+
+// 8 consecutive values of a [G, padded N] scale or offset tensor, as float32.
+inline __m256 load8(const void* base, int kind, int64_t idx) {
+  if (kind == kF32) return _mm256_loadu_ps(static_cast<const float*>(base) + idx);
+  if (kind == kF16) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(
+        reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(base) + idx)));
+  }
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+      _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(base) + idx))));
+}
+
+// The first code byte of unit `unit` (8 rows): its panel's bytes, the high half for odd units.
+inline const uint8_t* unit_codes(const Weights& w, int64_t unit) {
+  return w.codes + (unit >> 1) * w.panel_bytes + 32 * (unit & 1);
+}
+
+// acc[i][u]: activation row row0 + i times the 8 rows of unit unit0 + u.
+template <int BITS, int BLOCK, int R, int U>
+inline void tile(const Weights& w, int64_t unit0, const QuantActs& a, int64_t row0,
+                 __m256 (&acc)[R][U]) {
+  const uint8_t* cp[U];
+  for (int u = 0; u < U; ++u) {
+    cp[u] = unit_codes(w, unit0 + u);
+    for (int i = 0; i < R; ++i) acc[i][u] = _mm256_setzero_ps();
+  }
+  const int64_t nb = a.nb, kp = a.kp;
+  const __m256i nib = _mm256_set1_epi8(0x0F);
+  const __m256i ones16 = _mm256_set1_epi16(1);
+  for (int64_t g = 0; g < w.groups; ++g) {
+    __m256 s[U], m[U];
+    for (int u = 0; u < U; ++u) {
+      const int64_t idx = g * w.np + (unit0 + u) * kUnit;
+      s[u] = load8(w.sc, w.sc_kind, idx);
+      const __m256 o = load8(w.off, w.off_kind, idx);
+      m[u] = w.zero_form ? _mm256_mul_ps(_mm256_sub_ps(_mm256_setzero_ps(), s[u]), o) : o;
+    }
+    const int64_t b1 = g + 1 == w.groups ? nb : std::min(nb, (g + 1) * w.bpg);
+    for (int64_t b = g * w.bpg; b < b1; ++b) {
+      // NOTE: 4-bit codes times int8 activations are at most 15 * 127 per byte pair, so
+      // vpmaddubsw cannot saturate, and a whole block (8 of its pair sums, <= 30,480) adds up
+      // in 16-bit lanes before one vpmaddwd widens it: that halves the instructions per code.
+      __m256i iacc[R][U];
+      for (int i = 0; i < R; ++i)
+        for (int u = 0; u < U; ++u) iacc[i][u] = _mm256_setzero_si256();
+      for (int c = 0; c < BLOCK; c += 8) {
+        const int64_t col = b * BLOCK + c;
+        __m256i w0[U], w1[U];
+        if constexpr (BITS == 4 && R == 1) {
+          for (int u = 0; u < U; u += 2) {
+            _mm_prefetch(reinterpret_cast<const char*>(cp[u] + col * 8) + kPrefetch4, _MM_HINT_T0);
+          }
+        }
+        for (int u = 0; u < U; ++u) {
+          if constexpr (BITS == 4) {
+            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cp[u] + col * 8));
+            w0[u] = _mm256_and_si256(v, nib);
+            w1[u] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+          } else {
+            w0[u] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cp[u] + col * 16));
+            w1[u] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cp[u] + col * 16 + 64));
+          }
+        }
+        for (int i = 0; i < R; ++i) {
+          const int8_t* xp = a.q.data() + (row0 + i) * kp + col;
+          int32_t x0, x1;
+          std::memcpy(&x0, xp, 4);
+          std::memcpy(&x1, xp + 4, 4);
+          const __m256i bx0 = _mm256_set1_epi32(x0), bx1 = _mm256_set1_epi32(x1);
+          for (int u = 0; u < U; ++u) {
+#if defined(__AVXVNNI__)
+            iacc[i][u] = _mm256_dpbusd_avx_epi32(iacc[i][u], w0[u], bx0);
+            iacc[i][u] = _mm256_dpbusd_avx_epi32(iacc[i][u], w1[u], bx1);
+#else
+            if constexpr (BITS == 4) {
+              iacc[i][u] = _mm256_add_epi16(iacc[i][u], _mm256_add_epi16(
+                  _mm256_maddubs_epi16(w0[u], bx0), _mm256_maddubs_epi16(w1[u], bx1)));
+            } else {
+              iacc[i][u] = dpbusd(dpbusd(iacc[i][u], w0[u], bx0), w1[u], bx1);
+            }
+#endif
+          }
+        }
+      }
+      for (int i = 0; i < R; ++i) {
+        const __m256 d = _mm256_set1_ps(a.d[(row0 + i) * nb + b]);
+        const __m256 ds = _mm256_set1_ps(a.dsum[(row0 + i) * nb + b]);
+        for (int u = 0; u < U; ++u) {
+          __m256i dot = iacc[i][u];
+#if !defined(__AVXVNNI__)
+          if constexpr (BITS == 4) dot = _mm256_madd_epi16(dot, ones16);
+#endif
+          acc[i][u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(s[u], d), acc[i][u]);
+          acc[i][u] = _mm256_fmadd_ps(m[u], ds, acc[i][u]);
+        }
+      }
+    }
+  }
+  (void)ones16;
+}
+
+// 8 float32 -> bf16 bits, round to nearest even (finite values), as the AVX-512 path.
+inline __m128i to_bf16(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(
+      _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb)), 16);
+  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
+// The first `count` (<= 8) values of y into dst (float32 or bf16).
+inline void store8(void* dst, bool bf16, __m256 y, int64_t count) {
+  if (bf16) {
+    const __m128i h = to_bf16(y);
+    if (count >= 8) {
+      _mm_storeu_si128(static_cast<__m128i*>(dst), h);
+    } else {
+      alignas(16) uint16_t t[8];
+      _mm_store_si128(reinterpret_cast<__m128i*>(t), h);
+      std::memcpy(dst, t, count * sizeof(uint16_t));
+    }
+  } else if (count >= 8) {
+    _mm256_storeu_ps(static_cast<float*>(dst), y);
+  } else {
+    alignas(32) float t[8];
+    _mm256_store_ps(t, y);
+    std::memcpy(dst, t, count * sizeof(float));
+  }
+}
+
+struct Output {
+  void* data;
+  bool bf16;
+  int64_t n;
+  const float* bias;
+};
+
+template <int BITS, int BLOCK, int R, int U>
+void run_tile(const Weights& w, const QuantActs& a, int64_t row0, int64_t unit0, const Output& o) {
+  __m256 acc[R][U];
+  tile<BITS, BLOCK, R, U>(w, unit0, a, row0, acc);
+  const int64_t esize = o.bf16 ? 2 : 4;
+  for (int u = 0; u < U; ++u) {
+    const int64_t col0 = (unit0 + u) * kUnit;
+    const int64_t count = std::min<int64_t>(kUnit, o.n - col0);
+    if (count <= 0) continue;
+    const __m256 bias = o.bias != nullptr ? load_x8(o.bias + col0, count) : _mm256_setzero_ps();
+    for (int i = 0; i < R; ++i) {
+      const int64_t at = (row0 + i) * o.n + col0;
+      store8(static_cast<char*>(o.data) + at * esize, o.bf16, _mm256_add_ps(acc[i][u], bias), count);
+    }
+  }
+}
+
+template <int BITS, int BLOCK, int U>
+void run_rows(int rows, const Weights& w, const QuantActs& a, int64_t row0, int64_t unit0,
+              const Output& o) {
+  switch (rows) {
+    case 4: run_tile<BITS, BLOCK, 4, U>(w, a, row0, unit0, o); break;
+    case 3: run_tile<BITS, BLOCK, 3, U>(w, a, row0, unit0, o); break;
+    case 2: run_tile<BITS, BLOCK, 2, U>(w, a, row0, unit0, o); break;
+    default: run_tile<BITS, BLOCK, 1, U>(w, a, row0, unit0, o); break;
+  }
+}
+
+// One activation row (decode): each thread an equal contiguous share of the units.
+template <int BITS, int BLOCK>
+void q_gemv(const Weights& w, const QuantActs& a, const Output& o) {
+  const int64_t units = w.np / kUnit;
+#pragma omp parallel
+  {
+    const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num();
+    const int64_t end = units * (tid + 1) / nth;
+    int64_t u = units * tid / nth;
+    for (; u + kGemvUnits <= end; u += kGemvUnits) {
+      run_tile<BITS, BLOCK, 1, kGemvUnits>(w, a, 0, u, o);
+    }
+    if (u + 2 <= end) {
+      run_tile<BITS, BLOCK, 1, 2>(w, a, 0, u, o);
+      u += 2;
+    }
+    if (u < end) run_tile<BITS, BLOCK, 1, 1>(w, a, 0, u, o);
+  }
+}
+
+template <int BITS, int BLOCK>
+void q_linear_impl(const Weights& w, const QuantActs& a, int64_t m, const Output& o) {
+  if (m == 1) {
+    q_gemv<BITS, BLOCK>(w, a, o);
+    return;
+  }
+  const int64_t units = w.np / kUnit;  // even: N is padded to whole panels
+  const int64_t tasks = units / kUnitTile;
+  // NOTE: row chunks that stay in L2, of equal size (see the AVX-512 path).
+  const int64_t max_rows = std::max<int64_t>(kRowTile, kChunkBytes / a.kp / kRowTile * kRowTile);
+  const int64_t wanted = (m + max_rows - 1) / max_rows;
+  const int64_t chunk_rows = ((m + wanted - 1) / wanted + kRowTile - 1) / kRowTile * kRowTile;
+  const int64_t chunks = (m + chunk_rows - 1) / chunk_rows;
+#pragma omp parallel for schedule(static) collapse(2)
+  for (int64_t c = 0; c < chunks; ++c) {
+    for (int64_t t = 0; t < tasks; ++t) {
+      const int64_t r1 = std::min(m, (c + 1) * chunk_rows);
+      for (int64_t r = c * chunk_rows; r < r1; r += kRowTile) {
+        const int rows = static_cast<int>(std::min<int64_t>(kRowTile, r1 - r));
+        run_rows<BITS, BLOCK, kUnitTile>(rows, w, a, r, t * kUnitTile, o);
+      }
+    }
+  }
+}
+
+// Portable forms of the two dequantizations (a token table's lookups and the bench-only
+// tiled product): scalar loops, with the AVX-512 path's roundings (one fma for dequant_t,
+// each operation rounded on its own for dequant_row, which is built without contraction).
+template <int BITS>
+void dequant_t(const Weights& w, int64_t group, int64_t k, int64_t t0, int64_t tn, uint16_t* wt) {
+#pragma omp parallel for schedule(static)
+  for (int64_t row = t0; row < t0 + tn; ++row) {
+    const uint8_t* panel = w.codes + (row / kPanel) * w.panel_bytes;
+    for (int64_t c = 0; c < k; ++c) {
+      const int64_t idx = (w.groups == 1 ? 0 : c / group) * w.np + row;
+      const float s = load1(w.sc, w.sc_kind, idx), o = load1(w.off, w.off_kind, idx);
+      const float m = w.zero_form ? (0.f - s) * o : o;
+      const float y = std::fma(static_cast<float>(code_at<BITS>(panel, row % kPanel, c)), s, m);
+      wt[c * tn + (row - t0)] = c10::BFloat16(y).x;
+    }
+  }
+}
+
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")  // s * q + o: two roundings, as the reference
+template <int BITS>
+void dequant_row(const Weights& w, int64_t group, int64_t k, int64_t row, void* out, bool bf16) {
+  const uint8_t* panel = w.codes + (row / kPanel) * w.panel_bytes;
+  for (int64_t c = 0; c < k; ++c) {
+    const int64_t idx = (w.groups == 1 ? 0 : c / group) * w.np + row;
+    const float q = static_cast<float>(code_at<BITS>(panel, row % kPanel, c));
+    const float s = load1(w.sc, w.sc_kind, idx), o = load1(w.off, w.off_kind, idx);
+    const float y = w.zero_form ? (q - o) * s : s * q + o;
+    if (bf16) static_cast<uint16_t*>(out)[c] = c10::BFloat16(y).x;
+    else static_cast<float*>(out)[c] = y;
+  }
+}
+#pragma GCC pop_options
+
+inline int32_t i8_dot(const uint8_t* w, const int8_t* x, int64_t kp) {
+  __m256i acc = _mm256_setzero_si256();
+  for (int64_t c = 0; c < kp; c += 32) {
+    acc = dpbusd(acc, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c)),
+                 _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + c)));
+  }
+  return hsum8(acc);
+}
+
+#endif  // PAGODA_Q_AVX512 / PAGODA_Q_AVX2
 
 int kind_of(const at::Tensor& t) {
   switch (t.scalar_type()) {
@@ -480,7 +851,7 @@ at::Tensor q_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tens
   const at::Tensor b = float_bias(bias, n);
   const int64_t m = x.size(0), k = x.size(1), kp = codes.size(1) / (2 * bits);
   at::Tensor out = at::empty({m, n}, x.options());
-#if defined(PAGODA_Q_AVX512)
+#if defined(PAGODA_Q_VEC)
   const Output o{out.data_ptr(), x.scalar_type() == at::kBFloat16, n,
                  b.defined() ? b.data_ptr<float>() : nullptr};
   QuantActs a;
@@ -490,7 +861,7 @@ at::Tensor q_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tens
   else if (block == 32) q_linear_impl<8, 32>(w, a, m, o);
   else q_linear_impl<8, 16>(w, a, m, o);
 #else
-  TORCH_CHECK(false, "pagoda quant kernels were built without AVX-512");
+  TORCH_CHECK(false, "pagoda quant kernels were built without AVX-512 or AVX2");
 #endif
   return out;
 }
@@ -508,7 +879,7 @@ at::Tensor q_linear_tiles(const at::Tensor& x, const at::Tensor& codes, const at
   const at::Tensor b = float_bias(bias, n);
   const int64_t m = x.size(0), k = x.size(1);
   at::Tensor out = at::empty({m, n}, x.options());
-#if defined(PAGODA_Q_AVX512)
+#if defined(PAGODA_Q_VEC)
   at::Tensor scratch = at::empty({k * std::min(tile, n)}, x.options());
   for (int64_t t0 = 0; t0 < n; t0 += tile) {
     const int64_t tn = std::min(tile, n - t0);
@@ -521,7 +892,7 @@ at::Tensor q_linear_tiles(const at::Tensor& x, const at::Tensor& codes, const at
     out.narrow(1, t0, tn).copy_(y);
   }
 #else
-  TORCH_CHECK(false, "pagoda quant kernels were built without AVX-512");
+  TORCH_CHECK(false, "pagoda quant kernels were built without AVX-512 or AVX2");
 #endif
   return out;
 }
@@ -543,7 +914,7 @@ void dequant_rows(at::Tensor out, const at::Tensor& codes, const at::Tensor& sc,
   for (int64_t i = 0; i < rows.size(0); ++i) {
     TORCH_CHECK(r[i] >= 0 && r[i] < n, "row ", r[i], " is out of range [0, ", n, ")");
   }
-#if defined(PAGODA_Q_AVX512)
+#if defined(PAGODA_Q_VEC)
   const bool bf16 = out.scalar_type() == at::kBFloat16;
   auto* base = static_cast<char*>(out.data_ptr());
   const int64_t row_bytes = k * out.element_size();
@@ -553,7 +924,7 @@ void dequant_rows(at::Tensor out, const at::Tensor& codes, const at::Tensor& sc,
     else dequant_row<8>(w, group, k, r[i], base + i * row_bytes, bf16);
   }
 #else
-  TORCH_CHECK(false, "pagoda quant kernels were built without AVX-512");
+  TORCH_CHECK(false, "pagoda quant kernels were built without AVX-512 or AVX2");
 #endif
 }
 
@@ -569,7 +940,7 @@ at::Tensor i8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   const at::Tensor sf = scales.to(at::kDouble).contiguous();
   at::Tensor b = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
   at::Tensor out = at::empty({m, n}, x.options().dtype(at::kFloat));
-#if defined(PAGODA_Q_AVX512)
+#if defined(PAGODA_Q_VEC)
   std::vector<int8_t> xq(m * kp, 0);
   std::vector<double> st(m);
   std::vector<int32_t> qsum(m, 0);
@@ -591,19 +962,15 @@ at::Tensor i8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
 #pragma omp parallel for schedule(static)
   for (int64_t j = 0; j < n; ++j) {
     for (int64_t r = 0; r < m; ++r) {
-      __m512i acc = _mm512_setzero_si512();
-      for (int64_t c = 0; c < kp; c += 64) {
-        acc = dpbusd(acc, _mm512_loadu_si512(cp + j * kp + c),
-                     _mm512_loadu_si512(xq.data() + r * kp + c));
-      }
-      const int64_t dot = static_cast<int64_t>(_mm512_reduce_add_epi32(acc)) - 128 * qsum[r];
+      const int64_t dot = static_cast<int64_t>(i8_dot(cp + j * kp, xq.data() + r * kp, kp)) -
+                          128 * qsum[r];
       float y = static_cast<float>(static_cast<double>(dot) * st[r] * sp[j]);
       if (bp != nullptr) y += bp[j];
       op[r * n + j] = y;
     }
   }
 #else
-  TORCH_CHECK(false, "pagoda quant kernels were built without AVX-512");
+  TORCH_CHECK(false, "pagoda quant kernels were built without AVX-512 or AVX2");
 #endif
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
 }
@@ -613,6 +980,7 @@ at::Tensor fp8_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tens
                     int64_t kblock, const c10::optional<at::Tensor>& bias);
 void fp8_dequant(const at::Tensor& codes, const at::Tensor& scales, int64_t kblock,
                  at::Tensor& out);
+std::vector<std::string> fp8_isa();
 
 }  // namespace pagoda_quant
 
@@ -630,5 +998,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fp8_gemv", &pagoda_quant::fp8_gemv, "x @ w.T for e4m3fn codes with block scales (few rows)");
   m.def("fp8_dequant", &pagoda_quant::fp8_dequant, "e4m3fn codes times their scales, into a bf16 buffer");
   m.def("kernel_isa", [] { return std::map<std::string, std::vector<std::string>>{
-      {"quant", pagoda_quant::quant_isa()}}; }, "op -> the /proc/cpuinfo flags its vector path uses");
+      {"quant", pagoda_quant::quant_isa()}, {"fp8", pagoda_quant::fp8_isa()}}; }, "op -> the /proc/cpuinfo flags its vector path uses");
 }
