@@ -58,6 +58,10 @@ def add_throughput_args(parser: argparse.ArgumentParser) -> None:
     p = parser
     p.add_argument("--model", default=None, help="HF folder or .gguf file (default: embedded)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--peer-dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                   help="vLLM's and transformers' dtype; auto: bfloat16 where the CPU has bf16 "
+                        "arithmetic, else float32 (their faster one there: oneDNN has no bf16 "
+                        "GEMM on such a CPU)")
     p.add_argument("--quick", action="store_true", help="a smoke-sized workload (16 x 32..128)")
     p.add_argument("--workload", choices=sorted(wl_mod.WORKLOAD_PRESETS), default=None,
                    help="a named workload: short = 64 requests, prompts 26-254, outputs "
@@ -233,8 +237,8 @@ def run_vllm_system(
         mode, args.max_num_seqs, args.max_num_batched_tokens)
     return run_vllm(
         workload,
-        prepare_hf_dir(src, args.dtype),
-        args.dtype,
+        prepare_hf_dir(src, peer_dtype(args)),
+        peer_dtype(args),
         max_num_seqs,
         max_num_batched_tokens,
         python,
@@ -244,6 +248,16 @@ def run_vllm_system(
         preload=not args.no_vllm_preload,
         kv_cache_dtype=kv_cache_dtype,
     )
+
+
+def peer_dtype(args: argparse.Namespace) -> str:
+    """The peers' dtype: --peer-dtype, auto resolved for this CPU."""
+    choice = getattr(args, "peer_dtype", "auto")
+    if choice != "auto":
+        return choice
+    from pagoda.config import cpu_has_bf16
+
+    return "bfloat16" if cpu_has_bf16() else "float32"
 
 
 def _runs(args: argparse.Namespace) -> list[tuple[str, str, str]]:
@@ -279,7 +293,7 @@ def run_system(
             return run_hf(
                 workload,
                 src,
-                args.dtype,
+                peer_dtype(args),
                 args.hf_batch_sizes,
                 max_requests=args.hf_max_requests,
                 sort_by_length=args.hf_sort_by_length,
@@ -306,6 +320,7 @@ def build_setup(args: argparse.Namespace, src: ModelSource, workload: Workload) 
         "machine": rl.describe_machine(),
         "model": src.label,
         "dtype": args.dtype,
+        "peer_dtype": peer_dtype(args),
         "seed": args.seed,
         "input_len": list(args.input_len),
         "output_len": list(args.output_len),

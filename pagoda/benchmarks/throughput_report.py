@@ -19,7 +19,8 @@ def print_setup(setup: dict[str, Any]) -> None:
             f"software: python {m['python']}, torch {m['torch']} ({m['torch_threads']} threads), "
             f"transformers {m['transformers']}"
         ),
-        (f"model   : {setup['model']}, dtype {setup['dtype']}; workload preset "
+        (f"model   : {setup['model']}, dtype {setup['dtype']} (peers "
+         f"{setup.get('peer_dtype', setup['dtype'])}); workload preset "
         f"{setup.get('workload_preset') or '-'}"),
         (
             f"workload: {w['num_requests']} requests, seed {setup['seed']}; prompts "

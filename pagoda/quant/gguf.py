@@ -9,7 +9,8 @@ Q4_0 / Q4_1 / Q8_0 hold only the kernels' layout, GGUFLinearMethod). Everything 
 Q4_K_M's Q6_K v_proj beside Q4_K q/k) is dequantized at load as before.
 
 "auto" (the default) runs natively exactly where a kernel of gguf_linear takes the model's
-activations (ops/quant_cpu.py: bfloat16 on a CPU with AVX-512 BW and a built extension),
+activations (ops/quant_cpu.py: bfloat16 on a CPU with AVX-512 BW or AVX2 and a built
+extension; dtype auto is bfloat16 there for such a file: `prefers_bf16`),
 and dequantizes elsewhere: there the kernel takes 0.3-1.04x of the dense bf16 GEMM's time
 at every row count measured, 1 to 1,024 (docs/quantization.md), holds a third of bf16's
 bytes, and decodes and serves offline faster than the dequantized model (same run).

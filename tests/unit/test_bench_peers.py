@@ -224,3 +224,19 @@ def test_vllm_spec_closed_loop_keeps_concurrency_in_flight():
     prompts = [[i, i + 1] for i in range(5)]
     assert _closed_loop(engine, prompts, None, 2, "t") == [p[::-1] for p in prompts]
     assert engine.most == 2
+
+
+def test_peer_dtype_is_the_peers_faster_one_on_this_cpu(monkeypatch):
+    """--peer-dtype auto: bf16 where the CPU has bf16 arithmetic, else float32 (on such a
+    CPU oneDNN has no bf16 GEMM: a peer in bf16 would be measured at its slowest)."""
+    from argparse import Namespace
+
+    import pagoda.config
+    from pagoda.benchmarks.throughput import peer_dtype
+
+    monkeypatch.setattr(pagoda.config, "cpu_has_bf16", lambda: False)
+    assert peer_dtype(Namespace(peer_dtype="auto")) == "float32"
+    assert peer_dtype(Namespace(peer_dtype="bfloat16")) == "bfloat16"
+    monkeypatch.setattr(pagoda.config, "cpu_has_bf16", lambda: True)
+    assert peer_dtype(Namespace(peer_dtype="auto")) == "bfloat16"
+    assert peer_dtype(Namespace(peer_dtype="float32")) == "float32"
