@@ -59,24 +59,6 @@ def native_enabled(mode: str, device: torch.device, dtype: torch.dtype) -> bool:
     return wquant.gguf_linear.kernel_for(probe) is not None
 
 
-# HF module names that one packed pagoda layer loads together (a packed layer runs from its
-# blocks only when its parts share one ggml type).
-_PACKED_PARTS = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
-                 "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
-
-
-def all_linears_native(types: dict[str, GGMLQuantizationType]) -> bool:
-    """Whether every 2-D weight of a GGUF file (HF module path -> ggml type) would run from
-    its blocks: each of a native type, and the parts of each packed layer of one type."""
-    packed: dict[str, set[GGMLQuantizationType]] = {}
-    for module, qtype in types.items():
-        if qtype not in NATIVE_TYPES:
-            return False
-        parent, _, leaf = module.rpartition(".")
-        packed.setdefault(f"{parent}.{_PACKED_PARTS.get(leaf, leaf)}", set()).add(qtype)
-    return bool(types) and all(len(t) == 1 for t in packed.values())
-
-
 def prefers_bf16(ckpt: Any, quantization: str | None, mode: str, device: torch.device) -> bool:
     """Whether dtype "auto" takes bfloat16 on a CPU without bf16 arithmetic (AVX2, or
     AVX-512 without AVX512_BF16), where it is float32 otherwise: a GGUF file all of whose
@@ -91,7 +73,12 @@ def prefers_bf16(ckpt: Any, quantization: str | None, mode: str, device: torch.d
         return False
     if not native_enabled(mode, device, torch.bfloat16):
         return False
-    return all_linears_native(GGUFNativeConfig.from_checkpoint(ckpt.iter_raw_tensors()).types)
+    from pagoda.models.registry import resolve_model
+
+    config = GGUFNativeConfig.from_checkpoint(ckpt.iter_raw_tensors())
+    factory = resolve_model(ckpt.hf_config, str(ckpt.path))
+    config.packed_modules_mapping = dict(getattr(factory, "packed_modules_mapping", {}))
+    return config.all_linears_native()
 
 
 @register_quantization_config("gguf")
@@ -132,6 +119,20 @@ class GGUFNativeConfig(QuantizationConfig):
             return None
         self.native_modules.add(prefix)
         return GGUFEmbeddingMethod(qtype)
+
+    def all_linears_native(self) -> bool:
+        """Whether every 2-D weight would run from its blocks: each of a native type, and the
+        parts of each packed layer (`packed_modules_mapping`, as `get_quant_method` groups
+        them) of one type."""
+        part_of = {part: fused for fused, parts in
+                   getattr(self, "packed_modules_mapping", {}).items() for part in parts}
+        layers: dict[tuple[str, str], set[GGMLQuantizationType]] = {}
+        for module, qtype in self.types.items():
+            if qtype not in NATIVE_TYPES:
+                return False
+            parent, _, leaf = module.rpartition(".")
+            layers.setdefault((parent, part_of.get(leaf, leaf)), set()).add(qtype)
+        return bool(self.types) and all(len(t) == 1 for t in layers.values())
 
     def keeps_blocks(self, hf_name: str) -> bool:
         """Whether checkpoint tensor `hf_name` loads as its blocks (a native weight)."""

@@ -10,6 +10,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 import pagoda.config
+from pagoda.models.llama import LlamaForCausalLM
 from pagoda.models.loader import load_checkpoint
 from pagoda.ops import quant_cpu
 from pagoda.quant import gguf as qg
@@ -22,16 +23,22 @@ SMOLLM2 = {LAYER + "self_attn.q_proj": T.Q4_1, LAYER + "self_attn.k_proj": T.Q4_
            LAYER + "mlp.down_proj": T.Q4_1, "model.embed_tokens": T.Q8_0}
 
 
+def _all_linears_native(types) -> bool:
+    config = qg.GGUFNativeConfig(types)
+    config.packed_modules_mapping = dict(LlamaForCausalLM.packed_modules_mapping)
+    return config.all_linears_native()
+
+
 def test_all_linears_native_needs_native_types_and_one_type_per_packed_layer():
-    assert qg.all_linears_native(SMOLLM2)
+    assert _all_linears_native(SMOLLM2)
     # Q4_K_M-style: a Q6_K v_proj beside Q4_K q/k leaves the packed qkv dequantized.
-    assert qg.all_linears_native({**SMOLLM2, LAYER + "self_attn.v_proj": T.Q6_K,
-                                  LAYER + "self_attn.q_proj": T.Q6_K,
-                                  LAYER + "self_attn.k_proj": T.Q6_K})
-    assert not qg.all_linears_native({**SMOLLM2, LAYER + "self_attn.v_proj": T.Q6_K})
-    assert not qg.all_linears_native({**SMOLLM2, LAYER + "mlp.up_proj": T.Q8_0})
-    assert not qg.all_linears_native({**SMOLLM2, "lm_head": T.F16})
-    assert not qg.all_linears_native({})
+    assert _all_linears_native({**SMOLLM2, LAYER + "self_attn.v_proj": T.Q6_K,
+                                LAYER + "self_attn.q_proj": T.Q6_K,
+                                LAYER + "self_attn.k_proj": T.Q6_K})
+    assert not _all_linears_native({**SMOLLM2, LAYER + "self_attn.v_proj": T.Q6_K})
+    assert not _all_linears_native({**SMOLLM2, LAYER + "mlp.up_proj": T.Q8_0})
+    assert not _all_linears_native({**SMOLLM2, "lm_head": T.F16})
+    assert not _all_linears_native({})
 
 
 def test_prefers_bf16_only_without_bf16_arithmetic(monkeypatch):
