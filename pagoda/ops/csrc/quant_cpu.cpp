@@ -53,8 +53,6 @@ namespace pagoda_quant {
 
 constexpr int64_t kPanel = 16;  // output rows per panel: one int32 lane each
 constexpr int kRowTile = 4;     // activation rows sharing one decode of the weight codes
-constexpr int kPanelTile = 2;   // panels per task
-constexpr int kGemvPanels = 4;  // panels per tile of a single-row product
 // NOTE: bytes ahead of each panel's 4-bit codes to prefetch: one core's few panel streams
 // do not keep enough cache-line reads in flight on their own (the tied Q4_1 576 x 49152
 // from DRAM on one core: 0.72 ms without, 0.62 ms at 2 KiB). 8-bit codes (two loads per
@@ -123,6 +121,12 @@ inline int code_at(const uint8_t* panel, int64_t lane, int64_t c) {
 #endif  // PAGODA_Q_VEC
 
 #if defined(PAGODA_Q_AVX512)
+
+// The drivers' tiling below, in panels: 2 per task of a many-row product, 4 per tile of a
+// single-row one.
+constexpr int64_t kTileRows = kPanel;
+constexpr int kTaskTiles = 2;
+constexpr int kGemvTiles = 4;
 
 inline __m512 load_x16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
 
@@ -322,68 +326,6 @@ void run_tile(const Weights& w, const QuantActs& a, int64_t row0, int64_t panel0
   }
 }
 
-template <int BITS, int BLOCK, int P>
-void run_rows(int rows, const Weights& w, const QuantActs& a, int64_t row0, int64_t panel0,
-              const Output& o) {
-  switch (rows) {
-    case 4: run_tile<BITS, BLOCK, 4, P>(w, a, row0, panel0, o); break;
-    case 3: run_tile<BITS, BLOCK, 3, P>(w, a, row0, panel0, o); break;
-    case 2: run_tile<BITS, BLOCK, 2, P>(w, a, row0, panel0, o); break;
-    default: run_tile<BITS, BLOCK, 1, P>(w, a, row0, panel0, o); break;
-  }
-}
-
-// One activation row (decode): each thread takes an equal contiguous share of the panels,
-// kGemvPanels at a time (more independent loads and chains than a pair gives one row).
-template <int BITS, int BLOCK>
-void q_gemv(const Weights& w, const QuantActs& a, const Output& o) {
-  const int64_t panels = w.np / kPanel;
-#pragma omp parallel
-  {
-    const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num();
-    const int64_t end = panels * (tid + 1) / nth;
-    int64_t p = panels * tid / nth;
-    for (; p + kGemvPanels <= end; p += kGemvPanels) {
-      run_tile<BITS, BLOCK, 1, kGemvPanels>(w, a, 0, p, o);
-    }
-    if (p + 2 <= end) {
-      run_tile<BITS, BLOCK, 1, 2>(w, a, 0, p, o);
-      p += 2;
-    }
-    if (p < end) run_tile<BITS, BLOCK, 1, 1>(w, a, 0, p, o);
-  }
-}
-
-template <int BITS, int BLOCK>
-void q_linear_impl(const Weights& w, const QuantActs& a, int64_t m, const Output& o) {
-  if (m == 1) {
-    q_gemv<BITS, BLOCK>(w, a, o);
-    return;
-  }
-  const int64_t panels = w.np / kPanel;
-  const int64_t tasks = (panels + kPanelTile - 1) / kPanelTile;
-  // NOTE: every task reads all the chunk's activation rows: chunks of them small enough to
-  // stay in L2 (else hundreds of rows stream from L3 once per panel pair), and of equal
-  // size: the static schedule below gives each thread a run of (chunk, task) pairs, so a
-  // short last chunk left one thread most of the work (docs/quantization.md).
-  const int64_t max_rows = std::max<int64_t>(kRowTile, kChunkBytes / a.kp / kRowTile * kRowTile);
-  const int64_t wanted = (m + max_rows - 1) / max_rows;
-  const int64_t chunk_rows = ((m + wanted - 1) / wanted + kRowTile - 1) / kRowTile * kRowTile;
-  const int64_t chunks = (m + chunk_rows - 1) / chunk_rows;
-#pragma omp parallel for schedule(static) collapse(2)
-  for (int64_t c = 0; c < chunks; ++c) {
-    for (int64_t t = 0; t < tasks; ++t) {
-      const int64_t p0 = t * kPanelTile, r1 = std::min(m, (c + 1) * chunk_rows);
-      const bool pair = p0 + 1 < panels;
-      for (int64_t r = c * chunk_rows; r < r1; r += kRowTile) {
-        const int rows = static_cast<int>(std::min<int64_t>(kRowTile, r1 - r));
-        if (pair) run_rows<BITS, BLOCK, 2>(rows, w, a, r, p0, o);
-        else run_rows<BITS, BLOCK, 1>(rows, w, a, r, p0, o);
-      }
-    }
-  }
-}
-
 // Rows [t0, t0 + tn) of the layout (t0 a multiple of 16) dequantized and transposed into
 // wt [K, tn] bf16: w = s * q + m in float32 (m = -s * z), rounded once to bf16.
 template <int BITS>
@@ -457,9 +399,12 @@ inline int32_t i8_dot(const uint8_t* w, const int8_t* x, int64_t kp) {
 // are exact either way, and the float steps are the same operations, so both paths give the
 // same bits.
 
-constexpr int kUnit = 8;        // output rows per unit: one int32 lane each
-constexpr int kUnitTile = 2;    // units per task of a many-row product (one panel)
-constexpr int kGemvUnits = 4;   // units per tile of a single-row product
+constexpr int kUnit = 8;  // output rows per unit: one int32 lane each
+// The drivers' tiling below: a task of a many-row product is one panel (2 units); a
+// single-row tile is 4 units.
+constexpr int64_t kTileRows = kUnit;
+constexpr int kTaskTiles = 2;
+constexpr int kGemvTiles = 4;
 
 inline __m256 load_x8(const float* p, int64_t count) {
   if (count >= 8) return _mm256_loadu_ps(p);
@@ -697,62 +642,6 @@ void run_tile(const Weights& w, const QuantActs& a, int64_t row0, int64_t unit0,
   }
 }
 
-template <int BITS, int BLOCK, int U>
-void run_rows(int rows, const Weights& w, const QuantActs& a, int64_t row0, int64_t unit0,
-              const Output& o) {
-  switch (rows) {
-    case 4: run_tile<BITS, BLOCK, 4, U>(w, a, row0, unit0, o); break;
-    case 3: run_tile<BITS, BLOCK, 3, U>(w, a, row0, unit0, o); break;
-    case 2: run_tile<BITS, BLOCK, 2, U>(w, a, row0, unit0, o); break;
-    default: run_tile<BITS, BLOCK, 1, U>(w, a, row0, unit0, o); break;
-  }
-}
-
-// One activation row (decode): each thread an equal contiguous share of the units.
-template <int BITS, int BLOCK>
-void q_gemv(const Weights& w, const QuantActs& a, const Output& o) {
-  const int64_t units = w.np / kUnit;
-#pragma omp parallel
-  {
-    const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num();
-    const int64_t end = units * (tid + 1) / nth;
-    int64_t u = units * tid / nth;
-    for (; u + kGemvUnits <= end; u += kGemvUnits) {
-      run_tile<BITS, BLOCK, 1, kGemvUnits>(w, a, 0, u, o);
-    }
-    if (u + 2 <= end) {
-      run_tile<BITS, BLOCK, 1, 2>(w, a, 0, u, o);
-      u += 2;
-    }
-    if (u < end) run_tile<BITS, BLOCK, 1, 1>(w, a, 0, u, o);
-  }
-}
-
-template <int BITS, int BLOCK>
-void q_linear_impl(const Weights& w, const QuantActs& a, int64_t m, const Output& o) {
-  if (m == 1) {
-    q_gemv<BITS, BLOCK>(w, a, o);
-    return;
-  }
-  const int64_t units = w.np / kUnit;  // even: N is padded to whole panels
-  const int64_t tasks = units / kUnitTile;
-  // NOTE: row chunks that stay in L2, of equal size (see the AVX-512 path).
-  const int64_t max_rows = std::max<int64_t>(kRowTile, kChunkBytes / a.kp / kRowTile * kRowTile);
-  const int64_t wanted = (m + max_rows - 1) / max_rows;
-  const int64_t chunk_rows = ((m + wanted - 1) / wanted + kRowTile - 1) / kRowTile * kRowTile;
-  const int64_t chunks = (m + chunk_rows - 1) / chunk_rows;
-#pragma omp parallel for schedule(static) collapse(2)
-  for (int64_t c = 0; c < chunks; ++c) {
-    for (int64_t t = 0; t < tasks; ++t) {
-      const int64_t r1 = std::min(m, (c + 1) * chunk_rows);
-      for (int64_t r = c * chunk_rows; r < r1; r += kRowTile) {
-        const int rows = static_cast<int>(std::min<int64_t>(kRowTile, r1 - r));
-        run_rows<BITS, BLOCK, kUnitTile>(rows, w, a, r, t * kUnitTile, o);
-      }
-    }
-  }
-}
-
 // Portable forms of the two dequantizations (a token table's lookups and the bench-only
 // tiled product): scalar loops, with the AVX-512 path's roundings (one fma for dequant_t,
 // each operation rounded on its own for dequant_row, which is built without contraction).
@@ -797,6 +686,75 @@ inline int32_t i8_dot(const uint8_t* w, const int8_t* x, int64_t kp) {
 }
 
 #endif  // PAGODA_Q_AVX512 / PAGODA_Q_AVX2
+
+#if defined(PAGODA_Q_VEC)
+
+// The drivers of either path: run_tile<BITS, BLOCK, R, P> computes R activation rows times P
+// tiles of kTileRows output rows (AVX-512: panels; AVX2: units of 8 rows, half a panel).
+template <int BITS, int BLOCK, int P>
+void run_rows(int rows, const Weights& w, const QuantActs& a, int64_t row0, int64_t tile0,
+              const Output& o) {
+  switch (rows) {
+    case 4: run_tile<BITS, BLOCK, 4, P>(w, a, row0, tile0, o); break;
+    case 3: run_tile<BITS, BLOCK, 3, P>(w, a, row0, tile0, o); break;
+    case 2: run_tile<BITS, BLOCK, 2, P>(w, a, row0, tile0, o); break;
+    default: run_tile<BITS, BLOCK, 1, P>(w, a, row0, tile0, o); break;
+  }
+}
+
+// One activation row (decode): each thread takes an equal contiguous share of the tiles,
+// kGemvTiles at a time (more independent loads and chains than a pair gives one row).
+template <int BITS, int BLOCK>
+void q_gemv(const Weights& w, const QuantActs& a, const Output& o) {
+  const int64_t tiles = w.np / kTileRows;
+#pragma omp parallel
+  {
+    const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num();
+    const int64_t end = tiles * (tid + 1) / nth;
+    int64_t p = tiles * tid / nth;
+    for (; p + kGemvTiles <= end; p += kGemvTiles) {
+      run_tile<BITS, BLOCK, 1, kGemvTiles>(w, a, 0, p, o);
+    }
+    if (p + 2 <= end) {
+      run_tile<BITS, BLOCK, 1, 2>(w, a, 0, p, o);
+      p += 2;
+    }
+    if (p < end) run_tile<BITS, BLOCK, 1, 1>(w, a, 0, p, o);
+  }
+}
+
+template <int BITS, int BLOCK>
+void q_linear_impl(const Weights& w, const QuantActs& a, int64_t m, const Output& o) {
+  static_assert(kTaskTiles == 2, "a task is a pair of tiles, or one at an odd end");
+  if (m == 1) {
+    q_gemv<BITS, BLOCK>(w, a, o);
+    return;
+  }
+  const int64_t tiles = w.np / kTileRows;
+  const int64_t tasks = (tiles + kTaskTiles - 1) / kTaskTiles;
+  // NOTE: every task reads all the chunk's activation rows: chunks of them small enough to
+  // stay in L2 (else hundreds of rows stream from L3 once per panel pair), and of equal
+  // size: the static schedule below gives each thread a run of (chunk, task) pairs, so a
+  // short last chunk left one thread most of the work (docs/quantization.md).
+  const int64_t max_rows = std::max<int64_t>(kRowTile, kChunkBytes / a.kp / kRowTile * kRowTile);
+  const int64_t wanted = (m + max_rows - 1) / max_rows;
+  const int64_t chunk_rows = ((m + wanted - 1) / wanted + kRowTile - 1) / kRowTile * kRowTile;
+  const int64_t chunks = (m + chunk_rows - 1) / chunk_rows;
+#pragma omp parallel for schedule(static) collapse(2)
+  for (int64_t c = 0; c < chunks; ++c) {
+    for (int64_t t = 0; t < tasks; ++t) {
+      const int64_t p0 = t * kTaskTiles, r1 = std::min(m, (c + 1) * chunk_rows);
+      const bool pair = p0 + 1 < tiles;  // NOTE: always, in AVX2 units (2 per panel)
+      for (int64_t r = c * chunk_rows; r < r1; r += kRowTile) {
+        const int rows = static_cast<int>(std::min<int64_t>(kRowTile, r1 - r));
+        if (pair) run_rows<BITS, BLOCK, 2>(rows, w, a, r, p0, o);
+        else run_rows<BITS, BLOCK, 1>(rows, w, a, r, p0, o);
+      }
+    }
+  }
+}
+
+#endif  // PAGODA_Q_VEC
 
 int kind_of(const at::Tensor& t) {
   switch (t.scalar_type()) {
