@@ -81,6 +81,7 @@ class StepInstrumentation:
         self.record_dispatch = False
         self.dispatch: dict[str, set[str]] = {}
         self.num_scheduled_tokens: list[int] = []
+        self._in_head = False  # inside the model's compute_logits
         # (object, attribute, the instance's own value before: None if it had none)
         self._instance_patches: list[tuple[Any, str, Any]] = []
         self._class_patches: list[tuple[type, str, Any]] = []
@@ -115,7 +116,18 @@ class StepInstrumentation:
         self._patch(runner, "sampler", "sampling")
         model = runner.model
         self._patch(model, "forward", "forward: other")
-        self._patch(model, "compute_logits", "lm_head")
+        compute_logits = model.compute_logits
+
+        def head(*args: Any, **kwargs: Any) -> Any:
+            # NOTE: the head's own op calls (a quantized head's gguf_linear) are lm_head time,
+            # not "fused ops": `call` below leaves them untimed while this flag is set.
+            self._in_head = True
+            try:
+                return compute_logits(*args, **kwargs)
+            finally:
+                self._in_head = False
+
+        self._patch(model, "compute_logits", "lm_head", head)
         stack = model.fused_stack() if hasattr(model, "fused_stack") else None
         if stack is not None:
             # NOTE: the GEMMs and fused ops between two attention calls in one C++ call.
@@ -143,6 +155,8 @@ class StepInstrumentation:
 
         def call(op: Op, *args: Any) -> Any:
             note(op, args)
+            if self._in_head:
+                return original_call(op, *args)
             return (attention if op.name in _ATTENTION_OPS else fused)(op, *args)
 
         def select(op: Op, *args: Any) -> Any:

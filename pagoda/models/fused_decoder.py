@@ -8,6 +8,10 @@ add+RMSNorm, qkv_proj, rotary+KV write) is one call into the C++ extension
 (ops/csrc/decoder_layer_cpu.cpp), which runs the very kernels the Python layers run, in
 the same order: the result is bit for bit the op-by-op one (tests/unit/test_fused_decoder.py).
 Attention stays the backend's call, so every step (decode, prefill, mixed) takes this path.
+A decode-only step (one query row per request, one metadata for every layer, the C++ decode
+attention kernel in use, no attention sinks) goes further: every layer, attention included,
+is one call (`decoder_decode_stack`), the same kernels in the same order, so the Python
+between the layers and the OpenMP workers' sleep in that gap go too.
 
 Eligible: every projection unquantized with a oneDNN-packed weight (bf16, or fp16 where
 oneDNN packs it) or quantized with the CPU quant kernels' panel layout prepared (GGUF
@@ -26,6 +30,7 @@ import torch
 from torch import nn
 
 from pagoda import ops
+from pagoda.attention.torch_paged import TorchPagedAttention
 from pagoda.ops import gemm_dispatch, quant_cpu
 from pagoda.quant.gguf import GGUFLinearMethod
 from pagoda.quant.group_quant import GroupQuantLinearMethod
@@ -84,6 +89,16 @@ class FusedDecoderStack:
         self.qkv: Callable[..., Any] = ext.decoder_qkv
         self.mlp: Callable[..., Any] = ext.decoder_mlp
         self.mlp_qkv: Callable[..., Any] = ext.decoder_mlp_qkv
+        self.decode_stack: Callable[..., Any] = ext.decoder_decode_stack
+        # NOTE: only the plain paged backend's decode path is what the C++ loop repeats.
+        self.decode = (
+            ext.DecoderStack(self.layers, [a.scale for a in self.attns],
+                             [-1 if a.sliding_window is None else int(a.sliding_window)
+                              for a in self.attns])
+            if all(type(a) is TorchPagedAttention for a in self.attns) else None
+        )
+        self._decode_kernel: dict[tuple[torch.dtype, int], bool] = {}
+        self.decode_steps = 0  # steps run by decode_stack (tests, diagnostics)
 
     @staticmethod
     def _weight(ext: Any, linear: nn.Module) -> Any:
@@ -143,6 +158,12 @@ class FusedDecoderStack:
         applies (cos/sin and the caches as `ops.fused_ops_for` requires)."""
         layers, attns = self.layers, self.attns
         residual, x = x, self.first_norm(x)
+        md = mds[0]
+        if self._decodes_in_one_call(x, kv_caches, mds):
+            self.decode_steps += 1
+            out = self.decode_stack(self.decode, x, residual, cos, sin, positions, kv_caches,
+                                    md.slot_mapping, md.decode_block_tables, md.decode_seq_lens)
+            return out, residual
         kv, md = kv_caches[0], mds[0]
         q, k, v = self.qkv(layers[0], x, cos, sin, positions, kv[0], kv[1], md.slot_mapping,
                            *(kv[2:] or (None, None)))
@@ -155,3 +176,23 @@ class FusedDecoderStack:
                                    *(kv[2:] or (None, None)))
         out = attns[last].forward(q, k, v, kv_caches[last], mds[last], kv_written=True)
         return self.mlp(layers[last], out, residual), residual
+
+    def _decodes_in_one_call(self, x: torch.Tensor, kv_caches: Sequence[KVCache],
+                             mds: Sequence[Any]) -> bool:
+        """Whether this step is decode-only and every layer's attention would take the C++
+        decode kernel, so that `decoder_decode_stack` repeats exactly the per-layer path."""
+        md = mds[0]
+        if (self.decode is None or md.prefills or md.num_decode_tokens != x.shape[0]
+                or any(m is not md for m in mds)
+                or any(a.sinks is not None for a in self.attns)):
+            return False
+        key = (x.dtype, id(kv_caches[0][0]))
+        runs = self._decode_kernel.get(key)
+        if runs is None:
+            # NOTE: the backend's decode rows call ops.paged_attention with [T, H, D] queries.
+            attn = self.attns[0]
+            q = x.new_empty(0, attn.num_heads, attn.head_dim)
+            chosen = [ops.paged_attention.select_kernel(q, *kv[:2]) for kv in kv_caches]
+            runs = self._decode_kernel[key] = all(
+                c is not None and c[0].name == "cpp" for c in chosen)
+        return runs

@@ -1,7 +1,8 @@
 """The whole-layer kernel calls (models/fused_decoder.py) give bit for bit the op-by-op
 result: same prompt logprobs and greedy tokens in bf16, with the fused stack on and off
-(`PAGODA_DISABLE_FUSED_LAYERS=1`), over prefill, chunked prefill, decode, q/k/v biases, a
-sliding window and a quantized KV cache. And the stack is built only where it applies."""
+(`PAGODA_DISABLE_FUSED_LAYERS=1`), over prefill, chunked prefill, decode (decode-only steps:
+every layer and its attention in one call), q/k/v biases, a sliding window and a quantized
+KV cache. And the stack is built only where it applies."""
 
 from __future__ import annotations
 
@@ -56,6 +57,8 @@ def test_fused_layers_equal_op_by_op(
 
     fused, stack = _run(model_dir, prompts, **engine_kwargs)
     assert stack is not None, "the fused stack did not apply"
+    # NOTE: the decode-only steps ran every layer, attention included, in one call.
+    assert stack.decode_steps > 0
     monkeypatch.setenv("PAGODA_DISABLE_FUSED_LAYERS", "1")
     plain, no_stack = _run(model_dir, prompts, **engine_kwargs)
     assert no_stack is None
@@ -79,6 +82,7 @@ def test_fused_layers_with_int4_projections_equal_op_by_op(
     prompts = [torch.randint(3, 49152, (n,), generator=gen).tolist() for n in (33, 7)]
     fused, stack = _run(out, prompts)
     assert stack is not None, "the fused stack did not apply"
+    assert stack.decode_steps > 0
     monkeypatch.setenv("PAGODA_DISABLE_FUSED_LAYERS", "1")
     plain, no_stack = _run(out, prompts)
     assert no_stack is None

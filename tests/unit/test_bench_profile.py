@@ -4,13 +4,15 @@ and the ONEDNN_VERBOSE parser on both ISAs' lines."""
 from __future__ import annotations
 
 import argparse
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from pagoda.benchmarks import step_profile as profile
 from pagoda.benchmarks.onednn_probe import parse_verbose
 from pagoda.benchmarks.profile_report import format_report
-from pagoda.benchmarks.step_timer import PHASES, PhaseClock
+from pagoda.benchmarks.step_timer import PHASES, PhaseClock, StepInstrumentation
 from pagoda.entrypoints.cli import build_parser
 from pagoda.ops.registry import Op
 
@@ -152,3 +154,28 @@ def test_weight_floor_counts_the_bytes_a_step_reads(tiny_model, monkeypatch, tie
     # scales (an eighth of a byte a weight at the tiny model's sizes).
     saved = read[None] - read["int8_wo"]
     assert 0.8 * shape.linear_params < saved <= shape.linear_params
+
+
+def _fake_engine(head_op: Op, x: torch.Tensor) -> SimpleNamespace:
+    """The parts of an engine StepInstrumentation wraps; its model's head calls `head_op`."""
+    model = SimpleNamespace(forward=lambda: None, modules=lambda: [],
+                            compute_logits=lambda: head_op(x))
+    runner = SimpleNamespace(model=model, sampler=None, **{
+        name: (lambda: None) for name in ("_update_states", "_step_batch", "_prepare_inputs",
+                                          "_sample")})
+    return SimpleNamespace(
+        step=lambda: None, executor=SimpleNamespace(worker=SimpleNamespace(runner=runner)),
+        scheduler=SimpleNamespace(update_from_output=None, schedule=None),
+        output_processor=SimpleNamespace(process=None))
+
+
+def test_a_quantized_heads_op_is_lm_head_time():
+    """A quantized head runs its GEMM as an op (gguf_linear) inside compute_logits: that is
+    lm_head time, not "fused ops" (it was, before the fix)."""
+    x = torch.randn(256, 256)
+    head_op = Op("test_head_gemm", lambda t: [t @ t for _ in range(20)])
+    engine = _fake_engine(head_op, x)
+    with StepInstrumentation(engine) as inst:
+        engine.executor.worker.runner.model.compute_logits()
+    seconds = inst.clock.seconds
+    assert seconds["lm_head"] > 0 and seconds["forward: fused ops"] == 0

@@ -26,6 +26,15 @@
 #include <string_view>
 #include <tuple>
 #include <variant>
+#include <vector>
+
+namespace pagoda_decode {
+// paged_attention_cpu.cpp
+void decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
+                      torch::Tensor v_cache, torch::Tensor block_tables, torch::Tensor seq_lens,
+                      double scale, int64_t sliding_window, std::optional<torch::Tensor> k_scale,
+                      std::optional<torch::Tensor> v_scale);
+}  // namespace pagoda_decode
 
 namespace pagoda_layer {
 
@@ -113,6 +122,63 @@ QKV decoder_mlp_qkv(const DecoderLayer& l, const DecoderLayer& next, const torch
                      v_scale);
 }
 
+// Every layer of a decode-only step (one query row per request) in one call, attention
+// included: the layers' own calls (decoder_qkv, paged decode attention, decoder_mlp_qkv,
+// decoder_mlp) in the order the Python stack makes them, so the result is bit for bit its
+// result. What it saves is the Python between them: one attention-backend call per layer,
+// and the OpenMP workers' sleep (a wake-up costs tens of microseconds on a VM) in that gap.
+struct DecoderStack {
+  std::vector<DecoderLayer> layers;
+  std::vector<double> scales;     // per layer: the attention's softmax scale
+  std::vector<int64_t> windows;   // per layer: its sliding window, -1: none
+};
+
+DecoderStack make_stack(std::vector<DecoderLayer> layers, std::vector<double> scales,
+                        std::vector<int64_t> windows) {
+  TORCH_CHECK(!layers.empty() && scales.size() == layers.size() &&
+                  windows.size() == layers.size(),
+              "DecoderStack: one scale and one window per layer");
+  return DecoderStack{std::move(layers), std::move(scales), std::move(windows)};
+}
+
+// x: the first layer's normed input [T, hidden]; residual [T, hidden] (updated in place);
+// kv[i]: layer i's (k_cache, v_cache[, k_scale, v_scale]); block_tables [T, M] and
+// seq_lens [T] (request t's context after this step). Returns the last layer's output.
+torch::Tensor decoder_decode_stack(const DecoderStack& s, const torch::Tensor& x,
+                                   const torch::Tensor& residual, const torch::Tensor& cos,
+                                   const torch::Tensor& sin, const torch::Tensor& positions,
+                                   const std::vector<std::vector<torch::Tensor>>& kv,
+                                   const torch::Tensor& slot_mapping,
+                                   const torch::Tensor& block_tables,
+                                   const torch::Tensor& seq_lens) {
+  const size_t n = s.layers.size();
+  TORCH_CHECK(kv.size() == n, "decoder_decode_stack: ", kv.size(), " KV caches for ", n,
+              " layers");
+  for (const auto& c : kv) {
+    TORCH_CHECK(c.size() == 2 || c.size() == 4,
+                "decoder_decode_stack: a layer's cache is (k, v) or (k, v, k_scale, v_scale)");
+  }
+  auto scale_of = [&](size_t i, size_t j) -> std::optional<torch::Tensor> {
+    if (kv[i].size() == 4) return kv[i][j];
+    return std::nullopt;
+  };
+  auto [q, k, v] = decoder_qkv(s.layers[0], x, cos, sin, positions, kv[0][0], kv[0][1],
+                               slot_mapping, scale_of(0, 2), scale_of(0, 3));
+  const int64_t t = x.size(0);
+  for (size_t i = 0;; ++i) {
+    const DecoderLayer& l = s.layers[i];
+    auto qc = q.contiguous();
+    auto out = at::empty_like(qc);
+    pagoda_decode::decode_attention(out, qc, kv[i][0], kv[i][1], block_tables, seq_lens,
+                                    s.scales[i], s.windows[i], scale_of(i, 2), scale_of(i, 3));
+    auto attn = out.view({t, l.num_heads * l.head_dim});
+    if (i + 1 == n) return decoder_mlp(l, attn, residual);
+    std::tie(q, k, v) = decoder_mlp_qkv(l, s.layers[i + 1], attn, residual, cos, sin, positions,
+                                        kv[i + 1][0], kv[i + 1][1], slot_mapping,
+                                        scale_of(i + 1, 2), scale_of(i + 1, 3));
+  }
+}
+
 DecoderLayer make_layer(torch::Tensor input_norm, torch::Tensor post_norm, Weight qkv_w,
                         Weight o_w, Weight gate_up_w, Weight down_w,
                         std::optional<torch::Tensor> qkv_b, std::optional<torch::Tensor> o_b,
@@ -161,4 +227,11 @@ void register_decoder_layer(pybind11::module& m) {
         "o_proj, add + post-attention RMSNorm (residual in place), gate_up, SiLU*mul, down");
   m.def("decoder_mlp_qkv", &pagoda_layer::decoder_mlp_qkv, release(),
         "decoder_mlp of one layer, then the next layer's add + RMSNorm and decoder_qkv");
+  py::class_<pagoda_layer::DecoderStack>(m, "DecoderStack",
+                                         "Every layer of a model with its attention's scale and window")
+      .def(py::init(&pagoda_layer::make_stack), py::arg("layers"), py::arg("scales"),
+           py::arg("windows"));
+  m.def("decoder_decode_stack", &pagoda_layer::decoder_decode_stack, release(),
+        "a decode-only step's layers, attention included, in one call; returns the last "
+        "layer's output (residual updated in place)");
 }

@@ -1283,6 +1283,17 @@ std::vector<std::string> attention_isa() {
 
 }  // namespace
 
+namespace pagoda_decode {
+// paged_decode_attention for the other sources of the extension (decoder_layer_cpu.cpp).
+void decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
+                      torch::Tensor v_cache, torch::Tensor block_tables, torch::Tensor seq_lens,
+                      double scale, int64_t sliding_window, std::optional<torch::Tensor> k_scale,
+                      std::optional<torch::Tensor> v_scale) {
+  paged_decode_attention(out, q, k_cache, v_cache, block_tables, seq_lens, scale,
+                         sliding_window, k_scale, v_scale, std::nullopt, 0);
+}
+}  // namespace pagoda_decode
+
 // Defined in fused_ops_cpu.cpp and paged_prefill_cpu.cpp (the same extension).
 void register_fused_ops(pybind11::module& m);
 std::vector<std::string> fused_ops_isa();
