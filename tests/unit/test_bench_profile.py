@@ -158,7 +158,7 @@ def test_weight_floor_counts_the_bytes_a_step_reads(tiny_model, monkeypatch, tie
 
 def _fake_engine(head_op: Op, x: torch.Tensor) -> SimpleNamespace:
     """The parts of an engine StepInstrumentation wraps; its model's head calls `head_op`."""
-    model = SimpleNamespace(forward=lambda: None, modules=lambda: [],
+    model = SimpleNamespace(forward=lambda: None, modules=list,
                             compute_logits=lambda: head_op(x))
     runner = SimpleNamespace(model=model, sampler=None, **{
         name: (lambda: None) for name in ("_update_states", "_step_batch", "_prepare_inputs",
