@@ -34,12 +34,15 @@ def _case(title: str, case: dict[str, Any]) -> list[str]:
         lines.append(f"{phase:<22}{ms:>10.2f}{ms / total:>8.1%}")
     lines.append(f"{'step total':<22}{case['step_ms']:>10.2f}   "
                  f"({case['tokens_per_s']:,.0f} tokens/s)")
+    if (one_call := case.get("one_call_step_ms")) is not None:
+        lines.append(f"{'step total, one call':<22}{one_call:>10.2f}   (the same steps as the "
+                     "engine runs them: every layer and its attention in one C++ call)")
     floor = case.get("weight_floor")
     if floor:
         lines.append(
             f"weight-bandwidth floor: {floor['weight_bytes'] / 1e6:.0f} MB of weights / "
             f"{floor['read_bandwidth_gb_s']:.1f} GB/s = {floor['floor_ms']:.2f} ms; "
-            f"this step is {floor['ratio']:.2f}x the floor (target <= 1.5x)")
+            f"the step is {floor['ratio']:.2f}x the floor (target <= 1.5x)")
     return lines
 
 

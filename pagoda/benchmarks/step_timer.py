@@ -10,7 +10,8 @@ Times are exclusive: a region's seconds less those of the timed regions inside i
 attention backend's time excludes the fused KV write it calls, the forward's "other"
 is what remains after GEMMs, attention and fused ops: embedding, views, the layer loop).
 With the fused decoder stack (models/fused_decoder.py) a layer's GEMMs and fused ops are
-one C++ call, timed as "forward: layer calls".
+one C++ call, timed as "forward: layer calls"; its one-call decode path (every layer and
+its attention in one call) is off inside the `with`, so attention stays a phase of its own.
 CPU ops are synchronous, so wall-clock timers measure the work itself.
 """
 
@@ -133,6 +134,10 @@ class StepInstrumentation:
             # NOTE: the GEMMs and fused ops between two attention calls in one C++ call.
             for name in ("qkv", "mlp", "mlp_qkv"):
                 self._patch(stack, name, "forward: layer calls")
+            # NOTE: timed steps run decode layer by layer, so that attention is its own
+            # phase; the one-call decode path's step is timed apart (step_profile.py).
+            self._patch(stack, "_decodes_in_one_call", "forward: other",
+                        lambda *args: False)
         for module in model.modules():
             if isinstance(module, LinearBase):
                 self._patch(module, "forward", "forward: GEMMs")

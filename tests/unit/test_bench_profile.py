@@ -100,6 +100,11 @@ def test_cases_time_the_right_steps(report):
         assert c["phases_ms"][gemm_phase] > 0 and c["phases_ms"]["sampling"] > 0
         assert c["phases_ms"]["forward: attention"] > 0 and c["phases_ms"]["lm_head"] > 0
     assert report["single"]["weight_floor"]["ratio"] > 0
+    if report["dispatch"]["fused_layers"]:
+        # NOTE: decode steps again as the engine runs them: every layer in one call.
+        assert report["decode"]["one_call_step_ms"] > 0
+        assert report["single"]["one_call_step_ms"] > 0
+        assert "step total, one call" in format_report(report)
 
 
 def test_dispatch_names_every_op_and_gemm(report):
