@@ -45,7 +45,7 @@ _HEADERS = [
     for h in ("kv_quant_cpu.h", "attention_cpu.h", "fused_ops_cpu.h")
 ]
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
-_LDFLAGS = ["-fopenmp"]
+_LDFLAGS = ("-fopenmp",)
 # NOTE: a build takes ~1.5 min on a loaded 2-core machine; a lock this old has no owner.
 _STALE_LOCK_S = 30 * 60
 # The subsets an op's compiled vector path must have for the kernel to be worth calling.
@@ -186,8 +186,10 @@ def _build_or_import(name: str, sources: Sequence[Path], what: str) -> ModuleTyp
             _remove_stale_lock(build_dir)
             _ensure_ninja_on_path()
             with build_notice(what, expected_s=40):
+                # NOTE: copies: torch appends its libraries to extra_ldflags in place, which
+                # changed every later build name of the process (another hash, a rebuild).
                 module = load(name=name, sources=[str(p) for p in sources],
-                              extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS,
+                              extra_cflags=list(_CFLAGS), extra_ldflags=list(_LDFLAGS),
                               build_directory=str(build_dir), verbose=False)
     except Exception as exc:  # noqa: BLE001 - any build failure means "use the reference"
         logger.warning("pagoda %s unavailable, using the reference: %s", what, exc)

@@ -70,3 +70,22 @@ def test_both_extensions_load_through_the_one_loader(monkeypatch) -> None:
     assert cpu_kernels.load_built(calls[1], [], "again") is None and len(calls) == 2
     assert calls[0].startswith("pagoda_paged_attention_cpu_")
     assert calls[1].startswith("pagoda_quant_cpu_")
+
+
+def test_a_build_leaves_the_build_names_unchanged(tmp_path, monkeypatch) -> None:
+    """torch's loader appends its libraries to the flag lists it is handed: the loader hands
+    it copies, so the names of later builds in the process stay those a fresh process
+    computes (else the next process builds again)."""
+    from pagoda.ops import quant_cpu
+
+    names = (cpu_kernels.extension_name(), quant_cpu.extension_name())
+
+    def mutating_load(*, extra_cflags, extra_ldflags, **_kwargs):
+        extra_cflags.append("-DMUTATED")
+        extra_ldflags.append("-lmutated")
+        return object()
+
+    monkeypatch.setattr(cpu_kernels, "build_directory", lambda name: tmp_path / name)
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", mutating_load)
+    assert cpu_kernels._build_or_import("fresh", [], "test kernels") is not None
+    assert (cpu_kernels.extension_name(), quant_cpu.extension_name()) == names
