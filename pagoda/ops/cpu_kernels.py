@@ -5,9 +5,9 @@ Contract: `kernel_for(op)` returns the extension when its kernel for `op` ("page
 a failed build (one warning, never retried in this process), or an instruction-set
 mismatch. The build uses -march=native (or `PAGODA_CPU_MARCH`); the extension reports the
 instruction-set subsets each op's vector path was compiled with (`kernel_isa()`), and an op
-runs only when the CPU's flags hold all of them and its required subsets were compiled in
-(the fused ops' scalar fallback is slower than PyTorch's ops, so such a CPU uses the
-reference instead). Never SIGILL, never a silent slow path.
+runs only when the CPU's flags hold all of them and one of its required paths (`REQUIRED_ISA`)
+was compiled in (the fused ops' scalar fallback is slower than PyTorch's ops, so such a CPU
+uses the reference instead). Never SIGILL, never a silent slow path.
 
 `PAGODA_DISABLE_CPU_KERNELS=1` forces the reference path. `PAGODA_CPU_MARCH` (default
 `native`) is the `-march=` target of both extensions' builds (this one and quant_cpu's), part
@@ -48,17 +48,18 @@ _SOURCES = [
 # Included by the sources: part of the build's inputs (its hash), not compiled on their own.
 _HEADERS = [
     Path(__file__).parent / "csrc" / h
-    for h in ("kv_quant_cpu.h", "attention_cpu.h", "fused_ops_cpu.h")
+    for h in ("kv_quant_cpu.h", "attention_cpu.h", "fused_ops_cpu.h", "fused_vec_cpu.h")
 ]
 _LDFLAGS = ("-fopenmp",)
 _MARCH = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 # NOTE: a build takes ~1.5 min on a loaded 2-core machine; a lock this old has no owner.
 _STALE_LOCK_S = 30 * 60
-# The subsets an op's compiled vector path must have for the kernel to be worth calling.
-REQUIRED_ISA: dict[str, tuple[str, ...]] = {
-    "paged_attention": (),  # NOTE: its portable path is still faster than gather + SDPA
-    "fused_ops": ("avx512f", "avx512bw", "avx512vl"),
-    "paged_prefill_attention": ("avx512f",),  # NOTE: else prefill rows take the decode kernel
+# The vector paths an op's kernel is worth calling with: the subsets one of them must have
+# compiled in.
+REQUIRED_ISA: dict[str, tuple[tuple[str, ...], ...]] = {
+    "paged_attention": ((),),  # NOTE: its portable path is still faster than gather + SDPA
+    "fused_ops": (("avx512f", "avx512bw", "avx512vl"), ("avx2", "fma", "f16c")),
+    "paged_prefill_attention": (("avx512f",),),  # NOTE: else prefill rows take the decode kernel
 }
 _lock = threading.Lock()
 _builds: dict[str, ModuleType | None] = {}  # name -> the loaded build; None: it failed
@@ -235,8 +236,9 @@ def load_extension() -> ModuleType | None:
 
 def isa_allows(op: str, compiled: list[str] | tuple[str, ...], flags: frozenset[str]) -> bool:
     """Whether `op`'s kernel, compiled for the `compiled` subsets, may run on a CPU with
-    `flags`: every compiled subset present (no SIGILL) and every required one compiled."""
-    return all(f in flags for f in compiled) and all(f in compiled for f in REQUIRED_ISA[op])
+    `flags`: every compiled subset present (no SIGILL) and one required path compiled whole."""
+    return all(f in flags for f in compiled) and any(
+        all(f in compiled for f in path) for path in REQUIRED_ISA[op])
 
 
 def kernel_for(op: str) -> ModuleType | None:
@@ -252,8 +254,9 @@ def kernel_for(op: str) -> ModuleType | None:
         allowed = _allowed[op] = isa_allows(op, compiled, cpu_flags())
         if not allowed:
             logger.warning(
-                "pagoda CPU kernel %r not used here: compiled for %s, needs %s, CPU has %s",
-                op, compiled or "scalar code only", list(REQUIRED_ISA[op]) or "nothing",
-                sorted(f for f in cpu_flags() if f.startswith("avx512")) or "no AVX-512",
+                "pagoda CPU kernel %r not used here: compiled for %s, needs one of %s, CPU "
+                "has %s", op, compiled or "scalar code only", [list(p) for p in REQUIRED_ISA[op]],
+                sorted(f for f in cpu_flags() if f.startswith("avx") or f in ("fma", "f16c"))
+                or "no AVX",
             )
     return ext if allowed else None
