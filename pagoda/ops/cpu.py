@@ -2,7 +2,7 @@
 
 Which calls they take: the fused element-wise ops in bf16/fp16 only (float32 keeps the
 reference, PyTorch's ops, the path that matches transformers bit for bit) on a CPU whose
-AVX-512 F/BW/VL vector path was built; paged attention with a float32/bf16 q on any CPU the
+AVX-512 F/BW/VL or AVX2 + FMA + F16C vector path was built; paged attention with a float32/bf16 q on any CPU the
 extension builds on (decode rows: one query row at a time; prefill rows: tiles of query rows,
 AVX-512 and head dims 32/64/96/128/256 only). Both also take quantized caches (int8 / fp8
 codes with their scales, kv_quant.py), which they write and read natively. Anything else, and `PAGODA_DISABLE_CPU_KERNELS=1`, runs the reference.

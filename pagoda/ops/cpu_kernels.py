@@ -3,13 +3,18 @@
 Contract: `kernel_for(op)` returns the extension when its kernel for `op` ("paged_attention",
 "paged_prefill_attention" or "fused_ops") may run here, else None: disabled, no compiler,
 a failed build (one warning, never retried in this process), or an instruction-set
-mismatch. The build uses -march=native; the extension reports the instruction-set subsets
-each op's vector path was compiled with (`kernel_isa()`), and an op runs only when the CPU's
-flags hold all of them and its required subsets were compiled in (the fused ops' scalar
-fallback is slower than PyTorch's ops, so such a CPU uses the reference instead). Never
-SIGILL, never a silent slow path.
+mismatch. The build uses -march=native (or `PAGODA_CPU_MARCH`); the extension reports the
+instruction-set subsets each op's vector path was compiled with (`kernel_isa()`), and an op
+runs only when the CPU's flags hold all of them and one of its required paths (`REQUIRED_ISA`)
+was compiled in (the fused ops' scalar fallback is slower than PyTorch's ops, so such a CPU
+uses the reference instead). Never SIGILL, never a silent slow path.
 
-`PAGODA_DISABLE_CPU_KERNELS=1` forces the reference path.
+`PAGODA_DISABLE_CPU_KERNELS=1` forces the reference path. `PAGODA_CPU_MARCH` (default
+`native`) is the `-march=` target of both extensions' builds (this one and quant_cpu's), part
+of their build names, so builds for several targets coexist in the cache: e.g. `x86-64-v3`
+builds the AVX2 + FMA + F16C paths on an AVX-512 machine (how the tests check those paths
+there). A target is letters, digits, `_`, `.` and `-` (else a ValueError); one above this CPU
+is the caller's risk: the ISA check covers the vector paths, not code the compiler generates.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import hashlib
 import importlib.util
 import logging
 import os
+import re
 import shutil
 import threading
 import time
@@ -42,17 +48,18 @@ _SOURCES = [
 # Included by the sources: part of the build's inputs (its hash), not compiled on their own.
 _HEADERS = [
     Path(__file__).parent / "csrc" / h
-    for h in ("kv_quant_cpu.h", "attention_cpu.h", "fused_ops_cpu.h")
+    for h in ("kv_quant_cpu.h", "attention_cpu.h", "fused_ops_cpu.h", "fused_vec_cpu.h")
 ]
-_CFLAGS = ["-O3", "-march=native", "-fopenmp"]
-_LDFLAGS = ["-fopenmp"]
+_LDFLAGS = ("-fopenmp",)
+_MARCH = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 # NOTE: a build takes ~1.5 min on a loaded 2-core machine; a lock this old has no owner.
 _STALE_LOCK_S = 30 * 60
-# The subsets an op's compiled vector path must have for the kernel to be worth calling.
-REQUIRED_ISA: dict[str, tuple[str, ...]] = {
-    "paged_attention": (),  # NOTE: its portable path is still faster than gather + SDPA
-    "fused_ops": ("avx512f", "avx512bw", "avx512vl"),
-    "paged_prefill_attention": ("avx512f",),  # NOTE: else prefill rows take the decode kernel
+# The vector paths an op's kernel is worth calling with: the subsets one of them must have
+# compiled in.
+REQUIRED_ISA: dict[str, tuple[tuple[str, ...], ...]] = {
+    "paged_attention": ((),),  # NOTE: its portable path is still faster than gather + SDPA
+    "fused_ops": (("avx512f", "avx512bw", "avx512vl"), ("avx2", "fma", "f16c")),
+    "paged_prefill_attention": (("avx512f",),),  # NOTE: else prefill rows take the decode kernel
 }
 _lock = threading.Lock()
 _builds: dict[str, ModuleType | None] = {}  # name -> the loaded build; None: it failed
@@ -77,6 +84,22 @@ def _ensure_ninja_on_path() -> None:
     os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
+def cpu_march() -> str:
+    """The builds' -march= target: `PAGODA_CPU_MARCH`, default native; a ValueError for a
+    value that is no plain target name."""
+    march = os.environ.get("PAGODA_CPU_MARCH", "native")
+    if not _MARCH.fullmatch(march):
+        raise ValueError(
+            f"PAGODA_CPU_MARCH={march!r} is not a -march= target: expected e.g. native or "
+            "x86-64-v3 (letters, digits, '_', '.' and '-', starting with a letter or digit)")
+    return march
+
+
+def cflags() -> list[str]:
+    """The compiler flags of both extensions' builds."""
+    return ["-O3", f"-march={cpu_march()}", "-fopenmp"]
+
+
 @functools.cache
 def cpu_flags() -> frozenset[str]:
     """This CPU's feature flags (the `flags` line of /proc/cpuinfo); empty where unreadable."""
@@ -94,7 +117,7 @@ def cpu_flags() -> frozenset[str]:
 def _cpu_flags_tag() -> str:
     """A short hash of this CPU's feature flags.
 
-    NOTE: the build uses -march=native, so the same source and flags compile to different
+    NOTE: a native build (-march=native) of the same source and flags compiles to different
     code on different CPUs; torch caches builds by name, so the name carries this tag and a
     shared cache dir never hands one CPU the build of another (e.g. AVX512_BF16 code to a
     CPU without it). "generic" where /proc/cpuinfo is unreadable (not Linux).
@@ -106,8 +129,8 @@ def _cpu_flags_tag() -> str:
 
 
 def build_name(prefix: str, inputs: Sequence[Path]) -> str:
-    """`prefix` + this CPU's flags tag + a short hash of the build's inputs (sources and
-    headers), the compiler flags and the torch version.
+    """`prefix` (+ the -march target where it is not native) + this CPU's flags tag + a short
+    hash of the build's inputs (sources and headers), the compiler flags and the torch version.
 
     NOTE: torch's loader keeps one build per name and rebuilds in place when the sources
     change; two checkouts (or two installed versions) sharing the cache dir would then
@@ -117,7 +140,10 @@ def build_name(prefix: str, inputs: Sequence[Path]) -> str:
     digest = hashlib.sha256()
     for path in inputs:
         digest.update(path.read_bytes())
-    digest.update(" ".join([*_CFLAGS, *_LDFLAGS, torch.__version__]).encode())
+    digest.update(" ".join([*cflags(), *_LDFLAGS, torch.__version__]).encode())
+    march = cpu_march()
+    if march != "native":  # NOTE: a module name is an identifier: the hash holds the exact value
+        prefix = f"{prefix}_{re.sub(r'[^A-Za-z0-9]', '_', march)}"
     return f"{prefix}_{_cpu_flags_tag()}_{digest.hexdigest()[:8]}"
 
 
@@ -186,8 +212,10 @@ def _build_or_import(name: str, sources: Sequence[Path], what: str) -> ModuleTyp
             _remove_stale_lock(build_dir)
             _ensure_ninja_on_path()
             with build_notice(what, expected_s=40):
+                # NOTE: copies: torch appends its libraries to extra_ldflags in place, which
+                # changed every later build name of the process (another hash, a rebuild).
                 module = load(name=name, sources=[str(p) for p in sources],
-                              extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS,
+                              extra_cflags=cflags(), extra_ldflags=list(_LDFLAGS),
                               build_directory=str(build_dir), verbose=False)
     except Exception as exc:  # noqa: BLE001 - any build failure means "use the reference"
         logger.warning("pagoda %s unavailable, using the reference: %s", what, exc)
@@ -208,8 +236,9 @@ def load_extension() -> ModuleType | None:
 
 def isa_allows(op: str, compiled: list[str] | tuple[str, ...], flags: frozenset[str]) -> bool:
     """Whether `op`'s kernel, compiled for the `compiled` subsets, may run on a CPU with
-    `flags`: every compiled subset present (no SIGILL) and every required one compiled."""
-    return all(f in flags for f in compiled) and all(f in compiled for f in REQUIRED_ISA[op])
+    `flags`: every compiled subset present (no SIGILL) and one required path compiled whole."""
+    return all(f in flags for f in compiled) and any(
+        all(f in compiled for f in path) for path in REQUIRED_ISA[op])
 
 
 def kernel_for(op: str) -> ModuleType | None:
@@ -225,8 +254,9 @@ def kernel_for(op: str) -> ModuleType | None:
         allowed = _allowed[op] = isa_allows(op, compiled, cpu_flags())
         if not allowed:
             logger.warning(
-                "pagoda CPU kernel %r not used here: compiled for %s, needs %s, CPU has %s",
-                op, compiled or "scalar code only", list(REQUIRED_ISA[op]) or "nothing",
-                sorted(f for f in cpu_flags() if f.startswith("avx512")) or "no AVX-512",
+                "pagoda CPU kernel %r not used here: compiled for %s, needs one of %s, CPU "
+                "has %s", op, compiled or "scalar code only", [list(p) for p in REQUIRED_ISA[op]],
+                sorted(f for f in cpu_flags() if f.startswith("avx") or f in ("fma", "f16c"))
+                or "no AVX",
             )
     return ext if allowed else None

@@ -22,8 +22,9 @@ kept for `pagoda bench kernels` only) at every row count measured, 1 to 1,024, s
 no second path.
 
 The extension is a second module beside cpu_kernels' (whose sources belong to other ops),
-built by the same loader (`cpu_kernels.load_built`: named by CPU flags and sources, built
-once under a lock, a failed build never retried in the process).
+built by the same loader (`cpu_kernels.load_built`: named by CPU flags, sources and
+`PAGODA_CPU_MARCH`'s -march= target, built once under a lock, a failed build never retried
+in the process).
 """
 
 from __future__ import annotations

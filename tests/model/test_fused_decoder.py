@@ -13,6 +13,7 @@ import torch
 
 from pagoda import LLM, SamplingParams
 from pagoda.ops import cpu_kernels
+from tests.helpers import bf16_packs
 
 # (arch, config overrides, engine kwargs)
 CASES = [
@@ -24,9 +25,15 @@ CASES = [
 ]
 
 
-def _needs_fused_kernels() -> None:
+def _needs_fused_kernels(dense: bool = False) -> None:
+    """Skip where the whole-layer calls cannot run (`dense`: on a dense bf16 model, whose
+    layers need oneDNN-packed weights)."""
     if cpu_kernels.kernels_disabled() or cpu_kernels.kernel_for("fused_ops") is None:
-        pytest.skip("the fused-op kernels do not run here (no extension or no AVX-512 BW/VL)")
+        pytest.skip("the fused-op kernels do not run here (no extension, or neither AVX-512 "
+                    "BW/VL nor AVX2 + FMA + F16C)")
+    if dense and not bf16_packs():
+        pytest.skip("oneDNN packs no bf16 weight on this CPU (no AVX-512): a dense model's "
+                    "layers run op by op")
 
 
 def _run(model_dir: Path, prompts: list[list[int]], **engine_kwargs):
@@ -50,7 +57,7 @@ def test_fused_layers_equal_op_by_op(
     arch: str, overrides: dict, engine_kwargs: dict, tiny_model,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    _needs_fused_kernels()
+    _needs_fused_kernels(dense=True)
     model_dir = tiny_model(arch, **overrides)
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 49152, (n,), generator=gen).tolist() for n in (70, 9, 41)]
@@ -90,7 +97,7 @@ def test_fused_layers_with_int4_projections_equal_op_by_op(
 
 
 def test_fused_stack_only_where_it_applies(tiny_model) -> None:
-    _needs_fused_kernels()
+    _needs_fused_kernels(dense=True)
     model_dir = tiny_model("LlamaForCausalLM")
     fp32 = LLM(str(model_dir), dtype="float32", max_model_len=64)
     # NOTE: float32 keeps F.linear (the oracle path), so nothing is packed.

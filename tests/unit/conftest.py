@@ -37,8 +37,10 @@ def fp8ext(qext):
 
 @pytest.fixture(scope="module")
 def fused_ext(ext):
-    """The extension where dispatch takes its fused ops (AVX-512 F/BW/VL); else skipped,
-    saying so (their scalar code still builds there, and the tests calling it run)."""
+    """The extension where dispatch takes its fused ops (AVX-512 F/BW/VL or AVX2 + FMA +
+    F16C); else skipped, saying so (their scalar code still builds there, and the tests
+    calling it run)."""
     if cpu_kernels.kernel_for("fused_ops") is None:
-        pytest.skip("dispatch takes the fused ops only with AVX-512 F/BW/VL; this CPU lacks it")
+        pytest.skip("dispatch takes the fused ops only with AVX-512 F/BW/VL or AVX2 + FMA + "
+                    f"F16C; this build has {ext.kernel_isa()['fused_ops'] or 'neither'}")
     return ext

@@ -76,15 +76,22 @@ def test_unread_table_entries_are_not_checked(ext) -> None:
 
 # ---- instruction sets: the dispatch decision with the CPU's flags mocked -------------------
 FUSED_ISA = ["avx512f", "avx512bw", "avx512vl"]
+FUSED_AVX2 = ["avx2", "fma", "f16c"]
 
 
 def test_isa_decision() -> None:
-    full = frozenset(FUSED_ISA + ["avx512_bf16", "avx2"])
+    full = frozenset(FUSED_ISA + FUSED_AVX2 + ["avx512_bf16"])
     assert cpu_kernels.isa_allows("fused_ops", FUSED_ISA, full)
     assert not cpu_kernels.isa_allows("fused_ops", FUSED_ISA, full - {"avx512bw"})
     assert not cpu_kernels.isa_allows("fused_ops", FUSED_ISA, full - {"avx512vl"})
-    # Built where BW/VL are missing: scalar code only, so the reference runs instead.
-    assert not cpu_kernels.isa_allows("fused_ops", [], frozenset({"avx2"}))
+    # The AVX2 path (AVX2 + FMA + F16C), whole and only where the CPU has all three.
+    avx2 = frozenset(FUSED_AVX2)
+    assert cpu_kernels.isa_allows("fused_ops", FUSED_AVX2, avx2)
+    assert cpu_kernels.isa_allows("fused_ops", FUSED_AVX2, full)
+    assert not cpu_kernels.isa_allows("fused_ops", FUSED_AVX2, avx2 - {"f16c"})
+    assert not cpu_kernels.isa_allows("fused_ops", ["avx2", "fma"], avx2)
+    # Built without either path: scalar code only, so the reference runs instead.
+    assert not cpu_kernels.isa_allows("fused_ops", [], avx2)
     assert cpu_kernels.isa_allows("paged_attention", [], frozenset({"avx2"}))
     assert cpu_kernels.isa_allows("paged_attention", ["avx512f"], full)
     assert not cpu_kernels.isa_allows("paged_attention", ["avx512f", "avx512_bf16"],
@@ -98,8 +105,11 @@ def _mock_flags(monkeypatch: pytest.MonkeyPatch, drop: set[str]) -> None:
     registry.refresh()  # as an engine start on such a CPU would
 
 
-def test_cpu_without_avx512bw_vl_uses_the_reference(ext, monkeypatch) -> None:
-    _mock_flags(monkeypatch, {"avx512bw", "avx512vl"})
+def test_cpu_without_the_fused_paths_flags_uses_the_reference(ext, monkeypatch) -> None:
+    """A CPU lacking what the build's fused-op path uses (AVX-512 BW/VL; the AVX2 path's
+    F16C) runs the reference."""
+    fused = ext.kernel_isa()["fused_ops"]
+    _mock_flags(monkeypatch, {"avx512bw", "avx512vl"} if "avx512bw" in fused else {"f16c"})
     calls = spy_on_extension(ext, monkeypatch)
     x = torch.randn(3, 64).to(torch.bfloat16)
     r = torch.randn(3, 64).to(torch.bfloat16)
@@ -126,7 +136,9 @@ def test_cpu_without_avx512_uses_the_reference_everywhere(ext, monkeypatch) -> N
     torch.testing.assert_close(out.double(), _naive(*case, None), atol=1e-5, rtol=1e-5)
     if ext.kernel_isa()["paged_attention"]:
         assert "paged_decode_attention" not in calls
-    assert ops.fused_ops_for(torch.zeros(2, dtype=torch.bfloat16)) is None
+    # The fused ops run only where the build is the AVX2 one, which needs no AVX-512.
+    fused = ops.fused_ops_for(torch.zeros(2, dtype=torch.bfloat16))
+    assert (fused is not None) == (ext.kernel_isa()["fused_ops"] == FUSED_AVX2)
 
 
 # ---- block sizes ---------------------------------------------------------------------------

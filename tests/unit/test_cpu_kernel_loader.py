@@ -70,3 +70,46 @@ def test_both_extensions_load_through_the_one_loader(monkeypatch) -> None:
     assert cpu_kernels.load_built(calls[1], [], "again") is None and len(calls) == 2
     assert calls[0].startswith("pagoda_paged_attention_cpu_")
     assert calls[1].startswith("pagoda_quant_cpu_")
+
+
+def test_march_knob_names_its_builds(monkeypatch) -> None:
+    """PAGODA_CPU_MARCH: the -march= of both extensions' builds, in their names (several
+    targets coexist in the cache), validated."""
+    from pagoda.ops import quant_cpu
+
+    monkeypatch.delenv("PAGODA_CPU_MARCH", raising=False)
+    native = (cpu_kernels.extension_name(), quant_cpu.extension_name())
+    assert cpu_kernels.cpu_march() == "native" and "-march=native" in cpu_kernels.cflags()
+    monkeypatch.setenv("PAGODA_CPU_MARCH", "native")
+    assert (cpu_kernels.extension_name(), quant_cpu.extension_name()) == native
+    monkeypatch.setenv("PAGODA_CPU_MARCH", "x86-64-v3")
+    assert "-march=x86-64-v3" in cpu_kernels.cflags()
+    v3 = (cpu_kernels.extension_name(), quant_cpu.extension_name())
+    assert v3[0].startswith("pagoda_paged_attention_cpu_x86_64_v3_")
+    assert v3[1].startswith("pagoda_quant_cpu_x86_64_v3_")
+    assert all(name.isidentifier() for name in v3)  # the module's name in PYBIND11_MODULE
+    monkeypatch.setenv("PAGODA_CPU_MARCH", "x86_64.v3")  # the same tag, another hash
+    assert cpu_kernels.extension_name() not in (v3[0], native[0])
+    for bad in ("", "-O0", "x86-64 -O0", "native;", "skylake/avx512"):
+        monkeypatch.setenv("PAGODA_CPU_MARCH", bad)
+        with pytest.raises(ValueError, match="PAGODA_CPU_MARCH"):
+            cpu_kernels.extension_name()
+
+
+def test_a_build_leaves_the_build_names_unchanged(tmp_path, monkeypatch) -> None:
+    """torch's loader appends its libraries to the flag lists it is handed: the loader hands
+    it copies, so the names of later builds in the process stay those a fresh process
+    computes (else the next process builds again)."""
+    from pagoda.ops import quant_cpu
+
+    names = (cpu_kernels.extension_name(), quant_cpu.extension_name())
+
+    def mutating_load(*, extra_cflags, extra_ldflags, **_kwargs):
+        extra_cflags.append("-DMUTATED")
+        extra_ldflags.append("-lmutated")
+        return object()
+
+    monkeypatch.setattr(cpu_kernels, "build_directory", lambda name: tmp_path / name)
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", mutating_load)
+    assert cpu_kernels._build_or_import("fresh", [], "test kernels") is not None
+    assert (cpu_kernels.extension_name(), quant_cpu.extension_name()) == names

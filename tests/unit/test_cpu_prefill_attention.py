@@ -101,7 +101,8 @@ def tiled(ext):
     """The tests of the tiled kernel itself: skipped, saying why, where it cannot run (it is
     AVX-512 only; prefill rows take the decode kernel there, tested below)."""
     if cpu_kernels.kernel_for("paged_prefill_attention") is None:
-        pytest.skip("the tiled prefill kernel is AVX-512 only; this CPU lists no avx512f")
+        pytest.skip("the tiled prefill kernel is AVX-512 only; this CPU or build has no "
+                    f"avx512f (build: {ext.kernel_isa()['paged_prefill_attention']})")
 
 
 @pytest.fixture(params=[True, False], ids=["bf16_dot", "fp32_fma"])

@@ -13,10 +13,12 @@
 // does (transformers rounds before the weight multiply too: less accurate); silu is
 // rounded before the product, as F.silu(gate) * up does. Math is float32.
 //
-// Vector path: AVX512F plus AVX512BW and AVX512VL (the masked 16-bit loads and stores of
-// the 256-bit halves), compiled only when the build targets all three (PAGODA_FUSED_AVX512);
-// otherwise scalar loops. fused_ops_isa() reports which, and the Python side sends these ops
-// to the PyTorch reference on a CPU that lacks any of them.
+// Vector paths (fused_vec_cpu.h; bf16 / fp16, written once over its primitives): AVX512F
+// plus AVX512BW and AVX512VL (16 lanes; the masked 16-bit loads and stores of the 256-bit
+// halves) where the build targets all three, else AVX2 + FMA + F16C (8 lanes), the same
+// bits; otherwise scalar loops. fused_ops_isa() reports which, and the Python side sends
+// these ops to the PyTorch reference on a CPU that lacks what was compiled (or where only
+// the scalar loops were).
 //
 // NOTE: no FMA contraction, so float32 rotary equals the unfused PyTorch ops bit for bit.
 #pragma GCC optimize("fp-contract=off")
@@ -24,11 +26,6 @@
 #include <torch/extension.h>
 
 #include <omp.h>
-
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#define PAGODA_FUSED_AVX512 1
-#include <immintrin.h>
-#endif
 
 #include <cmath>
 #include <cstdint>
@@ -39,85 +36,10 @@
 #include <vector>
 
 #include "fused_ops_cpu.h"
+#include "fused_vec_cpu.h"
 #include "kv_quant_cpu.h"
 
 namespace pagoda_fused {
-
-#if defined(PAGODA_FUSED_AVX512)
-// ---- 16-lane float32 views of bf16 / fp16 memory (masked for tails) --------------------
-inline __mmask16 tail_mask(int64_t n) {
-  return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
-}
-
-template <typename T>
-inline __m512 vload(const T* p, __mmask16 m) {
-  const __m256i raw = _mm256_maskz_loadu_epi16(m, p);
-  if constexpr (std::is_same_v<T, at::BFloat16>) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-  } else {
-    return _mm512_cvtph_ps(raw);
-  }
-}
-
-template <typename T>
-inline __m256i to_half_bits(__m512 x) {
-  if constexpr (std::is_same_v<T, at::BFloat16>) {
-#if defined(__AVX512BF16__)
-    return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x));
-#else
-    // Round to nearest even by hand; NaN becomes the canonical quiet NaN as in c10.
-    const __m512i bits = _mm512_castps_si512(x);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(
-        _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb)), 16);
-    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-    r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC0));
-    return _mm512_cvtepi32_epi16(r);
-#endif
-  } else {
-    return _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  }
-}
-
-template <typename T>
-inline void vstore(T* p, __m512 x, __mmask16 m) {
-  _mm256_mask_storeu_epi16(p, m, to_half_bits<T>(x));
-}
-
-// x rounded to T and widened back: the value a PyTorch op in T would hand on.
-template <typename T>
-inline __m512 vround(__m512 x) {
-  const __m256i h = to_half_bits<T>(x);
-  if constexpr (std::is_same_v<T, at::BFloat16>) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-  } else {
-    return _mm512_cvtph_ps(h);
-  }
-}
-
-// e^x to about 1 float ulp: 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2] (Cody-Waite split).
-inline __m512 vexp(__m512 x) {
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f)));
-  r = _mm512_sub_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(-2.12194440e-4f)));
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  // NOTE: scalef saturates to inf / 0 outside float range, so no clamping is needed.
-  return _mm512_scalef_ps(p, n);
-}
-
-template <typename T>
-constexpr bool kVec = std::is_same_v<T, at::BFloat16> || std::is_same_v<T, at::Half>;
-#else
-template <typename T>
-constexpr bool kVec = false;
-#endif
 
 template <typename T>
 inline float to_f(T x) {
@@ -140,21 +62,24 @@ void add_rms_norm_impl(T* x, T* residual, const T* weight, int64_t rows, int64_t
   for (int64_t r = 0; r < rows; ++r) {
     T* xr = x + r * hidden;
     T* rr = residual + r * hidden;
-#if defined(PAGODA_FUSED_AVX512)
+#if defined(PAGODA_FUSED_VEC)
     if constexpr (kVec<T>) {
-      __m512 acc = _mm512_setzero_ps();
-      for (int64_t i = 0; i < hidden; i += 16) {
-        const __mmask16 m = tail_mask(hidden - i);
-        const __m512 sum = vround<T>(_mm512_add_ps(vload(xr + i, m), vload(rr + i, m)));
-        vstore(rr + i, sum, m);
-        acc = _mm512_fmadd_ps(sum, sum, acc);
+      // NOTE: 16 partial sums whatever the lane count (element i in sum i % 16), reduced
+      // by vsum16's fixed tree: the AVX-512 and AVX2 paths give the same mean.
+      VecF acc[kSumParts];
+      for (auto& a : acc) a = vset1(0.0f);
+      for (int64_t i = 0; i < hidden; i += kLanes) {
+        const int64_t n = hidden - i;
+        const VecF sum = vround<T>(vadd(vload(xr + i, n), vload(rr + i, n)));
+        vstore(rr + i, sum, n);
+        VecF& a = acc[(i / kLanes) % kSumParts];
+        a = vfmadd(sum, sum, a);
       }
-      const float mean = _mm512_reduce_add_ps(acc) / static_cast<float>(hidden);
-      const __m512 inv = _mm512_set1_ps(1.0f / std::sqrt(mean + eps));
-      for (int64_t i = 0; i < hidden; i += 16) {
-        const __mmask16 m = tail_mask(hidden - i);
-        const __m512 normed = _mm512_mul_ps(vload(rr + i, m), inv);
-        vstore(xr + i, _mm512_mul_ps(vload(weight + i, m), normed), m);
+      const float mean = vsum16(acc) / static_cast<float>(hidden);
+      const VecF inv = vset1(1.0f / std::sqrt(mean + eps));
+      for (int64_t i = 0; i < hidden; i += kLanes) {
+        const int64_t n = hidden - i;
+        vstore(xr + i, vmul(vload(weight + i, n), vmul(vload(rr + i, n), inv)), n);
       }
       continue;
     }
@@ -190,14 +115,14 @@ void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w
 
 template <typename T>
 inline void rotate_head(T* h, const T* cos, const T* sin, int64_t half) {
-#if defined(PAGODA_FUSED_AVX512)
+#if defined(PAGODA_FUSED_VEC)
   if constexpr (kVec<T>) {
-    for (int64_t i = 0; i < half; i += 16) {
-      const __mmask16 m = tail_mask(half - i);
-      const __m512 x1 = vload(h + i, m), x2 = vload(h + half + i, m);
-      const __m512 c = vload(cos + i, m), s = vload(sin + i, m);
-      vstore(h + i, _mm512_sub_ps(_mm512_mul_ps(x1, c), _mm512_mul_ps(x2, s)), m);
-      vstore(h + half + i, _mm512_add_ps(_mm512_mul_ps(x2, c), _mm512_mul_ps(x1, s)), m);
+    for (int64_t i = 0; i < half; i += kLanes) {
+      const int64_t n = half - i;
+      const VecF x1 = vload(h + i, n), x2 = vload(h + half + i, n);
+      const VecF c = vload(cos + i, n), s = vload(sin + i, n);
+      vstore(h + i, vsub(vmul(x1, c), vmul(x2, s)), n);
+      vstore(h + half + i, vadd(vmul(x2, c), vmul(x1, s)), n);
     }
     return;
   }
@@ -350,16 +275,15 @@ void silu_and_mul_impl(const T* x, T* out, int64_t rows, int64_t inter) {
     const T* g = x + r * 2 * inter;
     const T* u = g + inter;
     T* o = out + r * inter;
-#if defined(PAGODA_FUSED_AVX512)
+#if defined(PAGODA_FUSED_VEC)
     if constexpr (kVec<T>) {
-      const __m512 one = _mm512_set1_ps(1.0f);
-      const __m512 zero = _mm512_setzero_ps();
-      for (int64_t i = 0; i < inter; i += 16) {
-        const __mmask16 m = tail_mask(inter - i);
-        const __m512 gv = vload(g + i, m);
-        const __m512 e = vexp(_mm512_sub_ps(zero, gv));
-        const __m512 act = vround<T>(_mm512_div_ps(gv, _mm512_add_ps(one, e)));
-        vstore(o + i, _mm512_mul_ps(act, vload(u + i, m)), m);
+      const VecF one = vset1(1.0f), zero = vset1(0.0f);
+      for (int64_t i = 0; i < inter; i += kLanes) {
+        const int64_t n = inter - i;
+        const VecF gv = vload(g + i, n);
+        const VecF e = vexp(vsub(zero, gv));
+        const VecF act = vround<T>(vdiv(gv, vadd(one, e)));
+        vstore(o + i, vmul(act, vload(u + i, n)), n);
       }
       continue;
     }
@@ -393,6 +317,8 @@ std::vector<std::string> fused_ops_isa() {
   isa.push_back("avx512_bf16");
 #endif
   return isa;
+#elif defined(PAGODA_FUSED_AVX2)
+  return {"avx2", "fma", "f16c"};
 #else
   return {};
 #endif
