@@ -158,13 +158,12 @@ class FusedDecoderStack:
         applies (cos/sin and the caches as `ops.fused_ops_for` requires)."""
         layers, attns = self.layers, self.attns
         residual, x = x, self.first_norm(x)
-        md = mds[0]
+        kv, md = kv_caches[0], mds[0]
         if self._decodes_in_one_call(x, kv_caches, mds):
             self.decode_steps += 1
             out = self.decode_stack(self.decode, x, residual, cos, sin, positions, kv_caches,
                                     md.slot_mapping, md.decode_block_tables, md.decode_seq_lens)
             return out, residual
-        kv, md = kv_caches[0], mds[0]
         q, k, v = self.qkv(layers[0], x, cos, sin, positions, kv[0], kv[1], md.slot_mapping,
                            *(kv[2:] or (None, None)))
         last = len(layers) - 1

@@ -234,11 +234,18 @@ def load_extension() -> ModuleType | None:
     return _module
 
 
-def isa_allows(op: str, compiled: list[str] | tuple[str, ...], flags: frozenset[str]) -> bool:
-    """Whether `op`'s kernel, compiled for the `compiled` subsets, may run on a CPU with
-    `flags`: every compiled subset present (no SIGILL) and one required path compiled whole."""
+def paths_allow(paths: Sequence[Sequence[str]], compiled: Sequence[str],
+                flags: frozenset[str]) -> bool:
+    """Whether a kernel compiled for the `compiled` subsets may run on a CPU with `flags`:
+    every compiled subset present (no SIGILL) and one of `paths` compiled whole (the rule of
+    both extensions: this one's ops and quant_cpu's)."""
     return all(f in flags for f in compiled) and any(
-        all(f in compiled for f in path) for path in REQUIRED_ISA[op])
+        all(f in compiled for f in path) for path in paths)
+
+
+def isa_allows(op: str, compiled: list[str] | tuple[str, ...], flags: frozenset[str]) -> bool:
+    """`paths_allow` for `op`'s required paths (`REQUIRED_ISA`)."""
+    return paths_allow(REQUIRED_ISA[op], compiled, flags)
 
 
 def kernel_for(op: str) -> ModuleType | None:

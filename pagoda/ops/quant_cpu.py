@@ -70,9 +70,8 @@ def load_extension() -> ModuleType | None:
 
 
 def isa_allows(compiled: list[str] | tuple[str, ...], flags: frozenset[str]) -> bool:
-    """Every compiled subset present on the CPU (no SIGILL) and one vector path compiled."""
-    return all(f in flags for f in compiled) and any(
-        all(f in compiled for f in path) for path in REQUIRED_ISA)
+    """`cpu_kernels.paths_allow` for the quant kernels' vector paths (`REQUIRED_ISA`)."""
+    return cpu_kernels.paths_allow(REQUIRED_ISA, compiled, flags)
 
 
 def resolve() -> ModuleType | None:

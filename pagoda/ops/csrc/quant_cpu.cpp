@@ -129,9 +129,9 @@ inline int code_at(const uint8_t* panel, int64_t lane, int64_t c) {
 // single-row one.
 // NOTE (measured, SmolLM2's 120 Q4_1 layer GEMVs from DRAM, 2-core Zen 4, paired in one
 // process): one panel at a time is one sequential stream of codes per thread, which the
-// hardware prefetcher follows; four panels side by side were four short streams (a panel
-// is ~4.6 KiB at K = 576) and ran 0.93x as fast. With the next panels' scales prefetched
-// (below) 0.86x the time of four side by side.
+// hardware prefetcher follows, and took 0.93x the time of four panels side by side (four
+// short streams: a panel is ~4.6 KiB at K = 576); with the next panels' scales prefetched
+// (below) 0.77-0.86x.
 constexpr int64_t kTileRows = kPanel;
 constexpr int kTaskTiles = 2;
 constexpr int kGemvTiles = 1;
