@@ -8,7 +8,10 @@ padded to a multiple of 16, K to a multiple of 64, with code 0 and scale 0): per
 per 8 input columns c..c+7, 16 * bits bytes, byte 4 * r + j holding row r's code of column
 c + j (8-bit: the first 64 bytes; column c + 4 + j in the next 64) or, 4-bit,
 code(c + j) | code(c + 4 + j) << 4: half a byte a 4-bit code. Scales and offsets are
-[G, padded N] (a panel's 16 rows side by side): float16 where that is exact for every
+[panels, G, 16], panel by panel like the codes (a panel's 16 rows side by side): a
+single-row product then reads each thread's scales as one sequential stream, not one cache
+line per group from rows N values apart. A loaded [G, N] GPTQ/AWQ tensor is kept as it is
+instead (no copy), and the kernels read both. float16 where that is exact for every
 element, else float32; integer zeros in [0, 255] as uint8.
 """
 
@@ -28,8 +31,8 @@ PANEL = 16  # output rows per panel (one int32 lane each in the kernel)
 @dataclass(frozen=True)
 class BlockLayout:
     codes: torch.Tensor  # uint8 [padded N / 16, padded K * 2 * bits]
-    scales: torch.Tensor  # float16 or float32 [G, padded N]
-    offsets: torch.Tensor  # [G, padded N]: zeros z (zero_form; also uint8) or offsets m
+    scales: torch.Tensor  # float16 or float32 [padded N / 16, G, 16] (or [G, padded N])
+    offsets: torch.Tensor  # the same shape: zeros z (zero_form; also uint8) or offsets m
     bits: int  # 4 or 8: the stored width (fewer-bit codes are held as 4-bit)
     group: int  # input columns per scale (G == 1: the whole row)
     zero_form: bool
@@ -49,11 +52,11 @@ class BlockLayout:
 
     def scale_rows(self) -> torch.Tensor:
         """float32 [N, G]."""
-        return self.scales[:, : self.shape[0]].T.float()
+        return _per_row(self.scales)[: self.shape[0]].float()
 
     def offset_rows(self) -> torch.Tensor:
         """float32 [N, G]: the zeros (zero_form) or the offsets m."""
-        return self.offsets[:, : self.shape[0]].T.float()
+        return _per_row(self.offsets)[: self.shape[0]].float()
 
     def row_codes(self, rows: torch.Tensor) -> torch.Tensor:
         """uint8 [len(rows), K]: the codes of output rows `rows` (int64) only."""
@@ -79,8 +82,22 @@ class BlockLayout:
     def dequantize_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """float32 [len(rows), K]: rows `rows` (int64) of `dequantize()`, computed alone."""
         cols = rows.to(self.codes.device)
-        return self._values(self.row_codes(cols), self.scales[:, cols].T.float(),
-                            self.offsets[:, cols].T.float())
+        return self._values(self.row_codes(cols), _rows_of(self.scales, cols).float(),
+                            _rows_of(self.offsets, cols).float())
+
+
+def _per_row(t: torch.Tensor) -> torch.Tensor:
+    """Scales or offsets in either stored shape -> [padded N, G]."""
+    if t.dim() == 2:
+        return t.T
+    return t.transpose(1, 2).reshape(-1, t.shape[1])
+
+
+def _rows_of(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """[len(rows), G]: rows `rows` (int64) of `_per_row(t)`, without the others."""
+    if t.dim() == 2:
+        return t[:, rows].T
+    return t[rows // PANEL, :, rows % PANEL]
 
 
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -104,11 +121,18 @@ def _exact_in(t: torch.Tensor, dtype: torch.dtype) -> bool:
     return bool(torch.isfinite(c.float()).all()) and torch.equal(c.to(t.dtype), t)
 
 
-def _columns(t: torch.Tensor, np_: int, zeros: bool) -> torch.Tensor:
-    """[N, G] per-row values -> [G, padded N], in the narrowest exact dtype; a contiguous
-    [G, N] float32/float16 tensor seen transposed (GPTQ/AWQ scales) is kept, not copied."""
+def _kept(t: torch.Tensor, np_: int) -> bool:
+    """Whether [N, G] values are a contiguous [G, N] float32/float16 tensor seen transposed
+    (GPTQ/AWQ scales as loaded), which the layout keeps as [G, N] instead of copying."""
+    return t.shape[0] == np_ and t.T.is_contiguous() and t.dtype in (torch.float32,
+                                                                     torch.float16)
+
+
+def _columns(t: torch.Tensor, np_: int, zeros: bool, by_panel: bool) -> torch.Tensor:
+    """[N, G] per-row values -> [padded N / 16, G, 16] (`by_panel`) or [G, padded N], in
+    the narrowest exact dtype (a `_kept` tensor by group as it is)."""
     n = t.shape[0]
-    if n == np_ and t.T.is_contiguous() and t.dtype in (torch.float32, torch.float16):
+    if not by_panel and _kept(t, np_):
         return t.T
     t = t.float()
     dtype = torch.float32
@@ -116,20 +140,23 @@ def _columns(t: torch.Tensor, np_: int, zeros: bool) -> torch.Tensor:
         dtype = torch.uint8
     elif _exact_in(t, torch.float16):
         dtype = torch.float16
-    out = torch.zeros(t.shape[1], np_, dtype=dtype, device=t.device)
-    out[:, :n] = t.T.to(dtype)
-    return out
+    out = torch.zeros(np_, t.shape[1], dtype=dtype, device=t.device)
+    out[:n] = t.to(dtype)
+    if not by_panel:
+        return out.T.contiguous()
+    return out.view(np_ // PANEL, PANEL, -1).transpose(1, 2).contiguous()
 
 
 def pack(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, bits: int,
          group: int, zero_form: bool, block: int = 32) -> BlockLayout:
     """codes uint8 [N, K] (values < 2**bits), scales / offsets [N, G] per group of `group`
-    columns (G = ceil(K / group))."""
+    columns (G = ceil(K / group)). Offsets follow the scales' order (the kernels read one)."""
     n, k = codes.shape
     np_ = -(-n // PANEL) * PANEL
     stored = 4 if bits <= 4 else 8
-    return BlockLayout(pack_codes(codes, stored), _columns(scales, np_, zeros=False),
-                       _columns(offsets, np_, zeros=zero_form), stored, group, zero_form,
+    by_panel = not _kept(scales, np_)
+    return BlockLayout(pack_codes(codes, stored), _columns(scales, np_, False, by_panel),
+                       _columns(offsets, np_, zero_form, by_panel), stored, group, zero_form,
                        (n, k), block)
 
 

@@ -15,6 +15,7 @@ NOTE: the test inputs hold no float32 subnormals: there the AVX-512 build's bf16
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -66,6 +67,11 @@ def _quant_cases(cases: dict, checks: dict) -> None:
         zeros = torch.randint(0, 2**bits, scales.shape, generator=g).float()
         w = wquant.GroupQuantWeight(q, scales, zeros, bits, group)
         weights.append((f"int{bits}_g{group}", w.layout, w.dequantize(), False))
+    # scales and offsets [G, N] (a loaded GPTQ/AWQ tensor kept as it is), not by panel
+    lay = weights[-2][1]
+    weights.append(("int4_g64_by_group", dataclasses.replace(
+        lay, scales=quant_layouts._per_row(lay.scales).T.contiguous(),
+        offsets=quant_layouts._per_row(lay.offsets).T.contiguous()), weights[-2][2], False))
     for name, lay, w_deq, repackable in weights:
         n, k = lay.shape
         for m in MS:

@@ -140,6 +140,33 @@ def test_dequantize_rows_kernel_equals_the_layouts_reference(qext, qtype: int) -
         quant_cpu.dequantize_rows(lay, torch.tensor([37]), torch.float32)
 
 
+def test_scales_by_panel_and_by_group_give_the_same_bits(qext) -> None:
+    """Layouts hold scales and offsets panel by panel ([panels, G, 16]: one stream per
+    thread); a loaded GPTQ/AWQ [G, N] tensor is kept as it is. The kernels read both, to the
+    same bits, at one row (the single-row path) and at several, and so do the references."""
+    import dataclasses
+
+    lay = _gguf_weight(quant_layouts.Q4_1, 37, 96, seed=3).kernel_data["cpp"]
+    assert lay.scales.shape == (3, 3, 16) and lay.offsets.shape == (3, 3, 16)
+    by_group = dataclasses.replace(
+        lay, scales=quant_layouts._per_row(lay.scales).T.contiguous(),
+        offsets=quant_layouts._per_row(lay.offsets).T.contiguous())
+    assert by_group.scales.shape == (3, 48)
+    assert torch.equal(by_group.dequantize(), lay.dequantize())
+    rows = torch.tensor([36, 0, 17, 5])
+    assert torch.equal(by_group.dequantize_rows(rows), lay.dequantize_rows(rows))
+    for m in (1, 3, 17):
+        x = torch.randn(m, 96, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
+        ys = [qext.q_linear(x, t.codes, t.scales, t.offsets, t.bits, t.block, t.group,
+                            t.zero_form, 37, None) for t in (lay, by_group)]
+        assert torch.equal(ys[0], ys[1])
+    for dtype in (torch.float32, torch.bfloat16):
+        assert torch.equal(quant_cpu.dequantize_rows(by_group, rows, dtype),
+                           quant_cpu.dequantize_rows(lay, rows, dtype))
+    with pytest.raises(RuntimeError, match="scales and offsets must be contiguous"):
+        qext.q_linear(x, lay.codes, lay.scales[:2], lay.offsets[:2], 4, 32, 32, False, 37, None)
+
+
 def _group_weight(bits: int, n: int, k: int, group: int, perm: bool, seed: int,
                   zero_shift: float = 0.0):
     g = torch.Generator().manual_seed(seed)
@@ -339,6 +366,9 @@ def test_group_weight_shares_a_transposed_scales_tensor():
                                 torch.full((32, 2), 8.0), 4, 64)
     assert w.layout.scales.data_ptr() == scales_gn.data_ptr()
     assert torch.equal(w.scales, scales_gn.T)
+    # the offsets (unpacked zeros: a new tensor) then follow the scales' [G, N] order
+    assert w.layout.offsets.shape == (2, 32)
+    torch.testing.assert_close(w.layout.dequantize(), w.dequantize())
 
 
 def test_group_weight_on_meta_makes_nothing_on_the_host():

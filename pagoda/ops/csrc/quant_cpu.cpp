@@ -9,8 +9,10 @@
 // row r's codes of columns c + j (8-bit: the first 64 bytes; then c + 4 + j in the next 64)
 // and, 4-bit, code(c + j) | code(c + 4 + j) << 4. So one 64-byte load gives, per int32 lane
 // (= output row), four codes of consecutive columns: vpdpbusd against four activation
-// bytes broadcast computes 16 output rows at once. Scales and offsets are [G, padded N]
-// (16 consecutive values = a panel's rows), float32 or float16; zeros also uint8.
+// bytes broadcast computes 16 output rows at once. Scales and offsets are [panels, G, 16]
+// (panel by panel, as the codes: each thread's scales are one stream) or [G, padded N] (a
+// loaded GPTQ/AWQ tensor kept as it is); 16 consecutive values are a panel's rows, float32
+// or float16; zeros also uint8.
 //
 // q_linear quantizes each activation row to int8 per block of BLOCK columns (d = max|x| /
 // 127, q = round-half-even(x * (1 / d))), then per (activation row, weight row, block):
@@ -76,7 +78,15 @@ struct Weights {
   int64_t np;      // padded N
   int64_t groups;  // G
   int64_t bpg;     // activation blocks per group (all of them when G == 1)
+  int64_t sg;      // scale / offset elements from one group to the next: 16 or padded N
+  int64_t sp;      // ... from one panel to the next: 16 * G or 16
 };
+
+// Where the scale (and offset) of group g, row `row` is: a panel's 16 rows are always
+// side by side, the panels and groups in either order (see checked_weights).
+inline int64_t sc_at(const Weights& w, int64_t g, int64_t row) {
+  return g * w.sg + (row / kPanel) * w.sp + row % kPanel;
+}
 
 std::vector<std::string> quant_isa() {
   std::vector<std::string> isa;
@@ -105,7 +115,7 @@ struct QuantActs {
   int64_t nb = 0;
 };
 
-// One value of a [G, padded N] scale or offset tensor, as float32.
+// One value of a scale or offset tensor (index: sc_at), as float32.
 inline float load1(const void* base, int kind, int64_t idx) {
   if (kind == kF32) return static_cast<const float*>(base)[idx];
   if (kind == kF16) return _cvtsh_ss(static_cast<const uint16_t*>(base)[idx]);
@@ -205,7 +215,7 @@ inline __m512i bcast4(const int8_t* p) {
   return _mm512_set1_epi32(v);
 }
 
-// 16 consecutive values of a [G, padded N] scale or offset tensor, as float32.
+// 16 consecutive values of a scale or offset tensor (a panel's rows), as float32.
 inline __m512 load16(const void* base, int kind, int64_t idx) {
   if (kind == kF32) return _mm512_loadu_ps(static_cast<const float*>(base) + idx);
   if (kind == kF16) {
@@ -247,18 +257,20 @@ inline void tile(const Weights& w, int64_t panel0, const QuantActs& a, int64_t r
   for (int64_t g = 0; g < w.groups; ++g) {
     __m512 s[P], m[P];
     for (int p = 0; p < P; ++p) {
-      const int64_t idx = g * w.np + (panel0 + p) * kPanel;
+      const int64_t idx = sc_at(w, g, (panel0 + p) * kPanel);
       s[p] = load16(w.sc, w.sc_kind, idx);
       const __m512 o = load16(w.off, w.off_kind, idx);
       m[p] = w.zero_form ? _mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), s[p]), o) : o;
     }
     const int64_t b1 = g + 1 == w.groups ? nb : std::min(nb, (g + 1) * w.bpg);
     if constexpr (R == 1) {
-      // NOTE: a single row streams its codes faster than the scales' [G, N] rows arrive on
+      // NOTE: a single row streams its codes faster than [G, N] scales' rows arrive on
       // demand (one line per group, N values apart, ahead of any hardware prefetch): ask
-      // for this group's scales and offsets of the panels kScaleAhead further on.
-      const int64_t ahead = g * w.np + (panel0 + P + kScaleAhead - 1) * kPanel;
-      if (ahead < (g + 1) * w.np) {
+      // for this group's scales and offsets of the panels kScaleAhead further on. Scales
+      // stored panel by panel are a stream of their own, which the prefetcher follows.
+      const int64_t ahead_panel = panel0 + P + kScaleAhead - 1;
+      if (w.sp == kPanel && ahead_panel < w.np / kPanel) {
+        const int64_t ahead = sc_at(w, g, ahead_panel * kPanel);
         _mm_prefetch(static_cast<const char*>(w.sc) + ahead * kind_bytes(w.sc_kind), _MM_HINT_T0);
         _mm_prefetch(static_cast<const char*>(w.off) + ahead * kind_bytes(w.off_kind), _MM_HINT_T0);
       }
@@ -357,7 +369,7 @@ void dequant_t(const Weights& w, int64_t group, int64_t k, int64_t t0, int64_t t
     __m512 s = _mm512_setzero_ps(), m = _mm512_setzero_ps();
     for (int64_t c = 0; c < k; c += 8) {
       if (c % group == 0) {
-        const int64_t idx = (w.groups == 1 ? 0 : c / group) * w.np + p * kPanel;
+        const int64_t idx = sc_at(w, w.groups == 1 ? 0 : c / group, p * kPanel);
         s = load16(w.sc, w.sc_kind, idx);
         const __m512 o = load16(w.off, w.off_kind, idx);
         m = w.zero_form ? _mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), s), o) : o;
@@ -385,7 +397,7 @@ void dequant_row(const Weights& w, int64_t group, int64_t k, int64_t row, void* 
   for (int64_t c0 = 0; c0 < k; c0 += 16) {
     alignas(64) float q[16] = {}, s[16] = {}, o[16] = {};
     for (int64_t j = 0; j < 16 && c0 + j < k; ++j) {
-      const int64_t idx = (w.groups == 1 ? 0 : (c0 + j) / group) * w.np + row;
+      const int64_t idx = sc_at(w, w.groups == 1 ? 0 : (c0 + j) / group, row);
       q[j] = static_cast<float>(code_at<BITS>(panel, lane, c0 + j));
       s[j] = load1(w.sc, w.sc_kind, idx);
       o[j] = load1(w.off, w.off_kind, idx);
@@ -507,7 +519,7 @@ inline __m256i dpbusd(__m256i acc, __m256i a, __m256i b) {
 #endif
 }
 
-// 8 consecutive values of a [G, padded N] scale or offset tensor, as float32.
+// 8 consecutive values of a scale or offset tensor (a unit's rows), as float32.
 inline __m256 load8(const void* base, int kind, int64_t idx) {
   if (kind == kF32) return _mm256_loadu_ps(static_cast<const float*>(base) + idx);
   if (kind == kF16) {
@@ -538,7 +550,7 @@ inline void tile(const Weights& w, int64_t unit0, const QuantActs& a, int64_t ro
   for (int64_t g = 0; g < w.groups; ++g) {
     __m256 s[U], m[U];
     for (int u = 0; u < U; ++u) {
-      const int64_t idx = g * w.np + (unit0 + u) * kUnit;
+      const int64_t idx = sc_at(w, g, (unit0 + u) * kUnit);
       s[u] = load8(w.sc, w.sc_kind, idx);
       const __m256 o = load8(w.off, w.off_kind, idx);
       m[u] = w.zero_form ? _mm256_mul_ps(_mm256_sub_ps(_mm256_setzero_ps(), s[u]), o) : o;
@@ -669,7 +681,7 @@ void dequant_t(const Weights& w, int64_t group, int64_t k, int64_t t0, int64_t t
   for (int64_t row = t0; row < t0 + tn; ++row) {
     const uint8_t* panel = w.codes + (row / kPanel) * w.panel_bytes;
     for (int64_t c = 0; c < k; ++c) {
-      const int64_t idx = (w.groups == 1 ? 0 : c / group) * w.np + row;
+      const int64_t idx = sc_at(w, w.groups == 1 ? 0 : c / group, row);
       const float s = load1(w.sc, w.sc_kind, idx), o = load1(w.off, w.off_kind, idx);
       const float m = w.zero_form ? (0.f - s) * o : o;
       const float y = std::fma(static_cast<float>(code_at<BITS>(panel, row % kPanel, c)), s, m);
@@ -684,7 +696,7 @@ template <int BITS>
 void dequant_row(const Weights& w, int64_t group, int64_t k, int64_t row, void* out, bool bf16) {
   const uint8_t* panel = w.codes + (row / kPanel) * w.panel_bytes;
   for (int64_t c = 0; c < k; ++c) {
-    const int64_t idx = (w.groups == 1 ? 0 : c / group) * w.np + row;
+    const int64_t idx = sc_at(w, w.groups == 1 ? 0 : c / group, row);
     const float q = static_cast<float>(code_at<BITS>(panel, row % kPanel, c));
     const float s = load1(w.sc, w.sc_kind, idx), o = load1(w.off, w.off_kind, idx);
     const float y = w.zero_form ? (q - o) * s : s * q + o;
@@ -799,18 +811,23 @@ Weights checked_weights(const at::Tensor& x, const at::Tensor& codes, const at::
   TORCH_CHECK(kp % 64 == 0 && kp * 2 * bits == codes.size(1) && x.size(1) <= kp,
               "codes cover ", kp, " columns, x has ", x.size(1));
   TORCH_CHECK(n <= np && n > np - kPanel, "n = ", n, " does not match ", np, " padded rows");
-  TORCH_CHECK(sc.dim() == 2 && sc.size(1) == np && off.sizes() == sc.sizes() &&
-                  sc.is_contiguous() && off.is_contiguous(),
-              "scales and offsets must be contiguous [G, ", np, "]");
+  // Scales and offsets: [G, padded N] (group by group) or [panels, G, 16] (panel by panel).
+  const bool by_panel = sc.dim() == 3;
+  TORCH_CHECK(((sc.dim() == 2 && sc.size(1) == np) ||
+               (by_panel && sc.size(0) == np / kPanel && sc.size(2) == kPanel)) &&
+                  off.sizes() == sc.sizes() && sc.is_contiguous() && off.is_contiguous(),
+              "scales and offsets must be contiguous [G, ", np, "] or [", np / kPanel,
+              ", G, 16]");
   const int sc_kind = kind_of(sc), off_kind = kind_of(off);
   TORCH_CHECK(sc_kind != kU8 && (zero_form || off_kind != kU8),
               "scales must be float; uint8 offsets only as zeros");
-  const int64_t groups = sc.size(0), nb = kp / block;
+  const int64_t groups = sc.size(by_panel ? 1 : 0), nb = kp / block;
   TORCH_CHECK(groups >= 1 && (groups == 1 || (group % block == 0 && (groups - 1) * group < kp &&
                                               groups * group >= x.size(1))),
               "groups of ", group, " columns do not fit blocks of ", block);
   return Weights{codes.data_ptr<uint8_t>(), codes.size(1), sc.data_ptr(), off.data_ptr(),
-                 sc_kind, off_kind, zero_form, np, groups, groups == 1 ? nb : group / block};
+                 sc_kind, off_kind, zero_form, np, groups, groups == 1 ? nb : group / block,
+                 by_panel ? kPanel : np, by_panel ? kPanel * groups : kPanel};
 }
 
 at::Tensor float_bias(const c10::optional<at::Tensor>& bias, int64_t n) {
