@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pagoda import ops
 from pagoda.sampling_params import SamplingParams, SamplingType
 
 _TINY = torch.finfo(torch.float32).tiny
@@ -278,9 +279,9 @@ class Sampler:
             logits = logits.to(torch.float32, copy=True)
             apply_logit_bias_and_bans(logits, md)
             apply_penalties(logits, md)
-        # NOTE: argmax over bf16 is 5x slower than a float32 cast plus argmax on CPU; the
-        # cast is exact, so the chosen ids (ties included) are the same.
-        greedy_ids = None if md.all_random else logits.float().argmax(dim=-1)
+        # NOTE: torch's CPU argmax over [B, V] took ~15 ms at B = 64, V = 49,152; the
+        # CPU kernel picks the same ids (ties and NaNs included) in a fraction of that.
+        greedy_ids = None if md.all_random else ops.argmax_rows(logits)
         if md.all_greedy:
             return greedy_ids, None
         if not md.needs_processing:
@@ -378,7 +379,7 @@ def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -
     # NOTE: U == 0 gives E = inf (p / E = 0, harmless); U near 1 gives E near 0, clamped
     # so that p / E never becomes inf, or NaN for a masked token, which argmax prefers.
     exp = u.log_().neg_().clamp_min_(_TINY)
-    return probs.div_(exp).argmax(dim=-1)
+    return ops.argmax_rows(probs.div_(exp))
 
 
 def compute_topk_logprobs(

@@ -4,6 +4,8 @@ with a plain PyTorch reference (reference.py) that runs on any device.
   rms_norm(x, weight, eps)                        -> normed x
   fused_add_rms_norm(x, residual, weight, eps)    -> (normed, x + residual); may reuse storage
   silu_and_mul(x)                                 -> silu(gate) * up of x = [gate | up]
+  argmax_rows(x)                                  -> int64 [rows]: each row's first maximum
+                                                     (the sampler's greedy pick)
   rotary_and_cache(qkv, cos, sin, positions,      rotates q, k of qkv in place and writes
                    k_cache, v_cache, slot_mapping, k, v into their slots
                    num_heads, num_kv_heads)
@@ -40,6 +42,7 @@ from pagoda.ops.registry import OPS, Kernel, Op, define_op
 rms_norm = define_op("rms_norm", reference.rms_norm)
 fused_add_rms_norm = define_op("fused_add_rms_norm", reference.fused_add_rms_norm)
 silu_and_mul = define_op("silu_and_mul", reference.silu_and_mul)
+argmax_rows = define_op("argmax_rows", reference.argmax_rows)
 rotary_and_cache = define_op("rotary_and_cache", reference.rotary_and_cache)
 write_kv = define_op("write_kv", reference.write_kv)
 paged_attention = define_op("paged_attention", reference.paged_attention)
@@ -67,6 +70,7 @@ __all__ = [
     "Kernel",
     "Op",
     "apply_rotary",
+    "argmax_rows",
     "decoder_layers_for",
     "fused_add_rms_norm",
     "fused_ops_for",

@@ -22,6 +22,7 @@ from pagoda.ops.registry import OPS, Kernel
 
 LOW_PRECISION = frozenset({torch.bfloat16, torch.float16})
 _ATTENTION_DTYPES = frozenset({torch.float32, torch.bfloat16})
+_ARGMAX_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16})
 _CACHE_DTYPES = _ATTENTION_DTYPES | frozenset(CODE_MAX)
 
 
@@ -47,6 +48,14 @@ def _add_rms_norm_supports(
 
 def _silu_and_mul(ext: ModuleType, x: torch.Tensor) -> torch.Tensor:
     return ext.silu_and_mul(x)
+
+
+def _argmax_rows(ext: ModuleType, x: torch.Tensor) -> torch.Tensor:
+    return ext.argmax_rows(x)
+
+
+def _argmax_supports(x: torch.Tensor) -> bool:
+    return _matrix_contiguous(x) and x.shape[1] > 0
 
 
 def _rotary_and_cache(ext: ModuleType, *args) -> None:
@@ -161,6 +170,9 @@ def register() -> None:
     )
     OPS["silu_and_mul"].register(
         "cpu", Kernel("cpp", _silu_and_mul, LOW_PRECISION, fused, _matrix_contiguous)
+    )
+    OPS["argmax_rows"].register(
+        "cpu", Kernel("cpp", _argmax_rows, _ARGMAX_DTYPES, fused, _argmax_supports)
     )
     OPS["rotary_and_cache"].register(
         "cpu", Kernel("cpp", _rotary_and_cache, LOW_PRECISION, fused, _rotary_supports)

@@ -34,6 +34,12 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """int64 [rows]: the index of each row's first maximum of x [rows, n] (a NaN counts as
+    the maximum). Low-precision rows are cast first: exact, and faster than their argmax."""
+    return x.float().argmax(dim=-1)
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half (neox) rotary: x [T, H, D]; cos/sin [T, 1, D/2] (broadcast over heads)."""
     x1, x2 = x.chunk(2, dim=-1)

@@ -115,6 +115,14 @@ def _fused_cases(cases: dict, checks: dict) -> None:
             x = (4 * torch.randn(rows, 2 * inter, generator=g)).to(dtype)
             x[0, :4] = torch.tensor([-100.0, 100.0, -30.0, 60.0])  # exp far out either way
             cases[f"silu_and_mul/{dtype}/{rows}x{inter}"] = ("silu_and_mul", (x,))
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for rows, n in ((3, 53), (64, 49152)):  # tails of 5; the parallel path
+            g = torch.Generator().manual_seed(n)
+            x = torch.randn(rows, n, generator=g)
+            x[0, [9, 30, 50]] = 9.0  # equal maxima: the first
+            x[1, [20, 44]] = float("nan")  # a NaN is the maximum: the first
+            cases[f"argmax_rows/{dtype}/{rows}x{n}"] = ("argmax_rows", (x.to(dtype),))
+    for dtype in (torch.bfloat16, torch.float16):
         for head_dim in (64, 48, 20):  # half 32, 24 (a 16-lane tail of 8), 10
             qkv, cos, sin, pos, slots, k_cache, v_cache = fused_tests._rotary_case(
                 dtype, 9, head_dim=head_dim)
@@ -151,8 +159,8 @@ def _run(ext, qext, kernel: str, args: tuple) -> tuple[torch.Tensor, ...]:
         out = args[0].clone()
         qext.dequant_rows(out, *args[1:])
         return (out,)
-    if kernel == "silu_and_mul":
-        return (ext.silu_and_mul(*args),)
+    if kernel in ("silu_and_mul", "argmax_rows"):
+        return (getattr(ext, kernel)(*args),)
     if kernel == "add_rms_norm":
         x, res = args[0].clone(), args[1].clone()
         ext.fused_add_rms_norm(x, res, *args[2:])
@@ -253,7 +261,7 @@ def test_quant_kernels_bit_identical(runs) -> None:
 
 
 def test_fused_ops_bit_identical(runs) -> None:
-    _bit_identical(runs, ("add_rms_norm/", "silu_and_mul/", "rotary/"))
+    _bit_identical(runs, ("add_rms_norm/", "silu_and_mul/", "rotary/", "argmax_rows/"))
 
 
 def test_quant_kernels_match_reference(runs) -> None:
@@ -284,6 +292,8 @@ def test_fused_ops_match_reference(runs) -> None:
             assert ((out[name][0].double() - want).abs() <= tol).all(), name
         elif kernel == "rotary_and_cache":
             _check_rotary(name, args, out[name])
+        elif kernel == "argmax_rows":
+            assert torch.equal(out[name][0], args[0].float().argmax(dim=-1)), name
 
 
 def _check_rotary(name: str, args: tuple, got: tuple) -> None:

@@ -27,9 +27,11 @@
 
 #include <omp.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <optional>
 #include <string>
 #include <type_traits>
@@ -308,6 +310,111 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
   return out;
 }
 
+#if defined(PAGODA_FUSED_VEC)
+// kLanes values at p as float32 (bf16 / fp16 widened exactly).
+template <typename T>
+inline VecF vload_full(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+#if defined(PAGODA_FUSED_AVX512)
+    return _mm512_loadu_ps(p);
+#else
+    return _mm256_loadu_ps(p);
+#endif
+  } else {
+    return vload(p, kLanes);
+  }
+}
+
+#if defined(PAGODA_FUSED_AVX512)
+inline VecF vmax(VecF a, VecF b) { return _mm512_max_ps(a, b); }
+inline bool any_nan(VecF v) { return _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) != 0; }
+inline uint32_t eq_bits(VecF v, float m) {
+  return _mm512_cmp_ps_mask(v, _mm512_set1_ps(m), _CMP_EQ_OQ);
+}
+inline float hmax(VecF v) { return _mm512_reduce_max_ps(v); }
+#else
+inline VecF vmax(VecF a, VecF b) { return _mm256_max_ps(a, b); }
+inline bool any_nan(VecF v) { return _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)) != 0; }
+inline uint32_t eq_bits(VecF v, float m) {
+  return _mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_set1_ps(m), _CMP_EQ_OQ));
+}
+inline float hmax(VecF v) {
+  alignas(32) float t[8];
+  _mm256_store_ps(t, v);
+  float m = t[0];
+  for (int i = 1; i < 8; ++i) m = std::max(m, t[i]);
+  return m;
+}
+#endif
+#endif
+
+// The index of the first maximum of x[0, n), as torch.argmax picks it: a NaN is the maximum
+// (the first NaN wins); among equal values (-0 and +0 included) the first.
+template <typename T>
+int64_t row_argmax(const T* x, int64_t n) {
+  int64_t i = 0;
+  float best = -std::numeric_limits<float>::infinity();
+  bool nan = false;
+#if defined(PAGODA_FUSED_VEC)
+  // One pass for the maximum (NaNs noted apart: max_ps drops them), one for its first place.
+  const int64_t full = n / kLanes * kLanes;
+  if (full > 0) {
+    VecF m = vset1(best);
+    for (; i < full; i += kLanes) {
+      const VecF v = vload_full(x + i);
+      nan = nan || any_nan(v);
+      m = vmax(m, v);
+    }
+    best = hmax(m);
+  }
+#endif
+  for (int64_t j = i; j < n; ++j) {
+    const float v = to_f(x[j]);
+    nan = nan || std::isnan(v);
+    best = std::max(best, v);
+  }
+  if (nan) {
+    for (int64_t j = 0; j < n; ++j) {
+      if (std::isnan(to_f(x[j]))) return j;
+    }
+  }
+  int64_t j = 0;
+#if defined(PAGODA_FUSED_VEC)
+  for (; j + kLanes <= n; j += kLanes) {
+    const uint32_t bits = eq_bits(vload_full(x + j), best);
+    if (bits != 0) return j + __builtin_ctz(bits);
+  }
+#endif
+  for (; j < n; ++j) {
+    if (to_f(x[j]) == best) return j;
+  }
+  return 0;  // NOTE: n == 0 is refused by the caller
+}
+
+template <typename T>
+void argmax_rows_impl(const T* x, int64_t rows, int64_t n, int64_t* out) {
+#pragma omp parallel for if (rows * n >= 8 * kParallelGrain) schedule(static)
+  for (int64_t r = 0; r < rows; ++r) out[r] = row_argmax(x + r * n, n);
+}
+
+torch::Tensor argmax_rows(torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) > 0,
+              "x must be a contiguous [rows, n] matrix with n > 0");
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
+              "argmax_rows takes float32, bfloat16 or float16");
+  auto out = torch::empty({x.size(0)}, x.options().dtype(at::kLong));
+  int64_t* o = out.data_ptr<int64_t>();
+  if (dtype == at::kFloat) {
+    argmax_rows_impl(x.data_ptr<float>(), x.size(0), x.size(1), o);
+  } else if (dtype == at::kBFloat16) {
+    argmax_rows_impl(x.data_ptr<at::BFloat16>(), x.size(0), x.size(1), o);
+  } else {
+    argmax_rows_impl(x.data_ptr<at::Half>(), x.size(0), x.size(1), o);
+  }
+  return out;
+}
+
 }  // namespace pagoda_fused
 
 std::vector<std::string> fused_ops_isa() {
@@ -339,4 +446,6 @@ void register_fused_ops(pybind11::module& m) {
         pybind11::arg("num_kv_heads"), pybind11::arg("k_scale") = pybind11::none(),
         pybind11::arg("v_scale") = pybind11::none());
   m.def("silu_and_mul", &pagoda_fused::silu_and_mul, "[gate | up] -> silu(gate) * up");
+  m.def("argmax_rows", &pagoda_fused::argmax_rows,
+        "int64 [rows]: each row's first maximum, as torch.argmax (NaN the maximum)");
 }
