@@ -83,7 +83,7 @@ def test_bench_spec_reports_every_config_and_same_greedy_output(tiny, tmp_path) 
     args = argparse.Namespace(model=str(tiny), draft_model=str(tiny), dtype="float32",
                               self_draft=["rtn"], calib_data="calib", vllm_python="",
                               vllm_only=False, vllm_kv_gib=1,
-                              num_speculative_tokens=3, max_tokens=8, concurrency=[1, 2],
+                              num_speculative_tokens=3, max_tokens=8, concurrency=[1],
                               workloads=["grounded"], seed=0, rounds=2,
                               output_json=str(tmp_path / "spec.json"))
     report = run_spec_decode(args)
