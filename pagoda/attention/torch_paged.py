@@ -29,9 +29,9 @@ from pagoda.layers.rotary import rotate_by
 
 # A request whose query rows times G (query heads per kv head) are fewer takes the decode
 # kernel's rows instead of the tiled prefill kernel, which computes lane blocks of 16 query
-# vectors. NOTE (measured, one thread, 9 / 3 heads x 64, bf16, context 1,000): 16 requests of
-# 2 rows (6 vectors each) ran 2x faster as rows, of 5 rows (15) at parity, of 16 rows 1.6x
-# slower as rows.
+# vectors (8 in its AVX2 build). NOTE (measured on AVX-512, one thread, 9 / 3 heads x 64,
+# bf16, context 1,000): 16 requests of 2 rows (6 vectors each) ran 2x faster as rows, of 5
+# rows (15) at parity, of 16 rows 1.6x slower as rows. Not measured on AVX2.
 TILED_MIN_QUERY_VECTORS = 16
 
 

@@ -59,7 +59,8 @@ _STALE_LOCK_S = 30 * 60
 REQUIRED_ISA: dict[str, tuple[tuple[str, ...], ...]] = {
     "paged_attention": ((),),  # NOTE: its portable path is still faster than gather + SDPA
     "fused_ops": (("avx512f", "avx512bw", "avx512vl"), ("avx2", "fma", "f16c")),
-    "paged_prefill_attention": (("avx512f",),),  # NOTE: else prefill rows take the decode kernel
+    # NOTE: else prefill rows take the decode kernel
+    "paged_prefill_attention": (("avx512f",), ("avx2", "fma")),
 }
 _lock = threading.Lock()
 _builds: dict[str, ModuleType | None] = {}  # name -> the loaded build; None: it failed

@@ -56,7 +56,8 @@ def test_fast_paths_are_as_accurate_as_pytorch_ops(
     with monkeypatch.context() as m:
         calls = spy_on_extension(cpu_kernels.load_extension(), m)
         fast, fast_tokens = _prompt_logprobs(model_dir, ids, **engine_kwargs)
-    # NOTE: the tiled prefill kernel is AVX-512 only; elsewhere prefill rows take the decode one.
+    # NOTE: the tiled prefill kernel needs AVX-512 or AVX2 + FMA; elsewhere prefill rows take
+    # the decode one.
     tiled_here = cpu_kernels.kernel_for("paged_prefill_attention") is not None
     assert ("paged_prefill_attention" in calls) == (overrides.get("head_dim") == 64 and tiled_here)
     # NOTE: decode-only steps call the decode kernel from inside the one-call stack.

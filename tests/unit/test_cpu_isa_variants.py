@@ -5,7 +5,10 @@ both extensions (`PAGODA_CPU_MARCH`, ops/cpu_kernels.py) and runs the kernels on
 this process wrote with torch.save; its results must equal the native (AVX-512) build's bit
 for bit (quant kernels: q_linear over GGUF and group-quant layouts, i8_linear, dequant_rows;
 fused ops: add+RMSNorm, SiLU*mul, rotary + plain / int8 / fp8 cache writes) and pass the
-reference checks of the ops' own tests, as must its portable decode attention. Where the CPU
+reference checks of the ops' own tests, as must its portable decode attention; its tiled prefill
+attention (the fp32 path: float32 q on float32 / bf16 / int8 / fp8 caches, and bf16 q, which
+the native build takes through vdpbf16ps where it can, so bf16 q is compared with the native
+fp32 fallback and with the reference). Where the CPU
 has no AVX-512 the native build is the AVX2 one: it runs the reference checks alone, and the
 bit comparisons skip, saying so. Run as a module, this file is that subprocess.
 
@@ -31,6 +34,7 @@ from pagoda.layers.rotary import apply_rotary
 from pagoda.ops import cpu_kernels, quant_cpu, quant_layouts, reference, wquant
 from pagoda.ops.kv_quant import quantize
 from tests.unit import test_cpu_fused_ops as fused_tests
+from tests.unit import test_cpu_prefill_attention as prefill_tests
 from tests.unit import test_kv_quant_kernels as kvq_tests
 from tests.unit.test_cpu_paged_attention import _make_case
 from tests.unit.test_quant_kernels import (
@@ -151,6 +155,27 @@ def _attention_cases(cases: dict) -> None:
         cases[f"attention/{code}"] = ("paged_attention", (q, kc, vc, bt, lens, 0.125, -1, ks, vs))
 
 
+def _prefill_cases(cases: dict) -> None:
+    """Requests of several query / context lengths (chunks after a prefix, rows past a whole
+    lane block: query tile tails), with and without a sliding window."""
+    for q_dtype in (torch.float32, torch.bfloat16):
+        for cache in ("float32", "bfloat16", *kvq_tests.CODES):
+            for d, group, block_size in ((64, 1, 16), (64, 3, 8), (128, 1, 24), (128, 3, 16)):
+                q, kc, vc, bt, starts, qlens, lens = prefill_tests._case(
+                    prefill_tests.REQUESTS, 2, group, torch.float32, d=d,
+                    block_size=block_size, q_dtype=q_dtype, seed=d + group)
+                ks = vs = None
+                if cache == "bfloat16":
+                    kc, vc = kc.to(torch.bfloat16), vc.to(torch.bfloat16)
+                elif cache != "float32":
+                    (kc, ks), (vc, vs) = quantize(2 * kc, cache), quantize(vc, cache)
+                for window in (-1, 21):
+                    name = f"prefill/{q_dtype}/{cache}/d{d}/g{group}/w{window}"
+                    # NOTE: fp32_fma: the native build's fp32 path for a bf16 q too
+                    cases[name] = ("prefill_fp32_fma", (q, kc, vc, bt, starts, qlens, lens,
+                                                        d**-0.5, window, ks, vs))
+
+
 def _run(ext, qext, kernel: str, args: tuple) -> tuple[torch.Tensor, ...]:
     """One case on the extensions ext / qext; in-place kernels run on copies."""
     if kernel in ("q_linear", "i8_linear"):
@@ -170,6 +195,14 @@ def _run(ext, qext, kernel: str, args: tuple) -> tuple[torch.Tensor, ...]:
         mut = [t.clone() if t is not None else None for t in (qkv, kc, vc, ks, vs)]
         ext.rotary_and_cache(mut[0], cos, sin, pos, mut[1], mut[2], slots, h, hk, mut[3], mut[4])
         return tuple(t for t in mut if t is not None)
+    if kernel == "prefill_fp32_fma":
+        out = torch.zeros_like(args[0])
+        ext.set_bf16_dot(False)
+        try:
+            ext.paged_prefill_attention(out, *args)
+        finally:
+            ext.set_bf16_dot(True)
+        return (out,)
     q, kc, vc, bt, lens, scale, window, ks, vs = args
     out = torch.empty_like(q)
     ext.paged_decode_attention(out, q, kc, vc, bt, lens, scale, window, ks, vs, None, 0)
@@ -186,6 +219,7 @@ def run_all(cases: dict) -> dict:
         "isa": {**ext.kernel_isa(), **qext.kernel_isa()},
         "name": cpu_kernels.extension_name(),
         "dispatch": {"fused_ops": cpu_kernels.kernel_for("fused_ops") is not None,
+                     "prefill": cpu_kernels.kernel_for("paged_prefill_attention") is not None,
                      "decoder_layers": ops.decoder_layers_for(probe) is not None,
                      "quant": quant_cpu.resolve() is not None},
         "out": {name: _run(ext, qext, kernel, args) for name, (kernel, args) in cases.items()},
@@ -205,6 +239,7 @@ def runs(ext, qext, tmp_path_factory) -> dict:
     _quant_cases(cases, checks)
     _fused_cases(cases, checks)
     _attention_cases(cases)
+    _prefill_cases(cases)
     native = run_all(cases)
     if _has_avx512(native["isa"]):
         tmp = tmp_path_factory.mktemp("isa_variant")
@@ -248,12 +283,16 @@ def test_variant_compiles_the_avx2_paths_and_dispatch_takes_them(runs) -> None:
     assert isa["fused_ops"] == list(AVX2_PATH)
     assert set(AVX2_PATH) <= set(isa["quant"])
     assert not any(f.startswith("avx512") for op in isa for f in isa[op]), isa
-    assert isa["fp8"] == [] and isa["paged_prefill_attention"] == []
+    assert isa["fp8"] == [] and isa["paged_prefill_attention"] == ["avx2", "fma"]
     flags = cpu_kernels.cpu_flags()
     assert cpu_kernels.isa_allows("fused_ops", isa["fused_ops"], flags)
+    assert cpu_kernels.isa_allows("paged_prefill_attention", isa["paged_prefill_attention"],
+                                  flags)
     assert quant_cpu.isa_allows(isa["quant"], flags)
-    # The whole-layer decoder calls need the fused ops: they run on AVX2 too.
-    assert dispatch == {"fused_ops": True, "decoder_layers": True, "quant": True}
+    # The whole-layer decoder calls need the fused ops, prefill rows the tiled kernel: both
+    # run on AVX2 too.
+    assert dispatch == {"fused_ops": True, "prefill": True, "decoder_layers": True,
+                        "quant": True}
 
 
 def test_quant_kernels_bit_identical(runs) -> None:
@@ -262,6 +301,27 @@ def test_quant_kernels_bit_identical(runs) -> None:
 
 def test_fused_ops_bit_identical(runs) -> None:
     _bit_identical(runs, ("add_rms_norm/", "silu_and_mul/", "rotary/", "argmax_rows/"))
+
+
+def test_prefill_attention_bit_identical(runs) -> None:
+    """float32 q: the native fp32 path; bf16 q: the native fp32 fallback (no vdpbf16ps)."""
+    _bit_identical(runs, ("prefill/",))
+
+
+def test_prefill_attention_matches_reference(runs) -> None:
+    """The AVX2 build's tiled prefill against the reference, with test_cpu_prefill_attention's
+    tolerances (bf16 q: the fp32 path, one rounding to bf16)."""
+    out = runs["variant"]["out"]
+    for name, (kernel, args) in runs["cases"].items():
+        if kernel != "prefill_fp32_fma":
+            continue
+        q, kc, vc, bt, starts, qlens, lens, scale, window, ks, vs = args
+        scales = () if ks is None else (ks, vs)
+        want = reference.paged_prefill_attention(q, kc, vc, bt, starts, qlens, lens, scale,
+                                                 None if window < 0 else window, *scales)
+        tol = 2e-5 if q.dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(out[name][0].double(), want.double(), atol=tol, rtol=tol,
+                                   msg=name)
 
 
 def test_quant_kernels_match_reference(runs) -> None:

@@ -98,11 +98,11 @@ def test_float32_matches_oracle_and_reference(tiled, ext, group: int, window: in
 
 @pytest.fixture
 def tiled(ext):
-    """The tests of the tiled kernel itself: skipped, saying why, where it cannot run (it is
-    AVX-512 only; prefill rows take the decode kernel there, tested below)."""
+    """The tests of the tiled kernel itself: skipped, saying why, where it cannot run (it needs
+    AVX-512 or AVX2 + FMA; prefill rows take the decode kernel there, tested below)."""
     if cpu_kernels.kernel_for("paged_prefill_attention") is None:
-        pytest.skip("the tiled prefill kernel is AVX-512 only; this CPU or build has no "
-                    f"avx512f (build: {ext.kernel_isa()['paged_prefill_attention']})")
+        pytest.skip("the tiled prefill kernel needs AVX-512 or AVX2 + FMA, in this build and "
+                    f"CPU (build: {ext.kernel_isa()['paged_prefill_attention']})")
 
 
 @pytest.fixture(params=[True, False], ids=["bf16_dot", "fp32_fma"])
@@ -295,10 +295,15 @@ def test_other_head_dims_keep_the_decode_kernels_rows(ext, monkeypatch) -> None:
                                atol=1e-2, rtol=1e-2)
 
 
-def test_cpu_without_avx512f_has_no_tiled_kernel(ext, monkeypatch) -> None:
-    """Mocked flags without AVX-512: the tiled kernel is never chosen (no SIGILL)."""
-    assert not cpu_kernels.isa_allows("paged_prefill_attention", [], frozenset({"avx2"}))
-    flags = frozenset(f for f in cpu_kernels.cpu_flags() if not f.startswith("avx512"))
+def test_cpu_without_its_isa_has_no_tiled_kernel(ext, monkeypatch) -> None:
+    """Mocked flags without AVX-512 and AVX2: the tiled kernel is never chosen (no SIGILL);
+    an AVX-512 build never runs on an AVX2-only CPU, an AVX2 build does."""
+    avx2 = frozenset({"avx2", "fma", "f16c"})
+    assert not cpu_kernels.isa_allows("paged_prefill_attention", [], avx2)
+    assert not cpu_kernels.isa_allows("paged_prefill_attention", ["avx512f"], avx2)
+    assert cpu_kernels.isa_allows("paged_prefill_attention", ["avx2", "fma"], avx2)
+    flags = frozenset(f for f in cpu_kernels.cpu_flags()
+                      if not f.startswith("avx512") and f not in ("avx2", "fma"))
     monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: flags)
     monkeypatch.setattr(cpu_kernels, "_allowed", {})
     registry.refresh()

@@ -1,12 +1,14 @@
 // Helpers shared by the paged attention kernels (paged_attention_cpu.cpp: one query row at
 // a time; paged_prefill_cpu.cpp: tiles of query rows): the cache rows as fp32 vectors, the
 // vector exp of the online softmax, the rows of one tile of 16 positions found through a
-// block table, and the argument checks both kernels share.
+// block table, and the argument checks both kernels share. The 16-lane (AVX-512) helpers
+// serve both kernels; the 8-lane (AVX2 + FMA) ones the prefill kernel's AVX2 build.
 #pragma once
 
 #include <torch/extension.h>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#define PAGODA_ATTN_VEC 1
 #include <immintrin.h>
 #endif
 
@@ -110,8 +112,16 @@ inline void visit_caches(const torch::Tensor& k_cache, const torch::Tensor& v_ca
   }
 }
 
-#if defined(__AVX512F__)
+#if defined(PAGODA_ATTN_VEC)
+// Positions per K/V tile (both kernels, every vector width).
 constexpr int kTile = 16;
+
+// What a quantized row's scale is multiplied by for the rows load_row_f32 gives.
+template <typename KV>
+constexpr float kCodeUnit = std::is_same_v<KV, uint8_t> ? pagoda_kvq::kFp8Unit : 1.0f;
+#endif
+
+#if defined(__AVX512F__)
 
 // One row of kD values as kD / 16 fp32 vectors: natural order for float rows; for bf16 rows,
 // each 32 values give two vectors (even elements, odd elements).
@@ -153,10 +163,6 @@ inline void load_row_f32(const uint8_t* src, __m512* f) {
   }
 }
 
-// What a quantized row's scale is multiplied by for the rows load_row_f32 gives.
-template <typename KV>
-constexpr float kCodeUnit = std::is_same_v<KV, uint8_t> ? pagoda_kvq::kFp8Unit : 1.0f;
-
 // 16 lanes of exp_nonpos (same polynomial); scalef multiplies by 2^n without bit tricks.
 inline __m512 exp16_nonpos(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
@@ -173,6 +179,65 @@ inline __m512 exp16_nonpos(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
   return _mm512_scalef_ps(p, n);
 }
+#endif  // __AVX512F__
+
+#if defined(__AVX2__) && defined(__FMA__)
+// 8-lane forms of load_row_f32 (kD / 8 vectors, natural order; bf16 rows are widened by
+// their callers) and of exp16_nonpos: per lane the same operations, so the same bits.
+template <int kD>
+inline void load_row_f32(const float* src, __m256* f) {
+  for (int i = 0; i < kD / 8; ++i) f[i] = _mm256_loadu_ps(src + 8 * i);
+}
+
+template <int kD>
+inline void load_row_f32(const int8_t* src, __m256* f) {
+  for (int i = 0; i < kD / 8; ++i) {
+    const __m128i x = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + 8 * i));
+    f[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(x));
+  }
+}
+
+template <int kD>
+inline void load_row_f32(const uint8_t* src, __m256* f) {
+  const __m256i keep = _mm256_set1_epi32(static_cast<int>(0x87F00000u));
+  for (int i = 0; i < kD / 8; ++i) {
+    const __m128i x = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + 8 * i));
+    const __m256i w = _mm256_slli_epi32(_mm256_cvtepi8_epi32(x), 20);
+    f[i] = _mm256_castsi256_ps(_mm256_and_si256(w, keep));
+  }
+}
+
+// 2^n as 4 doubles, n (integral, in [-126, 0] here) from 4 int32 lanes.
+inline __m256d pow2_pd(__m128i n) {
+  const __m256i e = _mm256_add_epi64(_mm256_cvtepi32_epi64(n), _mm256_set1_epi64x(1023));
+  return _mm256_castsi256_pd(_mm256_slli_epi64(e, 52));
+}
+
+// exp16_nonpos on 8 lanes. scalef's p * 2^n is formed exactly in double (p is a normal
+// float, n >= -126) and rounded once to float32 (a subnormal result too), as scalef rounds it.
+inline __m256 exp8_nonpos(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860682030941723e-6f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 720.0f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256i ni = _mm256_cvtps_epi32(n);
+  const __m256d lo = _mm256_mul_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(p)),
+                                   pow2_pd(_mm256_castsi256_si128(ni)));
+  const __m256d hi = _mm256_mul_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(p, 1)),
+                                   pow2_pd(_mm256_extracti128_si256(ni, 1)));
+  return _mm256_set_m128(_mm256_cvtpd_ps(hi), _mm256_cvtpd_ps(lo));
+}
+#endif  // __AVX2__ && __FMA__
+
+#if defined(PAGODA_ATTN_VEC)
 
 // The rows of one tile: positions [16 * tile + lo, 16 * tile + hi) are valid; off[t] is
 // the element offset of lane t's cache row (kv head 0). Invalid lanes repeat a valid row,
@@ -181,7 +246,7 @@ struct TileRows {
   int64_t off[kTile];
   int64_t slot[kTile];  // lane t's token slot (block id * block_size + row): its scales
   int lo, hi;
-  __mmask16 mask;
+  uint16_t mask;  // bit t: lane t valid (an AVX-512 __mmask16)
 };
 
 inline void tile_rows(int64_t bs, const int64_t* table, int64_t row_stride, int64_t tile,
@@ -189,7 +254,7 @@ inline void tile_rows(int64_t bs, const int64_t* table, int64_t row_stride, int6
   const int64_t pos0 = tile * kTile;
   tr.lo = static_cast<int>(std::max(start, pos0) - pos0);
   tr.hi = static_cast<int>(std::min(seq_len, pos0 + kTile) - pos0);
-  tr.mask = static_cast<__mmask16>(((1u << tr.hi) - 1u) & ~((1u << tr.lo) - 1u));
+  tr.mask = static_cast<uint16_t>(((1u << tr.hi) - 1u) & ~((1u << tr.lo) - 1u));
   if (bs % kTile == 0) {
     // NOTE: the tile lies in one block, so its slots are consecutive: no table walk per row.
     const int64_t slot0 = table[pos0 / bs] * bs + pos0 % bs;
@@ -213,6 +278,6 @@ inline void tile_rows(int64_t bs, const int64_t* table, int64_t row_stride, int6
   for (int t = 0; t < tr.lo; ++t) tr.off[t] = tr.off[tr.lo], tr.slot[t] = tr.slot[tr.lo];
   for (int t = tr.hi; t < kTile; ++t) tr.off[t] = tr.off[tr.lo], tr.slot[t] = tr.slot[tr.lo];
 }
-#endif  // __AVX512F__
+#endif  // PAGODA_ATTN_VEC
 
 }  // namespace pagoda_attn

@@ -3,9 +3,9 @@
 // row once per query row).
 //
 // One work item: query rows [row0, row0 + M) of one request and the G = H / Hk query heads of
-// one kv head: M * G query vectors, in lane blocks of 16. Every tile of positions the item
-// reads is staged once from the cache (for vdpbf16ps: K as bf16, V as bf16 row pairs; else both
-// as fp32), then each lane block computes, with the 16 lanes = 16 query vectors:
+// one kv head: M * G query vectors, in lane blocks of 16 (AVX-512) or 8 (AVX2). Every tile of
+// positions the item reads is staged once from the cache (for vdpbf16ps: K as bf16, V as bf16
+// row pairs; else both as fp32), then each lane block computes, one query vector per lane:
 //   scores  S[t] = q . K[t]                        one K value broadcast per instruction
 //   softmax online per lane: running max, sum, rescale; causal and window masks per lane
 //   values  acc[d] = acc[d] * rescale + sum_t P[t] * V[t][d]   one V value (pair) broadcast
@@ -23,6 +23,11 @@
 // q or cache, or a CPU without AVX512_BF16: fp32 FMAs throughout on exact fp32 rows (float32
 // q: the exact path). The output is rounded once.
 //
+// The AVX2 (+ FMA) build has the fp32 path only (no bf16 dot products), in 8-lane blocks with
+// the same operations per lane in the same order (exp8_nonpos: exp16_nonpos's polynomial;
+// every multiply-add written as one), so its results equal the AVX-512 fp32 path's bit for
+// bit; with a bf16 q it is that path, not the vdpbf16ps one.
+//
 // Layouts (all contiguous):
 //   q, out        [T, H, D]       float32 or bfloat16 (same dtype)
 //   k/v_cache     [N, bs, Hk, D]  and k/v_scale [N, bs, Hk] as in paged_attention_cpu.cpp
@@ -30,7 +35,12 @@
 //   query_starts, query_lens, seq_lens  [R] int64: request r's query rows are
 //     q[query_starts[r] + i], i < query_lens[r], at positions seq_lens[r] - query_lens[r] + i;
 //     row i at position p attends to positions [max(0, p - window + 1), p] (window < 0: none).
-// AVX-512 only, head dims 32/64/96/128/256; the caller takes the decode kernel elsewhere.
+// AVX-512 or AVX2 + FMA, head dims 32/64/96/128/256; the caller takes the decode kernel
+// elsewhere.
+
+// NOTE: no FMA contraction: both vector paths must fuse the same multiply-adds, written as
+// vfmadd.
+#pragma GCC optimize("fp-contract=off")
 
 #include <torch/extension.h>
 
@@ -47,6 +57,12 @@
 
 #include "attention_cpu.h"
 
+// The vector path: 16 lanes (AVX512F), else 8 (AVX2 + FMA; the fp32 path only).
+#if defined(__AVX512F__)
+#define PAGODA_PREFILL_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#define PAGODA_PREFILL_AVX2 1
+#endif
 // The bf16 dot-product path (vdpbf16ps; vpermw/vpermt2w to pair V rows).
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define PAGODA_PREFILL_DOT 1
@@ -74,7 +90,70 @@ struct PrefillProblem {
   const float* v_scale = nullptr;
 };
 
-#if defined(__AVX512F__)
+#if defined(PAGODA_PREFILL_AVX512) || defined(PAGODA_PREFILL_AVX2)
+
+// The lane vectors of the fp32 path, one query vector per lane: every operation is per lane,
+// so both widths give the same bits.
+#if defined(PAGODA_PREFILL_AVX512)
+constexpr int kLanes = 16;
+using VecF = __m512;
+using VecI = __m512i;
+using Mask = __mmask16;
+
+inline VecF vzero() { return _mm512_setzero_ps(); }
+inline VecF vset1(float x) { return _mm512_set1_ps(x); }
+inline VecF vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, VecF x) { _mm512_storeu_ps(p, x); }
+inline VecF vadd(VecF a, VecF b) { return _mm512_add_ps(a, b); }
+inline VecF vsub(VecF a, VecF b) { return _mm512_sub_ps(a, b); }
+inline VecF vmul(VecF a, VecF b) { return _mm512_mul_ps(a, b); }
+inline VecF vmax(VecF a, VecF b) { return _mm512_max_ps(a, b); }
+inline VecF vfmadd(VecF a, VecF b, VecF c) { return _mm512_fmadd_ps(a, b, c); }
+inline VecF vexp_nonpos(VecF x) { return exp16_nonpos(x); }
+inline VecI viload(const int32_t* p) { return _mm512_loadu_si512(p); }
+inline VecI viset1(int32_t x) { return _mm512_set1_epi32(x); }
+inline VecI visub(VecI a, VecI b) { return _mm512_sub_epi32(a, b); }
+inline Mask mask_none() { return 0; }
+inline Mask mask_le(VecI a, VecI b) { return _mm512_cmple_epi32_mask(a, b); }
+inline Mask mask_ge(VecI a, VecI b) { return _mm512_cmpge_epi32_mask(a, b); }
+inline Mask mask_and(Mask a, Mask b) { return a & b; }
+// x where k, else other; x where k, else 0.
+inline VecF vselect(Mask k, VecF x, VecF other) { return _mm512_mask_mov_ps(other, k, x); }
+inline VecF vkeep(Mask k, VecF x) { return _mm512_maskz_mov_ps(k, x); }
+#else
+constexpr int kLanes = 8;
+using VecF = __m256;
+using VecI = __m256i;
+using Mask = __m256i;  // all ones in a selected lane
+
+inline VecF vzero() { return _mm256_setzero_ps(); }
+inline VecF vset1(float x) { return _mm256_set1_ps(x); }
+inline VecF vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, VecF x) { _mm256_storeu_ps(p, x); }
+inline VecF vadd(VecF a, VecF b) { return _mm256_add_ps(a, b); }
+inline VecF vsub(VecF a, VecF b) { return _mm256_sub_ps(a, b); }
+inline VecF vmul(VecF a, VecF b) { return _mm256_mul_ps(a, b); }
+inline VecF vmax(VecF a, VecF b) { return _mm256_max_ps(a, b); }
+inline VecF vfmadd(VecF a, VecF b, VecF c) { return _mm256_fmadd_ps(a, b, c); }
+inline VecF vexp_nonpos(VecF x) { return exp8_nonpos(x); }
+inline VecI viload(const int32_t* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+inline VecI viset1(int32_t x) { return _mm256_set1_epi32(x); }
+inline VecI visub(VecI a, VecI b) { return _mm256_sub_epi32(a, b); }
+inline Mask mask_none() { return _mm256_setzero_si256(); }
+inline Mask mask_le(VecI a, VecI b) {
+  return _mm256_xor_si256(_mm256_cmpgt_epi32(a, b), _mm256_set1_epi32(-1));
+}
+inline Mask mask_ge(VecI a, VecI b) {
+  return _mm256_xor_si256(_mm256_cmpgt_epi32(b, a), _mm256_set1_epi32(-1));
+}
+inline Mask mask_and(Mask a, Mask b) { return _mm256_and_si256(a, b); }
+inline VecF vselect(Mask k, VecF x, VecF other) {
+  return _mm256_blendv_ps(other, x, _mm256_castsi256_ps(k));
+}
+inline VecF vkeep(Mask k, VecF x) { return _mm256_and_ps(_mm256_castsi256_ps(k), x); }
+#endif
 
 // Query rows [row0, row0 + rows) of request req, for the query heads of kv head kvh.
 struct WorkItem {
@@ -84,18 +163,18 @@ struct WorkItem {
   int kvh;
 };
 
-// Lane blocks of 16 query vectors per item: the accumulators (blocks * kD * 64 bytes), the
+// Query vectors per item (lane blocks of kLanes): the accumulators (kD * 4 bytes each), the
 // queries and the staged tile stay in the first cache levels.
 template <int kD>
-constexpr int kMaxBlocks = kD <= 64 ? 4 : (kD <= 128 ? 2 : 1);
+constexpr int kMaxQueryVectors = kD <= 64 ? 64 : (kD <= 128 ? 32 : 16);
 
 // Per-thread state of one item; [block][dim][lane] for the queries and accumulators.
 struct PrefillScratch {
-  std::vector<uint32_t> qp;   // bf16 q, dims in pairs: [blocks][kD / 2][16]
-  std::vector<float> qf;      // fp32 q: [blocks][kD][16]
-  std::vector<float> acc;     // [blocks][kD][16]
-  std::vector<float> m, l;    // running max and sum: [blocks][16]
-  std::vector<int32_t> pos;   // each lane's query position: [blocks][16]
+  std::vector<uint32_t> qp;   // bf16 q, dims in pairs: [blocks][kD / 2][16] (AVX-512 only)
+  std::vector<float> qf;      // fp32 q: [blocks][kD][kLanes]
+  std::vector<float> acc;     // [blocks][kD][kLanes]
+  std::vector<float> m, l;    // running max and sum: [blocks][kLanes]
+  std::vector<int32_t> pos;   // each lane's query position: [blocks][kLanes]
   std::vector<uint16_t> kb;   // the tile's K as bf16: [16][kD]
   std::vector<float> kf;      // the tile's K as fp32: [16][kD]
   std::vector<float> vf;      // the tile's V as fp32 times its scale: [16][kD]
@@ -103,25 +182,30 @@ struct PrefillScratch {
   std::vector<float> ks;      // per tile row: softmax scale times its K scale
   std::vector<float> vs;      // per tile row: its V scale (1 for a plain cache)
   PrefillScratch(int blocks, int d)
-      : qp(blocks * d / 2 * kTile), qf(blocks * d * kTile), acc(blocks * d * kTile),
-        m(blocks * kTile), l(blocks * kTile), pos(blocks * kTile), kb(kTile * d),
+      : qp(blocks * d / 2 * kLanes), qf(blocks * d * kLanes), acc(blocks * d * kLanes),
+        m(blocks * kLanes), l(blocks * kLanes), pos(blocks * kLanes), kb(kTile * d),
         kf(kTile * d), vf(kTile * d), vp(kTile / 2 * d), ks(kTile), vs(kTile) {}
 };
 
 // One cache row as fp32 values times mul, natural dim order, into dst.
 template <typename KV, int kD>
 inline void stage_row_f32(const KV* src, float* dst, float mul) {
-  const __m512 m = _mm512_set1_ps(mul);
+  const VecF m = vset1(mul);
   if constexpr (std::is_same_v<KV, uint16_t>) {
-    for (int i = 0; i < kD / 16; ++i) {
+    for (int i = 0; i < kD / kLanes; ++i) {
+#if defined(PAGODA_PREFILL_AVX512)
       const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 16 * i));
       const __m512 f = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
-      _mm512_storeu_ps(dst + 16 * i, _mm512_mul_ps(f, m));
+#else
+      const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 8 * i));
+      const __m256 f = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(x), 16));
+#endif
+      vstore(dst + kLanes * i, vmul(f, m));
     }
   } else {
-    __m512 f[kD / 16];
+    VecF f[kD / kLanes];
     load_row_f32<kD>(src, f);
-    for (int i = 0; i < kD / 16; ++i) _mm512_storeu_ps(dst + 16 * i, _mm512_mul_ps(f[i], m));
+    for (int i = 0; i < kD / kLanes; ++i) vstore(dst + kLanes * i, vmul(f[i], m));
   }
 }
 
@@ -241,8 +325,8 @@ inline void prefetch_tile(const PrefillProblem& p, const KV* k_cache, const KV* 
 template <int kD, bool kDot>
 inline void load_queries(const PrefillProblem& p, int64_t qrow0, int64_t pos0, int kvh, int G,
                          int nqv, int nblk, PrefillScratch& s) {
-  for (int j = 0; j < nblk * kTile; ++j) {
-    const int b = j / kTile, lane = j % kTile;
+  for (int j = 0; j < nblk * kLanes; ++j) {
+    const int b = j / kLanes, lane = j % kLanes;
     const bool real = j < nqv;
     const int r = (real ? j : nqv - 1) / G;
     s.pos[j] = static_cast<int32_t>(pos0 + r);
@@ -250,7 +334,7 @@ inline void load_queries(const PrefillProblem& p, int64_t qrow0, int64_t pos0, i
     for (int d = 0; d < kD; ++d) {
       if constexpr (kDot) {
         const uint16_t bits = real ? static_cast<const c10::BFloat16*>(p.q)[q0 + d].x : 0;
-        auto* pair = reinterpret_cast<uint16_t*>(&s.qp[(b * (kD / 2) + d / 2) * kTile + lane]);
+        auto* pair = reinterpret_cast<uint16_t*>(&s.qp[(b * (kD / 2) + d / 2) * kLanes + lane]);
         pair[d & 1] = bits;  // NOTE: vdpbf16ps pairs: the even dim in the low half
       } else {
         float x = 0.0f;
@@ -258,7 +342,7 @@ inline void load_queries(const PrefillProblem& p, int64_t qrow0, int64_t pos0, i
           x = p.q_is_bf16 ? static_cast<float>(static_cast<const c10::BFloat16*>(p.q)[q0 + d])
                           : static_cast<const float*>(p.q)[q0 + d];
         }
-        s.qf[(b * kD + d) * kTile + lane] = x;
+        s.qf[(b * kD + d) * kLanes + lane] = x;
       }
     }
   }
@@ -266,14 +350,14 @@ inline void load_queries(const PrefillProblem& p, int64_t qrow0, int64_t pos0, i
 
 // Scores of lane block b against the staged tile: sc[t] = q . K[t] (unscaled).
 template <int kD, bool kDot>
-inline void block_scores(const PrefillScratch& s, int b, __m512* sc) {
-  for (int t = 0; t < kTile; ++t) sc[t] = _mm512_setzero_ps();
+inline void block_scores(const PrefillScratch& s, int b, VecF* sc) {
+  for (int t = 0; t < kTile; ++t) sc[t] = vzero();
 #if defined(PAGODA_PREFILL_DOT)
   if constexpr (kDot) {
     const auto* kp = reinterpret_cast<const int32_t*>(s.kb.data());
-    const uint32_t* qb = s.qp.data() + b * (kD / 2) * kTile;
+    const uint32_t* qb = s.qp.data() + b * (kD / 2) * kLanes;
     for (int dp = 0; dp < kD / 2; ++dp) {
-      const __m512bh qv = (__m512bh)_mm512_loadu_si512(qb + dp * kTile);
+      const __m512bh qv = (__m512bh)_mm512_loadu_si512(qb + dp * kLanes);
       for (int t = 0; t < kTile; ++t) {
         const __m512bh kv = (__m512bh)_mm512_set1_epi32(kp[t * (kD / 2) + dp]);
         sc[t] = _mm512_dpbf16_ps(sc[t], qv, kv);
@@ -282,10 +366,14 @@ inline void block_scores(const PrefillScratch& s, int b, __m512* sc) {
     return;
   }
 #endif
-  for (int d = 0; d < kD; ++d) {
-    const __m512 qv = _mm512_loadu_ps(s.qf.data() + (b * kD + d) * kTile);
-    for (int t = 0; t < kTile; ++t) {
-      sc[t] = _mm512_fmadd_ps(qv, _mm512_set1_ps(s.kf[t * kD + d]), sc[t]);
+  // NOTE: AVX2 has 16 registers: the tile's sums in two halves (the same sums in each lane).
+  constexpr int kRows = kLanes == 16 ? kTile : kTile / 2;
+  for (int t0 = 0; t0 < kTile; t0 += kRows) {
+    for (int d = 0; d < kD; ++d) {
+      const VecF qv = vload(s.qf.data() + (b * kD + d) * kLanes);
+      for (int t = t0; t < t0 + kRows; ++t) {
+        sc[t] = vfmadd(qv, vset1(s.kf[t * kD + d]), sc[t]);
+      }
     }
   }
 }
@@ -296,7 +384,7 @@ inline void block_scores(const PrefillScratch& s, int b, __m512* sc) {
 // rows, or (kDot) vdpbf16ps on the bf16 V row pairs and the probabilities (times their V
 // scales) rounded to bf16 pairs.
 template <int kD, bool kDot>
-inline void block_values(float* acc, const __m512* pr, __m512 corr, const PrefillScratch& s) {
+inline void block_values(float* acc, const VecF* pr, VecF corr, const PrefillScratch& s) {
 #if defined(PAGODA_PREFILL_DOT)
   if constexpr (kDot) {
     alignas(64) int16_t order[32];
@@ -316,7 +404,7 @@ inline void block_values(float* acc, const __m512* pr, __m512 corr, const Prefil
     for (int d0 = 0; d0 < kD; d0 += kChunk) {
       __m512 a[kChunk];
       for (int i = 0; i < kChunk; ++i) {
-        a[i] = _mm512_mul_ps(_mm512_loadu_ps(acc + (d0 + i) * kTile), corr);
+        a[i] = _mm512_mul_ps(_mm512_loadu_ps(acc + (d0 + i) * kLanes), corr);
       }
       for (int t2 = 0; t2 < kTile / 2; ++t2) {
         for (int i = 0; i < kChunk; ++i) {
@@ -324,64 +412,61 @@ inline void block_values(float* acc, const __m512* pr, __m512 corr, const Prefil
           a[i] = _mm512_dpbf16_ps(a[i], pp[t2], v);
         }
       }
-      for (int i = 0; i < kChunk; ++i) _mm512_storeu_ps(acc + (d0 + i) * kTile, a[i]);
+      for (int i = 0; i < kChunk; ++i) _mm512_storeu_ps(acc + (d0 + i) * kLanes, a[i]);
     }
     return;
   }
 #endif
-  constexpr int kChunk = 8;  // accumulators held in registers beside the 16 probabilities
+  // Accumulators held in registers beside the 16 probabilities (AVX2: beside one of them).
+  constexpr int kChunk = kLanes == 16 ? 8 : 4;
   for (int d0 = 0; d0 < kD; d0 += kChunk) {
-    __m512 a[kChunk];
-    for (int i = 0; i < kChunk; ++i) {
-      a[i] = _mm512_mul_ps(_mm512_loadu_ps(acc + (d0 + i) * kTile), corr);
-    }
+    VecF a[kChunk];
+    for (int i = 0; i < kChunk; ++i) a[i] = vmul(vload(acc + (d0 + i) * kLanes), corr);
     for (int t = 0; t < kTile; ++t) {
       const float* vr = s.vf.data() + t * kD + d0;
-      for (int i = 0; i < kChunk; ++i) {
-        a[i] = _mm512_fmadd_ps(pr[t], _mm512_set1_ps(vr[i]), a[i]);
-      }
+      for (int i = 0; i < kChunk; ++i) a[i] = vfmadd(pr[t], vset1(vr[i]), a[i]);
     }
-    for (int i = 0; i < kChunk; ++i) _mm512_storeu_ps(acc + (d0 + i) * kTile, a[i]);
+    for (int i = 0; i < kChunk; ++i) vstore(acc + (d0 + i) * kLanes, a[i]);
   }
 }
 
 template <int kD, bool kDot>
 inline void block_step(const PrefillProblem& p, int64_t key0, const TileRows& tr, int b,
                        PrefillScratch& s) {
-  __m512 sc[kTile];
+  VecF sc[kTile];
   block_scores<kD, kDot>(s, b, sc);
-  const __m512i pos = _mm512_loadu_si512(s.pos.data() + b * kTile);
+  const VecI pos = viload(s.pos.data() + b * kLanes);
   // NOTE: a key at k is in a query's window iff k >= pos - window + 1 (the caller keeps
   // window below 2^31: a longer one is no window).
-  const __m512i first =
-      _mm512_sub_epi32(pos, _mm512_set1_epi32(static_cast<int32_t>(p.window - 1)));
-  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  const __m512 m_old = _mm512_loadu_ps(s.m.data() + b * kTile);
-  __m512 m_new = m_old;
-  __mmask16 valid[kTile];
+  const VecI first = visub(pos, viset1(static_cast<int32_t>(p.window - 1)));
+  const VecF neg_inf = vset1(-std::numeric_limits<float>::infinity());
+  const VecF m_old = vload(s.m.data() + b * kLanes);
+  VecF m_new = m_old;
+  Mask valid[kTile];
   for (int t = 0; t < kTile; ++t) {
-    __mmask16 k = 0;
+    Mask k = mask_none();
     if (t >= tr.lo && t < tr.hi) {
-      const __m512i kp = _mm512_set1_epi32(static_cast<int32_t>(key0 + t));
-      k = _mm512_cmple_epi32_mask(kp, pos);
-      if (p.window >= 0) k &= _mm512_cmpge_epi32_mask(kp, first);
+      const VecI kp = viset1(static_cast<int32_t>(key0 + t));
+      k = mask_le(kp, pos);
+      if (p.window >= 0) k = mask_and(k, mask_ge(kp, first));
     }
     valid[t] = k;
-    sc[t] = _mm512_mask_mov_ps(neg_inf, k, _mm512_mul_ps(sc[t], _mm512_set1_ps(s.ks[t])));
-    m_new = _mm512_max_ps(m_new, sc[t]);
+    sc[t] = vselect(k, vmul(sc[t], vset1(s.ks[t])), neg_inf);
+    m_new = vmax(m_new, sc[t]);
   }
   // NOTE: a lane with no key yet has m = -inf: its rescale and probabilities come out of
   // exp16_nonpos's clamp (NaN or -inf arguments give ~1e-38) and are masked or multiply 0.
-  const __m512 corr = exp16_nonpos(_mm512_sub_ps(m_old, m_new));
-  __m512 l = _mm512_mul_ps(_mm512_loadu_ps(s.l.data() + b * kTile), corr);
+  const VecF corr = vexp_nonpos(vsub(m_old, m_new));
+  VecF l = vload(s.l.data() + b * kLanes);
   for (int t = 0; t < kTile; ++t) {
-    sc[t] = _mm512_maskz_mov_ps(valid[t], exp16_nonpos(_mm512_sub_ps(sc[t], m_new)));
-    l = _mm512_add_ps(l, sc[t]);
+    sc[t] = vkeep(valid[t], vexp_nonpos(vsub(sc[t], m_new)));
+    // NOTE: l * corr + p[0] in one rounding, then the other probabilities added one by one.
+    l = t == 0 ? vfmadd(l, corr, sc[0]) : vadd(l, sc[t]);
   }
-  _mm512_storeu_ps(s.m.data() + b * kTile, m_new);
-  _mm512_storeu_ps(s.l.data() + b * kTile, l);
+  vstore(s.m.data() + b * kLanes, m_new);
+  vstore(s.l.data() + b * kLanes, l);
 
-  block_values<kD, kDot>(s.acc.data() + static_cast<int64_t>(b) * kD * kTile, sc, corr, s);
+  block_values<kD, kDot>(s.acc.data() + static_cast<int64_t>(b) * kD * kLanes, sc, corr, s);
 }
 
 template <typename KV, int kD, bool kDot>
@@ -389,14 +474,14 @@ void prefill_item(const PrefillProblem& p, const KV* k_cache, const KV* v_cache,
                   const WorkItem& it, PrefillScratch& s) {
   const int G = p.num_heads / p.num_kv_heads;
   const int nqv = it.rows * G;
-  const int nblk = (nqv + kTile - 1) / kTile;
+  const int nblk = (nqv + kLanes - 1) / kLanes;
   const int64_t pos0 = p.seq_lens[it.req] - p.query_lens[it.req] + it.row0;
   const int64_t end = pos0 + it.rows;  // one past the last row's position
   const int64_t qrow0 = p.query_starts[it.req] + it.row0;
   load_queries<kD, kDot>(p, qrow0, pos0, it.kvh, G, nqv, nblk, s);
-  std::fill(s.acc.begin(), s.acc.begin() + nblk * kD * kTile, 0.0f);
-  std::fill(s.m.begin(), s.m.begin() + nblk * kTile, -std::numeric_limits<float>::infinity());
-  std::fill(s.l.begin(), s.l.begin() + nblk * kTile, 0.0f);
+  std::fill(s.acc.begin(), s.acc.begin() + nblk * kD * kLanes, 0.0f);
+  std::fill(s.m.begin(), s.m.begin() + nblk * kLanes, -std::numeric_limits<float>::infinity());
+  std::fill(s.l.begin(), s.l.begin() + nblk * kLanes, 0.0f);
 
   const int64_t start = p.window >= 0 ? std::max<int64_t>(0, pos0 - p.window + 1) : 0;
   const int64_t row_stride = static_cast<int64_t>(p.num_kv_heads) * kD;
@@ -417,18 +502,18 @@ void prefill_item(const PrefillProblem& p, const KV* k_cache, const KV* v_cache,
   }
 
   for (int j = 0; j < nqv; ++j) {
-    const int b = j / kTile, lane = j % kTile;
-    const float l = s.l[b * kTile + lane];
+    const int b = j / kLanes, lane = j % kLanes;
+    const float l = s.l[b * kLanes + lane];
     const float inv = l > 0.0f ? 1.0f / l : 0.0f;
     const int64_t o0 =
         ((qrow0 + j / G) * p.num_heads + static_cast<int64_t>(it.kvh) * G + j % G) * kD;
-    const float* a = s.acc.data() + static_cast<int64_t>(b) * kD * kTile + lane;
+    const float* a = s.acc.data() + static_cast<int64_t>(b) * kD * kLanes + lane;
     if (p.q_is_bf16) {
       auto* o = static_cast<c10::BFloat16*>(p.out) + o0;
-      for (int d = 0; d < kD; ++d) o[d] = c10::BFloat16(a[d * kTile] * inv);
+      for (int d = 0; d < kD; ++d) o[d] = c10::BFloat16(a[d * kLanes] * inv);
     } else {
       float* o = static_cast<float*>(p.out) + o0;
-      for (int d = 0; d < kD; ++d) o[d] = a[d * kTile] * inv;
+      for (int d = 0; d < kD; ++d) o[d] = a[d * kLanes] * inv;
     }
   }
 }
@@ -437,8 +522,8 @@ template <typename KV, int kD, bool kDot>
 void prefill_all(const PrefillProblem& p, const KV* k_cache, const KV* v_cache,
                  int64_t num_reqs) {
   const int G = p.num_heads / p.num_kv_heads;
-  const int rows_per_item = std::max(1, kMaxBlocks<kD> * kTile / G);
-  const int max_blocks = (rows_per_item * G + kTile - 1) / kTile;
+  const int rows_per_item = std::max(1, kMaxQueryVectors<kD> / G);
+  const int max_blocks = (rows_per_item * G + kLanes - 1) / kLanes;
   std::vector<WorkItem> items;
   for (int64_t r = 0; r < num_reqs; ++r) {
     const int64_t n = p.query_lens[r];
@@ -493,7 +578,7 @@ void dispatch_head_dim(const PrefillProblem& p, int head_dim, const KV* k, const
                   " is not one of 32, 64, 96, 128, 256");
   }
 }
-#endif  // __AVX512F__
+#endif  // PAGODA_PREFILL_AVX512 || PAGODA_PREFILL_AVX2
 
 // The requests' arguments, checked: rows inside q, contexts inside their tables, and the
 // block ids each request reads inside the cache.
@@ -542,7 +627,7 @@ void paged_prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k
   if (sliding_window > bt.size(1) * block_size) sliding_window = -1;
   check_requests(q, bt, qs.data_ptr<int64_t>(), ql.data_ptr<int64_t>(), sl.data_ptr<int64_t>(),
                  num_reqs, block_size, k_cache.size(0), sliding_window);
-#if defined(__AVX512F__)
+#if defined(PAGODA_PREFILL_AVX512) || defined(PAGODA_PREFILL_AVX2)
   PrefillProblem p{q.data_ptr(), out.data_ptr(), q.scalar_type() == at::kBFloat16,
                    bt.data_ptr<int64_t>(), bt.size(1), qs.data_ptr<int64_t>(),
                    ql.data_ptr<int64_t>(), sl.data_ptr<int64_t>(), shape.num_heads,
@@ -555,18 +640,22 @@ void paged_prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k
     dispatch_head_dim(p, shape.head_dim, k, v, num_reqs);
   });
 #else
-  TORCH_CHECK(false, "paged_prefill_attention needs AVX-512 (this build has none)");
+  TORCH_CHECK(false,
+              "paged_prefill_attention needs AVX-512 or AVX2 + FMA (this build has neither)");
 #endif
 }
 
 }  // namespace
 
 // The instruction-set extensions the tiled prefill kernel was compiled to use; empty: not
-// built (no AVX-512), the caller keeps the decode kernel's rows.
+// built (neither AVX-512 nor AVX2 + FMA), the caller keeps the decode kernel's rows.
 std::vector<std::string> prefill_attention_isa() {
   std::vector<std::string> isa;
-#if defined(__AVX512F__)
+#if defined(PAGODA_PREFILL_AVX512)
   isa.push_back("avx512f");
+#elif defined(PAGODA_PREFILL_AVX2)
+  isa.push_back("avx2");
+  isa.push_back("fma");
 #endif
 #if defined(PAGODA_PREFILL_DOT)
   isa.push_back("avx512_bf16");
