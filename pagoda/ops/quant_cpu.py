@@ -10,7 +10,7 @@ Which calls they take (anything else runs the reference):
                dequantized to bf16 per call and oneDNN's bf16 GEMM;
 with x bfloat16 (int8_linear also float32: it is exact), on a CPU whose flags hold what the
 extension was compiled for (AVX-512 F/BW/VL, or AVX2 + FMA + F16C; VNNI is used where
-compiled; the fp8 kernels are AVX-512 only: `fp8_allowed()`), when the
+compiled; the fp8 kernels have both vector paths too: `fp8_allowed()`), when the
 weight went through `wquant.prepare(op, w, "cpu", dtype)` with a dtype the kernel takes (or
 None): the preparers build nothing for other dtypes (a float32 model never runs them).
 `PAGODA_DISABLE_CPU_KERNELS=1` forces the reference.
@@ -143,7 +143,7 @@ def fp8_layout(w: wquant.Fp8Weight) -> Fp8Layout | None:
 
 
 def fp8_allowed() -> bool:
-    """Whether the fp8 kernels (AVX-512 only) were compiled for this CPU's vector path."""
+    """Whether the fp8 kernels (AVX-512 or AVX2) were compiled for this CPU's vector path."""
     ext = resolve()
     return ext is not None and bool(ext.kernel_isa().get("fp8"))
 

@@ -4,7 +4,8 @@ On an AVX-512 CPU a subprocess builds (or loads from the cache) the `x86-64-v3` 
 both extensions (`PAGODA_CPU_MARCH`, ops/cpu_kernels.py) and runs the kernels on inputs that
 this process wrote with torch.save; its results must equal the native (AVX-512) build's bit
 for bit (quant kernels: q_linear over GGUF and group-quant layouts, i8_linear, dequant_rows;
-fused ops: add+RMSNorm, SiLU*mul, rotary + plain / int8 / fp8 cache writes) and pass the
+fp8_gemv, fp8_dequant; fused ops: add+RMSNorm, SiLU*mul, rotary + plain / int8 / fp8 cache
+writes) and pass the
 reference checks of the ops' own tests, as must its portable decode attention; its tiled prefill
 attention (the fp32 path: float32 q on float32 / bf16 / int8 / fp8 caches, and bf16 q, which
 the native build takes through vdpbf16ps where it can, so bf16 q is compared with the native
@@ -93,6 +94,26 @@ def _quant_cases(cases: dict, checks: dict) -> None:
                     "dequant_rows", (out, lay.codes, lay.scales, lay.offsets, lay.bits,
                                      lay.group, lay.zero_form, n, rows))
                 checks[f"dequant_rows/{name}/{dtype}"] = lay.dequantize_rows(rows).to(dtype)
+    # fp8 weights (fp8_gemv: a 4-row tile and its tails; fp8_dequant: the many-row path's
+    # bf16 weight): per-channel scales over K = 100 (a 16-lane tail of 4), 128 x 128 blocks
+    # over K = 320 (a block of 64), every non-NaN code in the first rows.
+    for n, k, kind in ((37, 100, "channel"), (40, 320, "block")):
+        codes = (torch.randn(n, k, generator=g) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+        every = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+        codes.view(torch.uint8).view(-1)[: every.numel()] = every
+        if kind == "channel":
+            w = wquant.Fp8Weight(codes, torch.rand(n, generator=g) * 0.01 + 1e-4)
+        else:
+            w = wquant.Fp8Weight(codes, torch.rand(1, 3, generator=g) * 0.01 + 1e-4, (128, 128))
+        lay = quant_cpu.fp8_layout(w)
+        for m in MS:
+            x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+            bias = torch.randn(n, generator=g).to(torch.bfloat16) if m % 2 else None
+            key = f"fp8_gemv/{kind}/m{m}"
+            cases[key] = ("fp8_gemv", (x, lay.codes, lay.scales, lay.kblock, bias))
+            checks[key] = (x, w.dequantize(), bias)
+        cases[f"fp8_dequant/{kind}"] = ("fp8_dequant", (lay.codes, lay.scales, lay.kblock))
+        checks[f"fp8_dequant/{kind}"] = w.dequantize()
     for m in MS:
         for dtype in (torch.float32, torch.bfloat16):
             w = wquant.Int8Weight(torch.randint(-127, 128, (37, 100), generator=g,
@@ -178,8 +199,12 @@ def _prefill_cases(cases: dict) -> None:
 
 def _run(ext, qext, kernel: str, args: tuple) -> tuple[torch.Tensor, ...]:
     """One case on the extensions ext / qext; in-place kernels run on copies."""
-    if kernel in ("q_linear", "i8_linear"):
+    if kernel in ("q_linear", "i8_linear", "fp8_gemv"):
         return (getattr(qext, kernel)(*args),)
+    if kernel == "fp8_dequant":
+        out = torch.empty(args[0].shape, dtype=torch.bfloat16)
+        qext.fp8_dequant(*args, out)
+        return (out,)
     if kernel == "dequant_rows":
         out = args[0].clone()
         qext.dequant_rows(out, *args[1:])
@@ -283,7 +308,8 @@ def test_variant_compiles_the_avx2_paths_and_dispatch_takes_them(runs) -> None:
     assert isa["fused_ops"] == list(AVX2_PATH)
     assert set(AVX2_PATH) <= set(isa["quant"])
     assert not any(f.startswith("avx512") for op in isa for f in isa[op]), isa
-    assert isa["fp8"] == [] and isa["paged_prefill_attention"] == ["avx2", "fma"]
+    assert isa["fp8"] == list(AVX2_PATH)
+    assert isa["paged_prefill_attention"] == ["avx2", "fma"]
     flags = cpu_kernels.cpu_flags()
     assert cpu_kernels.isa_allows("fused_ops", isa["fused_ops"], flags)
     assert cpu_kernels.isa_allows("paged_prefill_attention", isa["paged_prefill_attention"],
@@ -296,7 +322,8 @@ def test_variant_compiles_the_avx2_paths_and_dispatch_takes_them(runs) -> None:
 
 
 def test_quant_kernels_bit_identical(runs) -> None:
-    _bit_identical(runs, ("q_linear/", "i8_linear/", "dequant_rows/"))
+    _bit_identical(runs, ("q_linear/", "i8_linear/", "dequant_rows/", "fp8_gemv/",
+                          "fp8_dequant/"))
 
 
 def test_fused_ops_bit_identical(runs) -> None:
@@ -331,6 +358,15 @@ def test_quant_kernels_match_reference(runs) -> None:
         _check_against_acts(out[name][0], x, w_deq, bias, block)
     for name in (n for n in runs["cases"] if n.startswith(("i8_linear/", "dequant_rows/"))):
         assert torch.equal(out[name][0], checks[name]), name
+    # fp8: test_fp8_kernels' tolerances (float32 sums in another order than float64's; the
+    # dequantized weight rounded once to bf16)
+    for name in (n for n in runs["cases"] if n.startswith("fp8_gemv/")):
+        x, w_deq, bias = checks[name]
+        ref = x.double() @ w_deq.double().T + (0 if bias is None else bias.double())
+        torch.testing.assert_close(out[name][0].double(), ref, rtol=2**-8,
+                                   atol=2e-5 * ref.abs().max().item(), msg=name)
+    for name in (n for n in runs["cases"] if n.startswith("fp8_dequant/")):
+        assert torch.equal(out[name][0], checks[name].to(torch.bfloat16)), name
 
 
 def test_fused_ops_match_reference(runs) -> None:
