@@ -48,7 +48,8 @@ _SOURCES = [
 # Included by the sources: part of the build's inputs (its hash), not compiled on their own.
 _HEADERS = [
     Path(__file__).parent / "csrc" / h
-    for h in ("kv_quant_cpu.h", "attention_cpu.h", "fused_ops_cpu.h", "fused_vec_cpu.h")
+    for h in ("kv_quant_cpu.h", "attention_cpu.h", "fused_ops_cpu.h", "fused_vec_cpu.h",
+              "vec_lanes_cpu.h")
 ]
 _LDFLAGS = ("-fopenmp",)
 _MARCH = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")

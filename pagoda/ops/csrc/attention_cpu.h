@@ -1,8 +1,8 @@
 // Helpers shared by the paged attention kernels (paged_attention_cpu.cpp: one query row at
 // a time; paged_prefill_cpu.cpp: tiles of query rows): the cache rows as fp32 vectors, the
 // vector exp of the online softmax, the rows of one tile of 16 positions found through a
-// block table, and the argument checks both kernels share. The 16-lane (AVX-512) helpers
-// serve both kernels; the 8-lane (AVX2 + FMA) ones the prefill kernel's AVX2 build.
+// block table, and the argument checks both kernels share. The vector helpers are written
+// once over vec_lanes_cpu.h's widths: 16 lanes (AVX-512) and 8 (AVX2 + FMA), the same bits.
 #pragma once
 
 #include <torch/extension.h>
@@ -19,6 +19,7 @@
 #include <type_traits>
 
 #include "kv_quant_cpu.h"
+#include "vec_lanes_cpu.h"
 
 namespace pagoda_attn {
 
@@ -121,121 +122,63 @@ template <typename KV>
 constexpr float kCodeUnit = std::is_same_v<KV, uint8_t> ? pagoda_kvq::kFp8Unit : 1.0f;
 #endif
 
-#if defined(__AVX512F__)
-
-// One row of kD values as kD / 16 fp32 vectors: natural order for float rows; for bf16 rows,
-// each 32 values give two vectors (even elements, odd elements).
-template <int kD>
-inline void load_row_f32(const float* src, __m512* f) {
-  for (int i = 0; i < kD / 16; ++i) f[i] = _mm512_loadu_ps(src + 16 * i);
+#if defined(PAGODA_ATTN_VEC)
+// One row of kD values as kD / kLanes fp32 vectors V (__m512, or __m256 where the build has
+// AVX2 + FMA: vec_lanes_cpu.h): natural order for float rows and codes; for bf16 rows each
+// 32 values give the even elements, then the odd ones (16 lanes: one vector each; 8 lanes:
+// two each), so that vector i of 8 lanes holds lanes 8 (i % 2) .. 8 (i % 2) + 7 of vector
+// i / 2 of 16 lanes on every row type.
+template <int kD, typename V>
+inline void load_row_f32(const float* src, V* f) {
+  constexpr int kL = sizeof(V) / sizeof(float);
+  for (int i = 0; i < kD / kL; ++i) f[i] = pagoda_vec::vload<V>(src + kL * i);
 }
 
-template <int kD>
-inline void load_row_f32(const uint16_t* src, __m512* f) {
-  const __m512i hi_mask = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+template <int kD, typename V>
+inline void load_row_f32(const uint16_t* src, V* f) {
+  constexpr int kL = sizeof(V) / sizeof(float), kN = 16 / kL;  // loads per 32 values
   for (int c = 0; c < kD / 32; ++c) {
-    const __m512i x = _mm512_loadu_si512(src + 32 * c);
-    f[2 * c] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
-    f[2 * c + 1] = _mm512_castsi512_ps(_mm512_and_si512(x, hi_mask));
+    for (int k = 0; k < kN; ++k) {
+      pagoda_vec::vload_bf16_pairs<V>(src + 32 * c + 2 * kL * k, f[2 * kN * c + k],
+                                      f[2 * kN * c + kN + k]);
+    }
   }
 }
 
-// int8 codes: 16 at a time sign-extended to int32, then converted (exact).
-template <int kD>
-inline void load_row_f32(const int8_t* src, __m512* f) {
-  for (int i = 0; i < kD / 16; ++i) {
-    const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16 * i));
-    f[i] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(x));
-  }
+// int8 codes: sign-extended to int32, then converted (exact).
+template <int kD, typename V>
+inline void load_row_f32(const int8_t* src, V* f) {
+  constexpr int kL = sizeof(V) / sizeof(float);
+  for (int i = 0; i < kD / kL; ++i) f[i] = pagoda_vec::vload_i8<V>(src + kL * i);
 }
 
-// fp8 e4m3fn codes as value * 2^-120 (kv_quant_cpu.h: kFp8Unit): the sign-extended byte
-// shifted left by 20 has the sign in bits 31..27 and exponent/mantissa in bits 26..20;
-// keeping bit 31 and bits 26..20 is the float32. Subnormal codes give float32 denormals,
-// which the FMAs take exactly (nothing here sets denormals-are-zero).
-template <int kD>
-inline void load_row_f32(const uint8_t* src, __m512* f) {
-  const __m512i keep = _mm512_set1_epi32(static_cast<int>(0x87F00000u));
-  for (int i = 0; i < kD / 16; ++i) {
-    const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16 * i));
-    const __m512i w = _mm512_slli_epi32(_mm512_cvtepi8_epi32(x), 20);
-    f[i] = _mm512_castsi512_ps(_mm512_and_si512(w, keep));
-  }
+// fp8 e4m3fn codes as value * 2^-120 (kv_quant_cpu.h: kFp8Unit; pagoda_vec::vload_fp8).
+template <int kD, typename V>
+inline void load_row_f32(const uint8_t* src, V* f) {
+  constexpr int kL = sizeof(V) / sizeof(float);
+  for (int i = 0; i < kD / kL; ++i) f[i] = pagoda_vec::vload_fp8<V>(src + kL * i);
 }
 
-// 16 lanes of exp_nonpos (same polynomial); scalef multiplies by 2^n without bit tricks.
-inline __m512 exp16_nonpos(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723e-6f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720.0f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
+// exp(x) for x <= 0 on every lane (paged_attention_cpu.cpp's exp_nonpos: the same
+// polynomial); the final p * 2^n is scalef on AVX-512 and an exact double product rounded
+// once on AVX2 (n is in [-126, 0]): the same bits on both widths.
+template <typename V>
+inline V vexp_nonpos(V x) {
+  using pagoda_vec::vset1;
+  x = pagoda_vec::vmax(x, vset1<V>(-87.0f));
+  const V n = pagoda_vec::vrint(pagoda_vec::vmul(x, vset1<V>(1.44269504088896341f)));
+  V r = pagoda_vec::vfnmadd(n, vset1<V>(0.693145751953125f), x);
+  r = pagoda_vec::vfnmadd(n, vset1<V>(1.42860682030941723e-6f), r);
+  V p = vset1<V>(1.0f / 720.0f);
+  p = pagoda_vec::vfmadd(p, r, vset1<V>(1.0f / 120.0f));
+  p = pagoda_vec::vfmadd(p, r, vset1<V>(1.0f / 24.0f));
+  p = pagoda_vec::vfmadd(p, r, vset1<V>(1.0f / 6.0f));
+  p = pagoda_vec::vfmadd(p, r, vset1<V>(0.5f));
+  p = pagoda_vec::vfmadd(p, r, vset1<V>(1.0f));
+  p = pagoda_vec::vfmadd(p, r, vset1<V>(1.0f));
+  return pagoda_vec::vscale2_in_range(p, n);
 }
-#endif  // __AVX512F__
-
-#if defined(__AVX2__) && defined(__FMA__)
-// 8-lane forms of load_row_f32 (kD / 8 vectors, natural order; bf16 rows are widened by
-// their callers) and of exp16_nonpos: per lane the same operations, so the same bits.
-template <int kD>
-inline void load_row_f32(const float* src, __m256* f) {
-  for (int i = 0; i < kD / 8; ++i) f[i] = _mm256_loadu_ps(src + 8 * i);
-}
-
-template <int kD>
-inline void load_row_f32(const int8_t* src, __m256* f) {
-  for (int i = 0; i < kD / 8; ++i) {
-    const __m128i x = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + 8 * i));
-    f[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(x));
-  }
-}
-
-template <int kD>
-inline void load_row_f32(const uint8_t* src, __m256* f) {
-  const __m256i keep = _mm256_set1_epi32(static_cast<int>(0x87F00000u));
-  for (int i = 0; i < kD / 8; ++i) {
-    const __m128i x = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + 8 * i));
-    const __m256i w = _mm256_slli_epi32(_mm256_cvtepi8_epi32(x), 20);
-    f[i] = _mm256_castsi256_ps(_mm256_and_si256(w, keep));
-  }
-}
-
-// 2^n as 4 doubles, n (integral, in [-126, 0] here) from 4 int32 lanes.
-inline __m256d pow2_pd(__m128i n) {
-  const __m256i e = _mm256_add_epi64(_mm256_cvtepi32_epi64(n), _mm256_set1_epi64x(1023));
-  return _mm256_castsi256_pd(_mm256_slli_epi64(e, 52));
-}
-
-// exp16_nonpos on 8 lanes. scalef's p * 2^n is formed exactly in double (p is a normal
-// float, n >= -126) and rounded once to float32 (a subnormal result too), as scalef rounds it.
-inline __m256 exp8_nonpos(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860682030941723e-6f), r);
-  __m256 p = _mm256_set1_ps(1.0f / 720.0f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  const __m256i ni = _mm256_cvtps_epi32(n);
-  const __m256d lo = _mm256_mul_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(p)),
-                                   pow2_pd(_mm256_castsi256_si128(ni)));
-  const __m256d hi = _mm256_mul_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(p, 1)),
-                                   pow2_pd(_mm256_extracti128_si256(ni, 1)));
-  return _mm256_set_m128(_mm256_cvtpd_ps(hi), _mm256_cvtpd_ps(lo));
-}
-#endif  // __AVX2__ && __FMA__
+#endif  // PAGODA_ATTN_VEC
 
 #if defined(PAGODA_ATTN_VEC)
 

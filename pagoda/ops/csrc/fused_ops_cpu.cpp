@@ -69,7 +69,7 @@ void add_rms_norm_impl(T* x, T* residual, const T* weight, int64_t rows, int64_t
       // NOTE: 16 partial sums whatever the lane count (element i in sum i % 16), reduced
       // by vsum16's fixed tree: the AVX-512 and AVX2 paths give the same mean.
       VecF acc[kSumParts];
-      for (auto& a : acc) a = vset1(0.0f);
+      for (auto& a : acc) a = vset1<VecF>(0.0f);
       for (int64_t i = 0; i < hidden; i += kLanes) {
         const int64_t n = hidden - i;
         const VecF sum = vround<T>(vadd(vload(xr + i, n), vload(rr + i, n)));
@@ -78,7 +78,7 @@ void add_rms_norm_impl(T* x, T* residual, const T* weight, int64_t rows, int64_t
         a = vfmadd(sum, sum, a);
       }
       const float mean = vsum16(acc) / static_cast<float>(hidden);
-      const VecF inv = vset1(1.0f / std::sqrt(mean + eps));
+      const VecF inv = vset1<VecF>(1.0f / std::sqrt(mean + eps));
       for (int64_t i = 0; i < hidden; i += kLanes) {
         const int64_t n = hidden - i;
         vstore(xr + i, vmul(vload(weight + i, n), vmul(vload(rr + i, n), inv)), n);
@@ -279,7 +279,7 @@ void silu_and_mul_impl(const T* x, T* out, int64_t rows, int64_t inter) {
     T* o = out + r * inter;
 #if defined(PAGODA_FUSED_VEC)
     if constexpr (kVec<T>) {
-      const VecF one = vset1(1.0f), zero = vset1(0.0f);
+      const VecF one = vset1<VecF>(1.0f), zero = vset1<VecF>(0.0f);
       for (int64_t i = 0; i < inter; i += kLanes) {
         const int64_t n = inter - i;
         const VecF gv = vload(g + i, n);
@@ -315,25 +315,19 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
 template <typename T>
 inline VecF vload_full(const T* p) {
   if constexpr (std::is_same_v<T, float>) {
-#if defined(PAGODA_FUSED_AVX512)
-    return _mm512_loadu_ps(p);
-#else
-    return _mm256_loadu_ps(p);
-#endif
+    return pagoda_vec::vload<VecF>(p);
   } else {
     return vload(p, kLanes);
   }
 }
 
 #if defined(PAGODA_FUSED_AVX512)
-inline VecF vmax(VecF a, VecF b) { return _mm512_max_ps(a, b); }
 inline bool any_nan(VecF v) { return _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) != 0; }
 inline uint32_t eq_bits(VecF v, float m) {
   return _mm512_cmp_ps_mask(v, _mm512_set1_ps(m), _CMP_EQ_OQ);
 }
 inline float hmax(VecF v) { return _mm512_reduce_max_ps(v); }
 #else
-inline VecF vmax(VecF a, VecF b) { return _mm256_max_ps(a, b); }
 inline bool any_nan(VecF v) { return _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)) != 0; }
 inline uint32_t eq_bits(VecF v, float m) {
   return _mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_set1_ps(m), _CMP_EQ_OQ));
@@ -359,7 +353,7 @@ int64_t row_argmax(const T* x, int64_t n) {
   // One pass for the maximum (NaNs noted apart: max_ps drops them), one for its first place.
   const int64_t full = n / kLanes * kLanes;
   if (full > 0) {
-    VecF m = vset1(best);
+    VecF m = vset1<VecF>(best);
     for (; i < full; i += kLanes) {
       const VecF v = vload_full(x + i);
       nan = nan || any_nan(v);

@@ -6,13 +6,15 @@
 //   PAGODA_FUSED_AVX2    AVX2 + FMA + F16C (and no AVX-512 BW/VL): VecF = __m256, 8 lanes,
 //                        tails through a zeroed stack buffer
 //
+// The float32 arithmetic is vec_lanes_cpu.h's wrappers, shared with the attention kernels.
 // The two give the same bits: every lane does the same float32 operations in the same order
-// (vexp's final 2^n scaling is scalef on AVX-512 and an exact double product rounded once to
-// float32 on AVX2: both are p * 2^n rounded once), and `vsum16` reduces 16 partial sums (one
-// AVX-512 vector, two AVX2 halves) in one fixed tree. One exception, bf16 only: with
-// AVX512_BF16 the AVX-512 rounding to bf16 is vcvtneps2bf16, which flushes float32 subnormal
-// values to zero and keeps a NaN's sign and payload; the rounding by hand (AVX2, and AVX-512
-// without AVX512_BF16) keeps subnormals and writes the canonical NaN 0x7FC0, as c10 does.
+// (vexp's final 2^n scaling, vscale2, is scalef on AVX-512 and an exact double product
+// rounded once to float32 on AVX2: both are p * 2^n rounded once), and `vsum16` reduces 16
+// partial sums (one AVX-512 vector, two AVX2 halves) in one fixed tree (sum16). One
+// exception, bf16 only: with AVX512_BF16 the AVX-512 rounding to bf16 is vcvtneps2bf16,
+// which flushes float32 subnormal values to zero and keeps a NaN's sign and payload; the
+// rounding by hand (AVX2, and AVX-512 without AVX512_BF16) keeps subnormals and writes the
+// canonical NaN 0x7FC0, as c10 does.
 //
 // The including file compiles with fp-contract=off: no multiply-add is fused unless written
 // as vfmadd.
@@ -24,6 +26,8 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+
+#include "vec_lanes_cpu.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define PAGODA_FUSED_AVX512 1
@@ -40,31 +44,21 @@ namespace pagoda_fused {
 template <typename T>
 constexpr bool kVec = std::is_same_v<T, at::BFloat16> || std::is_same_v<T, at::Half>;
 
-// 16 partial sums (lo: lanes 0-7, hi: lanes 8-15) added in one fixed tree:
-// ((h0 + h2) + (h1 + h3)) of h = (hi + lo)[4:8] + (hi + lo)[0:4] (GCC's _mm512_reduce_add_ps,
-// written out so that neither path depends on a compiler's reduction order).
-inline float sum16(__m256 lo, __m256 hi) {
-  const __m256 t8 = _mm256_add_ps(hi, lo);
-  const __m128 t4 = _mm_add_ps(_mm256_extractf128_ps(t8, 1), _mm256_castps256_ps128(t8));
-  const __m128 t2 = _mm_add_ps(t4, _mm_shuffle_ps(t4, t4, _MM_SHUFFLE(1, 0, 3, 2)));
-  return _mm_cvtss_f32(t2) + _mm_cvtss_f32(_mm_shuffle_ps(t2, t2, _MM_SHUFFLE(1, 1, 1, 1)));
-}
+// The lane-width wrappers (vec_lanes_cpu.h) of this file's width.
+using pagoda_vec::sum16;
+using pagoda_vec::vadd;
+using pagoda_vec::vdiv;
+using pagoda_vec::vfmadd;
+using pagoda_vec::vmax;
+using pagoda_vec::vmul;
+using pagoda_vec::vrint;
+using pagoda_vec::vscale2;
+using pagoda_vec::vset1;
+using pagoda_vec::vsub;
 
 #if defined(PAGODA_FUSED_AVX512)
 using VecF = __m512;
 constexpr int64_t kLanes = 16;
-
-inline VecF vset1(float x) { return _mm512_set1_ps(x); }
-inline VecF vadd(VecF a, VecF b) { return _mm512_add_ps(a, b); }
-inline VecF vsub(VecF a, VecF b) { return _mm512_sub_ps(a, b); }
-inline VecF vmul(VecF a, VecF b) { return _mm512_mul_ps(a, b); }
-inline VecF vdiv(VecF a, VecF b) { return _mm512_div_ps(a, b); }
-inline VecF vfmadd(VecF a, VecF b, VecF c) { return _mm512_fmadd_ps(a, b, c); }
-inline VecF vrint(VecF x) {
-  return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-}
-// p * 2^n (n integral), rounded once; saturates to inf / 0 outside float range.
-inline VecF vscale2(VecF p, VecF n) { return _mm512_scalef_ps(p, n); }
 
 inline __mmask16 tail_mask(int64_t n) {
   return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
@@ -75,7 +69,7 @@ template <typename T>
 inline VecF vload(const T* p, int64_t n) {
   const __m256i raw = _mm256_maskz_loadu_epi16(tail_mask(n), p);
   if constexpr (std::is_same_v<T, at::BFloat16>) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+    return pagoda_vec::vwiden_bf16(raw);
   } else {
     return _mm512_cvtph_ps(raw);
   }
@@ -110,60 +104,22 @@ inline void vstore(T* p, VecF x, int64_t n) {
 template <typename T>
 inline VecF widen(__m256i h) {
   if constexpr (std::is_same_v<T, at::BFloat16>) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    return pagoda_vec::vwiden_bf16(h);
   } else {
     return _mm512_cvtph_ps(h);
   }
 }
 
-inline float vsum16(const VecF* acc) {
-  return sum16(_mm512_castps512_ps256(acc[0]),
-               _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[0]), 1)));
-}
+inline float vsum16(const VecF* acc) { return sum16(acc[0]); }
 
 #else  // PAGODA_FUSED_AVX2
 using VecF = __m256;
 constexpr int64_t kLanes = 8;
 
-inline VecF vset1(float x) { return _mm256_set1_ps(x); }
-inline VecF vadd(VecF a, VecF b) { return _mm256_add_ps(a, b); }
-inline VecF vsub(VecF a, VecF b) { return _mm256_sub_ps(a, b); }
-inline VecF vmul(VecF a, VecF b) { return _mm256_mul_ps(a, b); }
-inline VecF vdiv(VecF a, VecF b) { return _mm256_div_ps(a, b); }
-inline VecF vfmadd(VecF a, VecF b, VecF c) { return _mm256_fmadd_ps(a, b, c); }
-inline VecF vrint(VecF x) {
-  return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-}
-
-// 2^n (n integral in [-300, 300]) as 4 doubles, from the low or high 4 lanes of ni.
-inline __m256d pow2_pd(__m128i ni) {
-  const __m256i e = _mm256_add_epi64(_mm256_cvtepi32_epi64(ni), _mm256_set1_epi64x(1023));
-  return _mm256_castsi256_pd(_mm256_slli_epi64(e, 52));
-}
-
-// scalef's result without AVX-512, for the (p, n) that vexp forms: p * 2^n formed exactly in
-// double (|n| <= 300 keeps it a normal double for every nonzero float p) and rounded once to
-// float32, as scalef rounds it. NOTE: beyond +-300 every nonzero finite p gives inf / 0 either
-// way, so n is clamped there; an infinite n (x * log2(e) overflowed) comes with a NaN p, for
-// which scalef's special case gives +inf (n = +inf) or +0 (n = -inf); a NaN n (x NaN) comes
-// with a NaN p too, which passes through.
-inline VecF vscale2(VecF p, VecF n) {
-  const VecF nc = _mm256_min_ps(_mm256_max_ps(n, vset1(-300.0f)), vset1(300.0f));
-  const __m256i ni = _mm256_cvtps_epi32(nc);
-  const __m256d lo = _mm256_mul_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(p)),
-                                   pow2_pd(_mm256_castsi256_si128(ni)));
-  const __m256d hi = _mm256_mul_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(p, 1)),
-                                   pow2_pd(_mm256_extracti128_si256(ni, 1)));
-  const VecF scaled = _mm256_set_m128(_mm256_cvtpd_ps(hi), _mm256_cvtpd_ps(lo));
-  const VecF abs_n = _mm256_andnot_ps(vset1(-0.0f), n);
-  const VecF inf_n = _mm256_cmp_ps(abs_n, vset1(INFINITY), _CMP_EQ_OQ);
-  return _mm256_blendv_ps(scaled, _mm256_max_ps(n, vset1(0.0f)), inf_n);
-}
-
 template <typename T>
 inline VecF widen(__m128i h) {
   if constexpr (std::is_same_v<T, at::BFloat16>) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    return pagoda_vec::vwiden_bf16(h);
   } else {
     return _mm256_cvtph_ps(h);
   }
@@ -227,16 +183,16 @@ inline VecF vround(VecF x) {
 
 // e^x to about 1 float ulp: 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2] (Cody-Waite split).
 inline VecF vexp(VecF x) {
-  const VecF n = vrint(vmul(x, vset1(1.44269504088896341f)));
-  VecF r = vsub(x, vmul(n, vset1(0.693359375f)));
-  r = vsub(r, vmul(n, vset1(-2.12194440e-4f)));
-  VecF p = vset1(1.9875691500e-4f);
-  p = vfmadd(p, r, vset1(1.3981999507e-3f));
-  p = vfmadd(p, r, vset1(8.3334519073e-3f));
-  p = vfmadd(p, r, vset1(4.1665795894e-2f));
-  p = vfmadd(p, r, vset1(1.6666665459e-1f));
-  p = vfmadd(p, r, vset1(5.0000001201e-1f));
-  p = vfmadd(p, vmul(r, r), vadd(r, vset1(1.0f)));
+  const VecF n = vrint(vmul(x, vset1<VecF>(1.44269504088896341f)));
+  VecF r = vsub(x, vmul(n, vset1<VecF>(0.693359375f)));
+  r = vsub(r, vmul(n, vset1<VecF>(-2.12194440e-4f)));
+  VecF p = vset1<VecF>(1.9875691500e-4f);
+  p = vfmadd(p, r, vset1<VecF>(1.3981999507e-3f));
+  p = vfmadd(p, r, vset1<VecF>(8.3334519073e-3f));
+  p = vfmadd(p, r, vset1<VecF>(4.1665795894e-2f));
+  p = vfmadd(p, r, vset1<VecF>(1.6666665459e-1f));
+  p = vfmadd(p, r, vset1<VecF>(5.0000001201e-1f));
+  p = vfmadd(p, vmul(r, r), vadd(r, vset1<VecF>(1.0f)));
   return vscale2(p, n);
 }
 

@@ -491,10 +491,10 @@ __attribute__((always_inline)) inline void tile_softmax(AvxScratch& s, int nh,
     __m512 m_new = m_old, corr = one;
     if (_mm512_cmp_ps_mask(sc, m_old, _CMP_GT_OQ) != 0) {
       m_new = _mm512_max_ps(m_old, hmax16(sc));
-      corr = exp16_nonpos(_mm512_sub_ps(m_old, m_new));
+      corr = vexp_nonpos(_mm512_sub_ps(m_old, m_new));
       s.rescaled = true;
     }
-    const __m512 e = _mm512_maskz_mov_ps(mask, exp16_nonpos(_mm512_sub_ps(sc, m_new)));
+    const __m512 e = _mm512_maskz_mov_ps(mask, vexp_nonpos(_mm512_sub_ps(sc, m_new)));
     _mm512_storeu_ps(pj, e);
     const __m512 l_old = _mm512_loadu_ps(s.l.data() + j * kTile);
     _mm512_storeu_ps(s.l.data() + j * kTile, _mm512_fmadd_ps(l_old, corr, e));

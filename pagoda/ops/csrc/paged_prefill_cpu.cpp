@@ -24,7 +24,8 @@
 // q: the exact path). The output is rounded once.
 //
 // The AVX2 (+ FMA) build has the fp32 path only (no bf16 dot products), in 8-lane blocks with
-// the same operations per lane in the same order (exp8_nonpos: exp16_nonpos's polynomial;
+// the same operations per lane in the same order (the loops written once over
+// vec_lanes_cpu.h's 16- or 8-lane wrappers; vexp_nonpos one polynomial for both widths;
 // every multiply-add written as one), so its results equal the AVX-512 fp32 path's bit for
 // bit; with a bf16 q it is that path, not the vdpbf16ps one.
 //
@@ -93,23 +94,16 @@ struct PrefillProblem {
 #if defined(PAGODA_PREFILL_AVX512) || defined(PAGODA_PREFILL_AVX2)
 
 // The lane vectors of the fp32 path, one query vector per lane: every operation is per lane,
-// so both widths give the same bits.
+// so both widths give the same bits. The float32 arithmetic is vec_lanes_cpu.h's wrappers
+// (through attention_cpu.h); the int32 lanes and masks of the causal / window masks are here.
+using namespace pagoda_vec;
+
 #if defined(PAGODA_PREFILL_AVX512)
 constexpr int kLanes = 16;
 using VecF = __m512;
 using VecI = __m512i;
 using Mask = __mmask16;
 
-inline VecF vzero() { return _mm512_setzero_ps(); }
-inline VecF vset1(float x) { return _mm512_set1_ps(x); }
-inline VecF vload(const float* p) { return _mm512_loadu_ps(p); }
-inline void vstore(float* p, VecF x) { _mm512_storeu_ps(p, x); }
-inline VecF vadd(VecF a, VecF b) { return _mm512_add_ps(a, b); }
-inline VecF vsub(VecF a, VecF b) { return _mm512_sub_ps(a, b); }
-inline VecF vmul(VecF a, VecF b) { return _mm512_mul_ps(a, b); }
-inline VecF vmax(VecF a, VecF b) { return _mm512_max_ps(a, b); }
-inline VecF vfmadd(VecF a, VecF b, VecF c) { return _mm512_fmadd_ps(a, b, c); }
-inline VecF vexp_nonpos(VecF x) { return exp16_nonpos(x); }
 inline VecI viload(const int32_t* p) { return _mm512_loadu_si512(p); }
 inline VecI viset1(int32_t x) { return _mm512_set1_epi32(x); }
 inline VecI visub(VecI a, VecI b) { return _mm512_sub_epi32(a, b); }
@@ -126,16 +120,6 @@ using VecF = __m256;
 using VecI = __m256i;
 using Mask = __m256i;  // all ones in a selected lane
 
-inline VecF vzero() { return _mm256_setzero_ps(); }
-inline VecF vset1(float x) { return _mm256_set1_ps(x); }
-inline VecF vload(const float* p) { return _mm256_loadu_ps(p); }
-inline void vstore(float* p, VecF x) { _mm256_storeu_ps(p, x); }
-inline VecF vadd(VecF a, VecF b) { return _mm256_add_ps(a, b); }
-inline VecF vsub(VecF a, VecF b) { return _mm256_sub_ps(a, b); }
-inline VecF vmul(VecF a, VecF b) { return _mm256_mul_ps(a, b); }
-inline VecF vmax(VecF a, VecF b) { return _mm256_max_ps(a, b); }
-inline VecF vfmadd(VecF a, VecF b, VecF c) { return _mm256_fmadd_ps(a, b, c); }
-inline VecF vexp_nonpos(VecF x) { return exp8_nonpos(x); }
 inline VecI viload(const int32_t* p) {
   return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
 }
@@ -190,17 +174,11 @@ struct PrefillScratch {
 // One cache row as fp32 values times mul, natural dim order, into dst.
 template <typename KV, int kD>
 inline void stage_row_f32(const KV* src, float* dst, float mul) {
-  const VecF m = vset1(mul);
+  const VecF m = vset1<VecF>(mul);
   if constexpr (std::is_same_v<KV, uint16_t>) {
+    // NOTE: natural dim order (load_row_f32 would pair even / odd elements).
     for (int i = 0; i < kD / kLanes; ++i) {
-#if defined(PAGODA_PREFILL_AVX512)
-      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 16 * i));
-      const __m512 f = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
-#else
-      const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 8 * i));
-      const __m256 f = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(x), 16));
-#endif
-      vstore(dst + kLanes * i, vmul(f, m));
+      vstore(dst + kLanes * i, vmul(vload_bf16<VecF>(src + kLanes * i), m));
     }
   } else {
     VecF f[kD / kLanes];
@@ -351,7 +329,7 @@ inline void load_queries(const PrefillProblem& p, int64_t qrow0, int64_t pos0, i
 // Scores of lane block b against the staged tile: sc[t] = q . K[t] (unscaled).
 template <int kD, bool kDot>
 inline void block_scores(const PrefillScratch& s, int b, VecF* sc) {
-  for (int t = 0; t < kTile; ++t) sc[t] = vzero();
+  for (int t = 0; t < kTile; ++t) sc[t] = vzero<VecF>();
 #if defined(PAGODA_PREFILL_DOT)
   if constexpr (kDot) {
     const auto* kp = reinterpret_cast<const int32_t*>(s.kb.data());
@@ -370,9 +348,9 @@ inline void block_scores(const PrefillScratch& s, int b, VecF* sc) {
   constexpr int kRows = kLanes == 16 ? kTile : kTile / 2;
   for (int t0 = 0; t0 < kTile; t0 += kRows) {
     for (int d = 0; d < kD; ++d) {
-      const VecF qv = vload(s.qf.data() + (b * kD + d) * kLanes);
+      const VecF qv = vload<VecF>(s.qf.data() + (b * kD + d) * kLanes);
       for (int t = t0; t < t0 + kRows; ++t) {
-        sc[t] = vfmadd(qv, vset1(s.kf[t * kD + d]), sc[t]);
+        sc[t] = vfmadd(qv, vset1<VecF>(s.kf[t * kD + d]), sc[t]);
       }
     }
   }
@@ -421,10 +399,10 @@ inline void block_values(float* acc, const VecF* pr, VecF corr, const PrefillScr
   constexpr int kChunk = kLanes == 16 ? 8 : 4;
   for (int d0 = 0; d0 < kD; d0 += kChunk) {
     VecF a[kChunk];
-    for (int i = 0; i < kChunk; ++i) a[i] = vmul(vload(acc + (d0 + i) * kLanes), corr);
+    for (int i = 0; i < kChunk; ++i) a[i] = vmul(vload<VecF>(acc + (d0 + i) * kLanes), corr);
     for (int t = 0; t < kTile; ++t) {
       const float* vr = s.vf.data() + t * kD + d0;
-      for (int i = 0; i < kChunk; ++i) a[i] = vfmadd(pr[t], vset1(vr[i]), a[i]);
+      for (int i = 0; i < kChunk; ++i) a[i] = vfmadd(pr[t], vset1<VecF>(vr[i]), a[i]);
     }
     for (int i = 0; i < kChunk; ++i) vstore(acc + (d0 + i) * kLanes, a[i]);
   }
@@ -439,8 +417,8 @@ inline void block_step(const PrefillProblem& p, int64_t key0, const TileRows& tr
   // NOTE: a key at k is in a query's window iff k >= pos - window + 1 (the caller keeps
   // window below 2^31: a longer one is no window).
   const VecI first = visub(pos, viset1(static_cast<int32_t>(p.window - 1)));
-  const VecF neg_inf = vset1(-std::numeric_limits<float>::infinity());
-  const VecF m_old = vload(s.m.data() + b * kLanes);
+  const VecF neg_inf = vset1<VecF>(-std::numeric_limits<float>::infinity());
+  const VecF m_old = vload<VecF>(s.m.data() + b * kLanes);
   VecF m_new = m_old;
   Mask valid[kTile];
   for (int t = 0; t < kTile; ++t) {
@@ -451,13 +429,13 @@ inline void block_step(const PrefillProblem& p, int64_t key0, const TileRows& tr
       if (p.window >= 0) k = mask_and(k, mask_ge(kp, first));
     }
     valid[t] = k;
-    sc[t] = vselect(k, vmul(sc[t], vset1(s.ks[t])), neg_inf);
+    sc[t] = vselect(k, vmul(sc[t], vset1<VecF>(s.ks[t])), neg_inf);
     m_new = vmax(m_new, sc[t]);
   }
   // NOTE: a lane with no key yet has m = -inf: its rescale and probabilities come out of
-  // exp16_nonpos's clamp (NaN or -inf arguments give ~1e-38) and are masked or multiply 0.
+  // vexp_nonpos's clamp (NaN or -inf arguments give ~1e-38) and are masked or multiply 0.
   const VecF corr = vexp_nonpos(vsub(m_old, m_new));
-  VecF l = vload(s.l.data() + b * kLanes);
+  VecF l = vload<VecF>(s.l.data() + b * kLanes);
   for (int t = 0; t < kTile; ++t) {
     sc[t] = vkeep(valid[t], vexp_nonpos(vsub(sc[t], m_new)));
     // NOTE: l * corr + p[0] in one rounding, then the other probabilities added one by one.
