@@ -51,13 +51,15 @@ EXACT_DTYPES = frozenset({torch.float32, torch.bfloat16})
 # The vector paths quant_cpu.cpp compiles: one of them must be there for the kernels to run.
 REQUIRED_ISA = (("avx512f", "avx512bw", "avx512vl"), ("avx2", "fma", "f16c"))
 _SOURCES = [Path(__file__).parent / "csrc" / name for name in ("quant_cpu.cpp", "fp8_cpu.cpp")]
+# NOTE: part of the build name (not compiled on their own): a change to them rebuilds.
+_HEADERS = [Path(__file__).parent / "csrc" / "vec_lanes_cpu.h"]
 _module: ModuleType | None = None
 _load_failed = False
 _allowed: bool | None = None
 
 
 def extension_name() -> str:
-    return cpu_kernels.build_name("pagoda_quant_cpu", _SOURCES)
+    return cpu_kernels.build_name("pagoda_quant_cpu", [*_SOURCES, *_HEADERS])
 
 
 def load_extension() -> ModuleType | None:

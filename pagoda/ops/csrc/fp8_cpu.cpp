@@ -22,7 +22,7 @@
 // Vector paths: AVX-512 F/BW/VL where the build targets them, else AVX2 with FMA and F16C
 // (x86-64-v3). The AVX2 path holds each 16-lane vector of the AVX-512 one as two 8-lane
 // halves and does per lane the same operations in the same order, and both reduce a row's
-// 16 lanes in one written-out order (hsum16), so the two give the same bits.
+// 16 lanes in vec_lanes_cpu.h's written-out order (sum16), so the two give the same bits.
 
 #include <torch/extension.h>
 
@@ -36,6 +36,8 @@
 #if defined(PAGODA_FP8_AVX512) || defined(PAGODA_FP8_AVX2)
 #define PAGODA_FP8_VEC 1
 #include <immintrin.h>
+
+#include "vec_lanes_cpu.h"
 #endif
 
 #include <algorithm>
@@ -93,14 +95,8 @@ inline __m256 low8(V16 a) { return a.lo; }
 inline __m256 high8(V16 a) { return a.hi; }
 #endif
 
-// The sum of 16 lanes, in one fixed order on either path: halves, then quarters, then
-// lanes (0 + 2) + (1 + 3) of what is left.
-inline float hsum16(V16 a) {
-  const __m256 h = _mm256_add_ps(high8(a), low8(a));
-  const __m128 q = _mm_add_ps(_mm256_extractf128_ps(h, 1), _mm256_castps256_ps128(h));
-  const __m128 p = _mm_add_ps(q, _mm_movehl_ps(q, q));
-  return _mm_cvtss_f32(_mm_add_ss(p, _mm_movehdup_ps(p)));
-}
+// The sum of 16 lanes: vec_lanes_cpu.h's one written-out tree, on either path.
+inline float hsum16(V16 a) { return pagoda_vec::sum16(low8(a), high8(a)); }
 
 // 16 bytes at p, zero past `left` (which may be under 16).
 inline __m128i load_bytes16(const uint8_t* p, int64_t left) {
