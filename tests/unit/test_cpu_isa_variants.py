@@ -5,11 +5,13 @@ both extensions (`PAGODA_CPU_MARCH`, ops/cpu_kernels.py) and runs the kernels on
 this process wrote with torch.save; its results must equal the native (AVX-512) build's bit
 for bit (quant kernels: q_linear over GGUF and group-quant layouts, i8_linear, dequant_rows;
 fp8_gemv, fp8_dequant; fused ops: add+RMSNorm, SiLU*mul, rotary + plain / int8 / fp8 cache
-writes) and pass the
-reference checks of the ops' own tests, as must its portable decode attention; its tiled prefill
-attention (the fp32 path: float32 q on float32 / bf16 / int8 / fp8 caches, and bf16 q, which
-the native build takes through vdpbf16ps where it can, so bf16 q is compared with the native
-fp32 fallback and with the reference). Where the CPU
+writes) and pass the reference checks of the ops' own tests; so must its decode attention's
+vector path and its tiled prefill attention (the fp32 paths: float32 q on float32 / bf16 /
+int8 / fp8 caches, and bf16 q, which the native build takes through its dot products where it
+can, so bf16 q is compared with the native fp32 fallback (`set_bf16_dot(False)`) and with the
+reference; the decode cases: head dims 32-256, GQA groups 1 and 3, block sizes 16 and 12,
+sliding windows, attention sinks, lengths with tile tails); its portable decode attention
+(head dim 48) meets the reference. Where the CPU
 has no AVX-512 the native build is the AVX2 one: it runs the reference checks alone, and the
 bit comparisons skip, saying so. Run as a module, this file is that subprocess.
 
@@ -37,6 +39,7 @@ from pagoda.ops.kv_quant import quantize
 from tests.unit import test_cpu_fused_ops as fused_tests
 from tests.unit import test_cpu_prefill_attention as prefill_tests
 from tests.unit import test_kv_quant_kernels as kvq_tests
+from tests.unit import test_sink_attention_kernel as sink_tests
 from tests.unit.test_cpu_paged_attention import _make_case
 from tests.unit.test_quant_kernels import (
     KQUANTS,
@@ -176,6 +179,53 @@ def _attention_cases(cases: dict) -> None:
         cases[f"attention/{code}"] = ("paged_attention", (q, kc, vc, bt, lens, 0.125, -1, ks, vs))
 
 
+DECODE_LENS = [1, 15, 16, 17, 40, 100, 5, 33]  # tile tails, one and several tiles
+
+
+def _cache_as(kc: torch.Tensor, vc: torch.Tensor, cache: str) -> tuple:
+    """float32 caches as `cache` (float32, bfloat16 or a quantized code dtype) + scales."""
+    if cache == "float32":
+        return kc, vc, None, None
+    if cache == "bfloat16":
+        return kc.to(torch.bfloat16), vc.to(torch.bfloat16), None, None
+    (kc, ks), (vc, vs) = quantize(2 * kc, cache), quantize(vc, cache)
+    return kc, vc, ks, vs
+
+
+def _decode_cases(cases: dict) -> None:
+    """The decode kernel's vector path: float32 / bf16 q on every cache dtype, head dims 64
+    and 128 (32, 96 and 256 on float32 caches), GQA groups 1 and 3, block sizes 16 and 12 (a
+    tile across blocks), with and without a sliding window, and attention sinks."""
+    caches = ("float32", "bfloat16", *kvq_tests.CODES)
+    for q_dtype in (torch.float32, torch.bfloat16):
+        for cache in caches:
+            for d, group, bs in ((64, 1, 16), (64, 3, 12), (128, 3, 16), (128, 1, 12)):
+                q, kc, vc, bt, lens = _make_case(DECODE_LENS, 2, group, torch.float32,
+                                                 head_dim=d, seed=d + group + bs,
+                                                 block_size=bs, q_dtype=q_dtype)
+                kc, vc, ks, vs = _cache_as(kc, vc, cache)
+                for window in (-1, 21):
+                    cases[f"decode/{q_dtype}/{cache}/d{d}/g{group}/bs{bs}/w{window}"] = (
+                        "decode_fp32_fma", (q, kc, vc, bt, lens, d**-0.5, window, ks, vs,
+                                            None, 0))
+    for d in (32, 96, 256):
+        q, kc, vc, bt, lens = _make_case(DECODE_LENS, 2, 3, torch.float32, head_dim=d, seed=d)
+        cases[f"decode/float32/d{d}"] = ("decode_fp32_fma", (q, kc, vc, bt, lens, d**-0.5, 37,
+                                                             None, None, None, 0))
+    lens = [1, 5, 27, 28, 61, 150, 33]  # the sinks, the window's start and end inside tiles
+    for q_dtype, cache, d, bs in ((torch.float32, "float32", 64, 16),
+                                  (torch.bfloat16, "bfloat16", 128, 12),
+                                  (torch.bfloat16, torch.int8, 64, 16),
+                                  (torch.float32, torch.uint8, 128, 8)):
+        q, kc, vc, bt, seq_lens, inv_freq = sink_tests._case(lens, 2, 3, d, bs, seed=d + bs)
+        q = q.to(q_dtype)
+        q_sink = sink_tests._q_sink(q, seq_lens, inv_freq)
+        kc, vc, ks, vs = _cache_as(kc, vc, cache)
+        cases[f"decode/sinks/{q_dtype}/{cache}/d{d}/bs{bs}"] = (
+            "decode_fp32_fma", (q, kc, vc, bt, seq_lens, d**-0.5, sink_tests.WINDOW, ks, vs,
+                                q_sink, sink_tests.SINKS))
+
+
 def _prefill_cases(cases: dict) -> None:
     """Requests of several query / context lengths (chunks after a prefix, rows past a whole
     lane block: query tile tails), with and without a sliding window."""
@@ -220,11 +270,14 @@ def _run(ext, qext, kernel: str, args: tuple) -> tuple[torch.Tensor, ...]:
         mut = [t.clone() if t is not None else None for t in (qkv, kc, vc, ks, vs)]
         ext.rotary_and_cache(mut[0], cos, sin, pos, mut[1], mut[2], slots, h, hk, mut[3], mut[4])
         return tuple(t for t in mut if t is not None)
-    if kernel == "prefill_fp32_fma":
+    if kernel in ("prefill_fp32_fma", "decode_fp32_fma"):
         out = torch.zeros_like(args[0])
         ext.set_bf16_dot(False)
         try:
-            ext.paged_prefill_attention(out, *args)
+            if kernel == "prefill_fp32_fma":
+                ext.paged_prefill_attention(out, *args)
+            else:
+                ext.paged_decode_attention(out, *args)
         finally:
             ext.set_bf16_dot(True)
         return (out,)
@@ -244,6 +297,7 @@ def run_all(cases: dict) -> dict:
         "isa": {**ext.kernel_isa(), **qext.kernel_isa()},
         "name": cpu_kernels.extension_name(),
         "dispatch": {"fused_ops": cpu_kernels.kernel_for("fused_ops") is not None,
+                     "decode": cpu_kernels.kernel_for("paged_attention") is not None,
                      "prefill": cpu_kernels.kernel_for("paged_prefill_attention") is not None,
                      "decoder_layers": ops.decoder_layers_for(probe) is not None,
                      "quant": quant_cpu.resolve() is not None},
@@ -264,6 +318,7 @@ def runs(ext, qext, tmp_path_factory) -> dict:
     _quant_cases(cases, checks)
     _fused_cases(cases, checks)
     _attention_cases(cases)
+    _decode_cases(cases)
     _prefill_cases(cases)
     native = run_all(cases)
     if _has_avx512(native["isa"]):
@@ -310,15 +365,17 @@ def test_variant_compiles_the_avx2_paths_and_dispatch_takes_them(runs) -> None:
     assert not any(f.startswith("avx512") for op in isa for f in isa[op]), isa
     assert isa["fp8"] == list(AVX2_PATH)
     assert isa["paged_prefill_attention"] == ["avx2", "fma"]
+    assert isa["paged_attention"] == ["avx2", "fma"]
     flags = cpu_kernels.cpu_flags()
+    assert cpu_kernels.isa_allows("paged_attention", isa["paged_attention"], flags)
     assert cpu_kernels.isa_allows("fused_ops", isa["fused_ops"], flags)
     assert cpu_kernels.isa_allows("paged_prefill_attention", isa["paged_prefill_attention"],
                                   flags)
     assert quant_cpu.isa_allows(isa["quant"], flags)
-    # The whole-layer decoder calls need the fused ops, prefill rows the tiled kernel: both
+    # The whole-layer decoder calls need the fused ops, prefill rows the tiled kernel: all
     # run on AVX2 too.
-    assert dispatch == {"fused_ops": True, "prefill": True, "decoder_layers": True,
-                        "quant": True}
+    assert dispatch == {"fused_ops": True, "decode": True, "prefill": True,
+                        "decoder_layers": True, "quant": True}
 
 
 def test_quant_kernels_bit_identical(runs) -> None:
@@ -328,6 +385,30 @@ def test_quant_kernels_bit_identical(runs) -> None:
 
 def test_fused_ops_bit_identical(runs) -> None:
     _bit_identical(runs, ("add_rms_norm/", "silu_and_mul/", "rotary/", "argmax_rows/"))
+
+
+def test_decode_attention_bit_identical(runs) -> None:
+    """float32 q: the native fp32 path; bf16 q: the native fp32 fallback (no dot products)."""
+    _bit_identical(runs, ("decode/",))
+
+
+def test_decode_attention_matches_reference(runs) -> None:
+    """The AVX2 build's decode attention (vector path) against the reference, with
+    test_cpu_paged_attention's / test_sink_attention_kernel's tolerances (bf16 q: the fp32
+    path, one rounding to bf16)."""
+    out = runs["variant"]["out"]
+    for name, (kernel, args) in runs["cases"].items():
+        if kernel != "decode_fp32_fma":
+            continue
+        q, kc, vc, bt, lens, scale, window, ks, vs, q_sink, sinks = args
+        want = reference.paged_attention(
+            q.float(), kc, vc, bt, lens, scale, None if window < 0 else window, None, ks, vs,
+            None if q_sink is None else q_sink.float(), sinks)
+        if q.dtype != torch.float32:
+            tol = {"rtol": 2e-2, "atol": 2e-2}
+        else:
+            tol = {"rtol": 1e-4, "atol": 1e-5} if ks is not None else {"rtol": 2e-5, "atol": 2e-5}
+        torch.testing.assert_close(out[name][0].double(), want.double(), **tol, msg=name)
 
 
 def test_prefill_attention_bit_identical(runs) -> None:
@@ -415,8 +496,9 @@ def _check_rotary(name: str, args: tuple, got: tuple) -> None:
         assert torch.equal(scale.view(-1, hk)[slots], scales), name
 
 
-def test_portable_paged_attention_matches_reference(runs) -> None:
-    """The AVX2 build's decode attention (its portable path) against the reference, with
+def test_paged_attention_matches_reference(runs) -> None:
+    """The AVX2 build's decode attention as dispatch calls it (head dim 64: the vector path,
+    bf16 q included; 48: the portable path) against the reference, with
     test_cpu_paged_attention's and test_kv_quant_kernels' tolerances."""
     out = runs["variant"]["out"]
     for name, (kernel, args) in runs["cases"].items():

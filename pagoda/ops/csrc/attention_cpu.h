@@ -161,9 +161,10 @@ inline void load_row_f32(const uint8_t* src, V* f) {
 
 // exp(x) for x <= 0 on every lane (paged_attention_cpu.cpp's exp_nonpos: the same
 // polynomial); the final p * 2^n is scalef on AVX-512 and an exact double product rounded
-// once on AVX2 (n is in [-126, 0]): the same bits on both widths.
+// once on AVX2 (n is in [-126, 0]): the same bits on both widths. NOTE: forced inline: in
+// the decode kernel's large tile loops GCC otherwise calls it, through the PLT.
 template <typename V>
-inline V vexp_nonpos(V x) {
+__attribute__((always_inline)) inline V vexp_nonpos(V x) {
   using pagoda_vec::vset1;
   x = pagoda_vec::vmax(x, vset1<V>(-87.0f));
   const V n = pagoda_vec::vrint(pagoda_vec::vmul(x, vset1<V>(1.44269504088896341f)));

@@ -6,12 +6,16 @@
 // read from memory once for all of them. K/V rows are read in place through the block
 // table (no gather copy), and the softmax is computed online, a few positions at a time.
 //
-// Two implementations: an AVX-512 one for head dims 32/64/96/128/256 (tiles of 16
-// positions, vdpbf16ps for bf16 where the CPU has AVX512_BF16; see the comment at its start),
-// and a portable one for everything else (any head dim, CPUs without AVX-512). The build uses
-// -march=native, so the preprocessor picks what exists: the AVX-512 path uses AVX512F
-// intrinsics only (plus AVX512_BF16 for vdpbf16ps, under its own guard); `kernel_isa()`
-// reports the subsets compiled in, which the Python side checks against the CPU's flags.
+// Three implementations: an AVX-512 one for head dims 32/64/96/128/256 (tiles of 16
+// positions, vdpbf16ps for bf16 where the CPU has AVX512_BF16; see the comment at its start);
+// its fp32 path on AVX2 + FMA for the same head dims where the build has no AVX-512 (the same
+// tiles and phases on 8-lane halves, bit for bit the AVX-512 fp32 path; no dot products, so a
+// bf16 q takes the fp32 FMAs); and a portable one for everything else (any head dim, CPUs
+// with neither). The build uses -march=native (or PAGODA_CPU_MARCH), so the preprocessor
+// picks what exists: the AVX-512 path uses AVX512F intrinsics only (plus AVX512_BF16 /
+// AVX512BW / AVX512_VNNI for the dot products, under their own guards), the AVX2 path AVX2 +
+// FMA ones; `kernel_isa()` reports the subsets compiled in, which the Python side checks
+// against the CPU's flags.
 // Any block size works (the tiles find their rows through the block table); block ids
 // are checked against the cache before anything is read.
 //
@@ -34,11 +38,22 @@
 // fp8 rows through vdpbf16ps (codes widened to bf16; bf16 weights): tile_scores_codes /
 // tile_values_codes.
 
+// NOTE: no FMA contraction: the AVX-512 and AVX2 paths must fuse the same multiply-adds,
+// written as FMAs (the portable path's products are rounded as written too).
+#pragma GCC optimize("fp-contract=off")
+
 #include <torch/extension.h>
 
 #include <omp.h>
 
+// The vector paths: AVX-512 (AVX512F), else AVX2 + FMA (the fp32 path only).
 #if defined(__AVX512F__)
+#define PAGODA_DECODE_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#define PAGODA_DECODE_AVX2 1
+#endif
+#if defined(PAGODA_DECODE_AVX512) || defined(PAGODA_DECODE_AVX2)
+#define PAGODA_DECODE_VEC 1
 #include <immintrin.h>
 #endif
 // The quantized caches' dot-product paths (16-bit widening needs AVX512BW).
@@ -197,12 +212,14 @@ inline void prefetch_block(const KV* cache, const Problem& p, int64_t block_id, 
   }
 }
 
-#if defined(__AVX512F__)
+#if defined(PAGODA_DECODE_VEC)
 // ---------------------------------------------------------------------------------------
-// AVX-512 path (head dims 32, 64, 96, 128, 256). Positions are processed in tiles of 16 (aligned to
-// multiples of 16) so that one tile's scores for one query head are exactly one vector; the
-// rows of a tile are found through the block table once per tile (any block size works) and
-// lanes outside [start, seq_len) are masked. Each tile runs in three phases:
+// Vector paths (head dims 32, 64, 96, 128, 256): AVX-512, or its fp32 path on AVX2 + FMA
+// (8-lane halves of each 16-lane vector: the AVX2 section below). Positions are processed in
+// tiles of 16 (aligned to multiples of 16) so that one tile's scores for one query head are
+// exactly one (16-lane) vector; the rows of a tile are found through the block table once per
+// tile (any block size works) and lanes outside [start, seq_len) are masked. Each tile runs
+// in three phases (as the AVX-512 path does them; the AVX2 loops: its section):
 //
 // 1. Scores, lanes = head dims: one vector of partial sums per (token, head), then the 16
 //    vectors of a head are reduced to one vector of 16 scores by a transpose-add tree (sum4
@@ -237,45 +254,6 @@ inline int row_index(int d) {
     const int c = d >> 5, r = d & 31;
     return (2 * c + (r & 1)) * 16 + (r >> 1);
   }
-}
-
-// Four vectors of 16 partial sums (tokens a, b, c, d) -> one vector whose 128-bit chunk k
-// holds (sum of a's chunk k, of b's, of c's, of d's). Every add combines lanes of one token.
-inline __m512 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
-  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
-  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
-  const __m512d abd = _mm512_castps_pd(ab), cdd = _mm512_castps_pd(cd);
-  return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(abd, cdd)),
-                       _mm512_castpd_ps(_mm512_unpackhi_pd(abd, cdd)));
-}
-
-// Four sum4 results (tokens 0-3, 4-7, 8-11, 12-15) -> lane t = full sum of token t.
-inline __m512 sum16(__m512 w0, __m512 w1, __m512 w2, __m512 w3) {
-  constexpr int kEven = _MM_SHUFFLE(2, 0, 2, 0), kOdd = _MM_SHUFFLE(3, 1, 3, 1);
-  const __m512 x01 = _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, kEven),
-                                   _mm512_shuffle_f32x4(w0, w1, kOdd));
-  const __m512 x23 = _mm512_add_ps(_mm512_shuffle_f32x4(w2, w3, kEven),
-                                   _mm512_shuffle_f32x4(w2, w3, kOdd));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(x01, x23, kEven),
-                       _mm512_shuffle_f32x4(x01, x23, kOdd));
-}
-
-// a + b lane by lane: int32 lanes (kInt) or fp32 lanes, both in the bits of a __m512i.
-template <bool kInt>
-inline __m512i add_lanes(__m512i a, __m512i b) {
-  if constexpr (kInt) {
-    return _mm512_add_epi32(a, b);
-  } else {
-    return _mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(b)));
-  }
-}
-
-// Max of 16 lanes, broadcast to every lane.
-inline __m512 hmax16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(1, 0, 3, 2)));
-  x = _mm512_max_ps(x, _mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(2, 3, 0, 1)));
-  x = _mm512_max_ps(x, _mm512_permute_ps(x, _MM_SHUFFLE(1, 0, 3, 2)));
-  return _mm512_max_ps(x, _mm512_permute_ps(x, _MM_SHUFFLE(2, 3, 0, 1)));
 }
 
 // Software prefetch of the next tile's K/V rows, spread over the current tile's work.
@@ -363,6 +341,140 @@ struct AvxScratch {
         qscale(heads), qy(heads * d), hscale(heads) {}
 };
 
+// fn(std::integral_constant<int, NH>, g0) for the chunks [g0, g0 + NH) of G query heads.
+template <int kMax, typename Fn>
+inline void for_head_chunks(int G, Fn&& fn) {
+  for (int g0 = 0; g0 < G; g0 += kMax) {
+    switch (std::min(kMax, G - g0)) {
+      case 1:
+        fn(std::integral_constant<int, 1>{}, g0);
+        break;
+      case 2:
+        if constexpr (kMax >= 2) fn(std::integral_constant<int, 2>{}, g0);
+        break;
+      case 3:
+        if constexpr (kMax >= 3) fn(std::integral_constant<int, 3>{}, g0);
+        break;
+      default:
+        if constexpr (kMax >= 4) fn(std::integral_constant<int, 4>{}, g0);
+        break;
+    }
+  }
+}
+
+// The K / V scales of tiles [first, last] of a range (block size a multiple of 16: a
+// tile's 16 slots are consecutive) copied into s.k_stage / s.v_stage, 16 * Hk floats per
+// tile. NOTE (measured): read where each tile starts, the scales missed the cache at their
+// first load although prefetched one or two tiles ahead (a third of the int8 path's time);
+// these copies are independent loads, so their misses overlap (a burst per range).
+inline void stage_scales(const Problem& p, const int64_t* table, int64_t first, int64_t last,
+                         AvxScratch& s) {
+  const int64_t bs = p.block_size, per = kTile * p.num_kv_heads;
+  s.k_stage.resize((last - first + 1) * per);
+  s.v_stage.resize((last - first + 1) * per);
+  for (int64_t tile = first; tile <= last; ++tile) {
+    const int64_t pos0 = tile * kTile;
+    const int64_t src = (table[pos0 / bs] * bs + pos0 % bs) * p.num_kv_heads;
+    std::memcpy(s.k_stage.data() + (tile - first) * per, p.k_scale + src, per * sizeof(float));
+    std::memcpy(s.v_stage.data() + (tile - first) * per, p.v_scale + src, per * sizeof(float));
+  }
+}
+
+// The cache lines of a tile's scales (kv heads from kvh0 on), each asked for once.
+inline void prefetch_scales(const Problem& p, const TileRows& tr, int kvh0) {
+  uintptr_t last = 0;
+  for (int t = tr.lo; t < tr.hi; ++t) {
+    const int64_t i = tr.slot[t] * p.num_kv_heads + kvh0;
+    const uintptr_t line = reinterpret_cast<uintptr_t>(p.k_scale + i) >> 6;
+    if (line == last) continue;
+    last = line;
+    _mm_prefetch(reinterpret_cast<const char*>(p.k_scale + i), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(p.v_scale + i), _MM_HINT_T0);
+  }
+}
+
+// One query head (n values from q[q0]) as int16 (stored in a uint16 buffer) and its scale,
+// for the int8 dot path: |q| max -> 32767. NOTE: the rounding error (<= amax / 65534 per
+// value) is far below a bf16 q's own (2^-9 relative) and the int8 K's (amax_k / 254).
+inline void quantize_q_int16(const Problem& p, const void* q, int64_t q0, int n, uint16_t* out,
+                             float& scale) {
+  float amax = 0.0f;
+  for (int d = 0; d < n; ++d) amax = std::max(amax, std::fabs(load_q(p, q, q0 + d)));
+  scale = amax / 32767.0f;
+  const float inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
+  for (int d = 0; d < n; ++d) {
+    const auto v = static_cast<int16_t>(std::nearbyint(load_q(p, q, q0 + d) * inv));
+    out[d] = static_cast<uint16_t>(v);
+  }
+}
+
+// Fresh softmax state and accumulators for query heads [0, nh).
+inline void reset_state(int nh, int d, AvxScratch& s) {
+  std::fill(s.acc.begin(), s.acc.begin() + nh * d, 0.0f);
+  std::fill(s.m.begin(), s.m.begin() + nh * kTile, -std::numeric_limits<float>::infinity());
+  std::fill(s.l.begin(), s.l.begin() + nh * kTile, 0.0f);
+}
+
+// Where dim d of an accumulator lives: the rows' layout (row_index), except on the code
+// paths (quantized rows with a bf16 q), whose 16-bit row pairs (unpacklo / unpackhi of two
+// rows, per 128-bit lane) leave 32 dims c as lanes [4k + j] of vector 2c (d = 32c + 8k + j)
+// and 2c + 1 (d = 32c + 8k + 4 + j).
+template <typename KV, bool kDot>
+inline int acc_index(int d) {
+  if constexpr (kDot && kQuantized<KV>) {
+    const int c = d >> 5, r = d & 31;
+    return (2 * c + ((r >> 2) & 1)) * 16 + (r >> 3) * 4 + (r & 3);
+  } else {
+    return row_index<KV>(d);
+  }
+}
+#endif  // PAGODA_DECODE_VEC
+
+#if defined(PAGODA_DECODE_AVX512)
+// ---------------------------------------------------------------------------------------
+// AVX-512 phases: the fp32 ones and the dot-product ones (bf16 rows, and the code paths of
+// quantized rows with a bf16 q).
+// ---------------------------------------------------------------------------------------
+
+// Four vectors of 16 partial sums (tokens a, b, c, d) -> one vector whose 128-bit chunk k
+// holds (sum of a's chunk k, of b's, of c's, of d's). Every add combines lanes of one token.
+inline __m512 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+  const __m512d abd = _mm512_castps_pd(ab), cdd = _mm512_castps_pd(cd);
+  return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(abd, cdd)),
+                       _mm512_castpd_ps(_mm512_unpackhi_pd(abd, cdd)));
+}
+
+// Four sum4 results (tokens 0-3, 4-7, 8-11, 12-15) -> lane t = full sum of token t.
+inline __m512 sum16(__m512 w0, __m512 w1, __m512 w2, __m512 w3) {
+  constexpr int kEven = _MM_SHUFFLE(2, 0, 2, 0), kOdd = _MM_SHUFFLE(3, 1, 3, 1);
+  const __m512 x01 = _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, kEven),
+                                   _mm512_shuffle_f32x4(w0, w1, kOdd));
+  const __m512 x23 = _mm512_add_ps(_mm512_shuffle_f32x4(w2, w3, kEven),
+                                   _mm512_shuffle_f32x4(w2, w3, kOdd));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(x01, x23, kEven),
+                       _mm512_shuffle_f32x4(x01, x23, kOdd));
+}
+
+// a + b lane by lane: int32 lanes (kInt) or fp32 lanes, both in the bits of a __m512i.
+template <bool kInt>
+inline __m512i add_lanes(__m512i a, __m512i b) {
+  if constexpr (kInt) {
+    return _mm512_add_epi32(a, b);
+  } else {
+    return _mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(b)));
+  }
+}
+
+// Max of 16 lanes, broadcast to every lane.
+inline __m512 hmax16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(1, 0, 3, 2)));
+  x = _mm512_max_ps(x, _mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(2, 3, 0, 1)));
+  x = _mm512_max_ps(x, _mm512_permute_ps(x, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm512_max_ps(x, _mm512_permute_ps(x, _MM_SHUFFLE(2, 3, 0, 1)));
+}
+
 // 32 values of a row as the 16-bit operands of a dot-product instruction: bf16 rows as
 // they are; fp8 codes as bf16 bits (the fp8_bits_as_f32 trick on 16 bits: value * 2^-120;
 // NOTE: vdpbf16ps reads bf16 denormals as zero, so fp8 subnormal codes, |x| < amax / 28672,
@@ -426,9 +538,10 @@ inline __m512i first_pairs(__m512i q, __m512i x) {
 // Quantized rows with a bf16 q take tile_scores_codes instead.
 template <typename KV, int kD, int NH, bool kDot>
 inline void tile_scores(const KV* __restrict k_cache, const TileRows& tr, int64_t col,
-                        AvxScratch& s, int j0, __m512 vscale, const float* ksc,
+                        AvxScratch& s, int j0, float scale, const float* ksc,
                         Prefetcher& pf) {
   constexpr int kNV = kD / 16;
+  __m512 vscale = _mm512_set1_ps(scale);
   __m512 w[4][NH];
   if constexpr (kDot) {
     constexpr int kNC = kD / 32;
@@ -536,20 +649,6 @@ inline void tile_values(const KV* __restrict v_cache, const TileRows& tr, int64_
   for (int h = 0; h < NH; ++h)
     for (int i = 0; i < kNV; ++i)
       _mm512_storeu_ps(s.acc.data() + (j0 + h) * kD + 16 * i, acc[h][i]);
-}
-
-// Where dim d of an accumulator lives: the rows' layout (row_index), except on the code
-// paths (quantized rows with a bf16 q), whose 16-bit row pairs (unpacklo / unpackhi of two
-// rows, per 128-bit lane) leave 32 dims c as lanes [4k + j] of vector 2c (d = 32c + 8k + j)
-// and 2c + 1 (d = 32c + 8k + 4 + j).
-template <typename KV, bool kDot>
-inline int acc_index(int d) {
-  if constexpr (kDot && kQuantized<KV>) {
-    const int c = d >> 5, r = d & 31;
-    return (2 * c + ((r >> 2) & 1)) * 16 + (r >> 3) * 4 + (r & 3);
-  } else {
-    return row_index<KV>(d);
-  }
 }
 
 #if defined(PAGODA_INT8_DOT) || defined(PAGODA_FP8_DOT)
@@ -724,27 +823,6 @@ inline void tile_values_codes(const KV*, const TileRows&, int64_t, AvxScratch&, 
 template <int kD>
 constexpr int kMaxHeadsPerStep = kD <= 64 ? 4 : (kD <= 128 ? 2 : 1);
 
-// fn(std::integral_constant<int, NH>, g0) for the chunks [g0, g0 + NH) of G query heads.
-template <int kMax, typename Fn>
-inline void for_head_chunks(int G, Fn&& fn) {
-  for (int g0 = 0; g0 < G; g0 += kMax) {
-    switch (std::min(kMax, G - g0)) {
-      case 1:
-        fn(std::integral_constant<int, 1>{}, g0);
-        break;
-      case 2:
-        if constexpr (kMax >= 2) fn(std::integral_constant<int, 2>{}, g0);
-        break;
-      case 3:
-        if constexpr (kMax >= 3) fn(std::integral_constant<int, 3>{}, g0);
-        break;
-      default:
-        if constexpr (kMax >= 4) fn(std::integral_constant<int, 4>{}, g0);
-        break;
-    }
-  }
-}
-
 // Lane t = base[t * stride + offset] for t < 16, from the 16 * stride floats at base:
 // pairs of vectors through a two-source permute each (no gather).
 inline __m512 strided16(const float* base, int stride, int offset) {
@@ -764,16 +842,231 @@ inline __m512 strided16(const float* base, int stride, int offset) {
   return r;
 }
 
+// The running sum's 16 lanes of one head, added in pagoda_vec::sum16's tree (the one GCC's
+// _mm512_reduce_add_ps uses, written out for the AVX2 path to repeat).
+inline float lane_sum16(const float* x) { return pagoda_vec::sum16(_mm512_loadu_ps(x)); }
+#endif  // PAGODA_DECODE_AVX512
+
+#if defined(PAGODA_DECODE_AVX2)
+// ---------------------------------------------------------------------------------------
+// AVX2 + FMA phases: the AVX-512 path's fp32 phases (tile_scores without dot products,
+// tile_softmax, tile_values) on 8-lane vectors. Each 16-lane vector of that path is two
+// halves here (lo: lanes 0-7, hi: lanes 8-15) that take the same operations per lane in the
+// same order (load_row_f32's 8-lane vector i is half i % 2 of its 16-lane vector i / 2, on
+// every row type), and its cross-lane steps (sum4, sum16, hmax16, the final sum of l) are the
+// same trees of adds / maxes: the results equal the AVX-512 fp32 path's bit for bit (a
+// float32 q on every cache dtype; a bf16 q: the AVX-512 build's fallback without dot
+// products, which this build does not have). The loops are ordered to fit 16 registers:
+// scores one head at a time over 32-value chunks of four rows (a K row is read from L1 once
+// per head), values in 32-dim chunks of at most two heads.
+// ---------------------------------------------------------------------------------------
+
+// sum4 on one half: its unpacks stay inside 128-bit lanes, so the halves of the AVX-512
+// sum4 are sum4 of the halves.
+inline __m256 sum4(__m256 a, __m256 b, __m256 c, __m256 d) {
+  const __m256 ab = _mm256_add_ps(_mm256_unpacklo_ps(a, b), _mm256_unpackhi_ps(a, b));
+  const __m256 cd = _mm256_add_ps(_mm256_unpacklo_ps(c, d), _mm256_unpackhi_ps(c, d));
+  const __m256d abd = _mm256_castps_pd(ab), cdd = _mm256_castps_pd(cd);
+  return _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(abd, cdd)),
+                       _mm256_castpd_ps(_mm256_unpackhi_pd(abd, cdd)));
+}
+
+// The halves of (c0 + c1, c2 + c3) of the 128-bit chunks of a 16-lane vector given as halves
+// (lo = c0 c1, hi = c2 c3): the adds of sum16's shuffle_f32x4 pairs (even + odd chunks).
+inline __m256 add_chunk_pairs(__m256 lo, __m256 hi) {
+  return _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20),
+                       _mm256_permute2f128_ps(lo, hi, 0x31));
+}
+
+// sum16 of four sum4 results w[g] (halves w[g][0], w[g][1]) -> lane t = full sum of token t,
+// as halves lo / hi: x01 = (pairs of w0, pairs of w1), x23 likewise, then pairs of those.
+inline void sum16(const __m256 (&w)[4][2], __m256& lo, __m256& hi) {
+  __m256 y[4];
+  for (int g = 0; g < 4; ++g) y[g] = add_chunk_pairs(w[g][0], w[g][1]);
+  lo = add_chunk_pairs(y[0], y[1]);
+  hi = add_chunk_pairs(y[2], y[3]);
+}
+
+// hmax16 on halves, the same maxes with the same operands: chunks (2, 3, 0, 1), then
+// (1, 0, 3, 2), then within chunks.
+__attribute__((always_inline)) inline void hmax16(__m256& lo, __m256& hi) {
+  const __m256 a = _mm256_max_ps(lo, hi), b = _mm256_max_ps(hi, lo);
+  lo = _mm256_max_ps(a, _mm256_permute2f128_ps(a, a, 0x01));
+  hi = _mm256_max_ps(b, _mm256_permute2f128_ps(b, b, 0x01));
+  lo = _mm256_max_ps(lo, _mm256_permute_ps(lo, _MM_SHUFFLE(1, 0, 3, 2)));
+  hi = _mm256_max_ps(hi, _mm256_permute_ps(hi, _MM_SHUFFLE(1, 0, 3, 2)));
+  lo = _mm256_max_ps(lo, _mm256_permute_ps(lo, _MM_SHUFFLE(2, 3, 0, 1)));
+  hi = _mm256_max_ps(hi, _mm256_permute_ps(hi, _MM_SHUFFLE(2, 3, 0, 1)));
+}
+
+// Bits 0-7 (lo) and 8-15 (hi) of a tile's lane mask as all-ones / all-zeros lanes.
+inline void lane_masks(uint16_t mask, __m256& lo, __m256& hi) {
+  const __m256i bits = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  const __m256i m = _mm256_set1_epi32(mask);
+  lo = _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(m, bits), bits));
+  const __m256i bits_hi = _mm256_slli_epi32(bits, 8);
+  hi = _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(m, bits_hi), bits_hi));
+}
+
+// Phase 1 (AVX-512 tile_scores, kDot false): per (row, head) the two halves of the 16
+// partial sums q . k, lane l of 16-lane vector i in order of i (vector 2c = halves 0, 1 of
+// chunk c's four 8-lane vectors, 2c + 1 = halves 2, 3), then sum4 / sum16, times the scale.
+template <typename KV, int kD, int NH, bool kDot>
+inline void tile_scores(const KV* __restrict k_cache, const TileRows& tr, int64_t col,
+                        AvxScratch& s, int j0, float scale, const float* ksc, Prefetcher& pf) {
+  static_assert(!kDot, "the AVX2 path has no dot products");
+  constexpr int kNC = kD / 32;
+  __m256 w[NH][4][2];
+  for (int g = 0; g < 4; ++g) {
+    for (int h = 0; h < NH; ++h) {
+      const float* qh = s.qf.data() + (j0 + h) * kD;
+      __m256 a[4][2];
+      for (int c = 0; c < kNC; ++c) {
+        __m256 qc[4];
+        for (int i = 0; i < 4; ++i) qc[i] = _mm256_loadu_ps(qh + 32 * c + 8 * i);
+        for (int u = 0; u < 4; ++u) {
+          __m256 kc[4];
+          load_row_f32<32>(k_cache + tr.off[4 * g + u] + col + 32 * c, kc);
+          for (int x = 0; x < 2; ++x) {
+            a[u][x] = c == 0 ? _mm256_mul_ps(qc[x], kc[x])
+                             : _mm256_fmadd_ps(qc[x], kc[x], a[u][x]);
+            a[u][x] = _mm256_fmadd_ps(qc[2 + x], kc[2 + x], a[u][x]);
+          }
+        }
+      }
+      for (int x = 0; x < 2; ++x) w[h][g][x] = sum4(a[0][x], a[1][x], a[2][x], a[3][x]);
+    }
+    pf.issue();
+    pf.issue();
+  }
+  const __m256 neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  __m256 valid[2], vscale[2];
+  lane_masks(tr.mask, valid[0], valid[1]);
+  for (int x = 0; x < 2; ++x) {
+    vscale[x] = _mm256_set1_ps(scale);
+    if constexpr (kQuantized<KV>) {
+      vscale[x] = _mm256_mul_ps(vscale[x], _mm256_loadu_ps(ksc + 8 * x));
+    }
+  }
+  for (int h = 0; h < NH; ++h) {
+    __m256 sum[2];
+    sum16(w[h], sum[0], sum[1]);
+    for (int x = 0; x < 2; ++x) {
+      const __m256 sc = _mm256_mul_ps(sum[x], vscale[x]);
+      _mm256_storeu_ps(s.p.data() + (j0 + h) * kTile + 8 * x,
+                       _mm256_blendv_ps(neg_inf, sc, valid[x]));
+    }
+  }
+}
+
+// Phase 2 (AVX-512 tile_softmax) on halves.
+// NOTE: forced inline, as the AVX-512 one.
+__attribute__((always_inline)) inline void tile_softmax(AvxScratch& s, int nh, uint16_t mask) {
+  __m256 valid[2];
+  lane_masks(mask, valid[0], valid[1]);
+  const __m256 one = _mm256_set1_ps(1.0f);
+  s.rescaled = false;
+  for (int j = 0; j < nh; ++j) {
+    float* pj = s.p.data() + j * kTile;
+    float* mj = s.m.data() + j * kTile;
+    float* lj = s.l.data() + j * kTile;
+    __m256 sc[2], m_old[2], m_new[2], corr[2] = {one, one};
+    int grows = 0;
+    for (int x = 0; x < 2; ++x) {
+      sc[x] = _mm256_loadu_ps(pj + 8 * x);
+      m_new[x] = m_old[x] = _mm256_loadu_ps(mj + 8 * x);
+      grows |= _mm256_movemask_ps(_mm256_cmp_ps(sc[x], m_old[x], _CMP_GT_OQ));
+    }
+    if (grows != 0) {
+      __m256 mx[2] = {sc[0], sc[1]};
+      hmax16(mx[0], mx[1]);
+      for (int x = 0; x < 2; ++x) {
+        m_new[x] = _mm256_max_ps(m_old[x], mx[x]);
+        corr[x] = vexp_nonpos(_mm256_sub_ps(m_old[x], m_new[x]));
+      }
+      s.rescaled = true;
+    }
+    for (int x = 0; x < 2; ++x) {
+      const __m256 e = _mm256_and_ps(valid[x], vexp_nonpos(_mm256_sub_ps(sc[x], m_new[x])));
+      _mm256_storeu_ps(pj + 8 * x, e);
+      const __m256 l_old = _mm256_loadu_ps(lj + 8 * x);
+      _mm256_storeu_ps(lj + 8 * x, _mm256_fmadd_ps(l_old, corr[x], e));
+      _mm256_storeu_ps(mj + 8 * x, m_new[x]);
+      _mm256_storeu_ps(s.corr.data() + j * kTile + 8 * x, corr[x]);
+    }
+  }
+}
+
+// Phase 3 (AVX-512 tile_values): per lane acc * corr, then one FMA per row t in order; here a
+// 32-dim chunk (four 8-lane vectors: halves 0, 1, 0, 1) of at most two heads at a time.
+template <typename KV, int kD, int NH>
+inline void tile_values(const KV* __restrict v_cache, const TileRows& tr, int64_t col,
+                        AvxScratch& s, int j0, const float* vsc, Prefetcher& pf) {
+  const float* pb = s.p.data() + j0 * kTile;
+  float wt[NH][kTile];
+  for (int h = 0; h < NH; ++h) {
+    for (int t = tr.lo; t < tr.hi; ++t) {
+      float w = pb[h * kTile + t];
+      if constexpr (kQuantized<KV>) w *= vsc[t];
+      wt[h][t] = w;
+    }
+  }
+  for (int c = 0; c < kD / 32; ++c) {
+    __m256 acc[NH][4];
+    for (int h = 0; h < NH; ++h) {
+      const float* cj = s.corr.data() + (j0 + h) * kTile;
+      const float* aj = s.acc.data() + (j0 + h) * kD + 32 * c;
+      for (int i = 0; i < 4; ++i) {
+        const __m256 corr = _mm256_loadu_ps(cj + 8 * (i & 1));  // the half's lanes
+        acc[h][i] = _mm256_mul_ps(_mm256_loadu_ps(aj + 8 * i), corr);
+      }
+    }
+    for (int t = tr.lo; t < tr.hi; ++t) {
+      __m256 vf[4];
+      load_row_f32<32>(v_cache + tr.off[t] + col + 32 * c, vf);
+      if (c == 0) {
+        // NOTE: the AVX-512 path's prefetch units per row.
+        if constexpr (sizeof(KV) == 1) {
+          if (t & 1) pf.issue();
+        } else {
+          for (int i = 0; i < static_cast<int>(sizeof(KV)) / 2; ++i) pf.issue();
+        }
+      }
+      for (int h = 0; h < NH; ++h) {
+        const __m256 wv = _mm256_set1_ps(wt[h][t]);
+        for (int i = 0; i < 4; ++i) acc[h][i] = _mm256_fmadd_ps(wv, vf[i], acc[h][i]);
+      }
+    }
+    for (int h = 0; h < NH; ++h) {
+      float* aj = s.acc.data() + (j0 + h) * kD + 32 * c;
+      for (int i = 0; i < 4; ++i) _mm256_storeu_ps(aj + 8 * i, acc[h][i]);
+    }
+  }
+}
+
+// Query heads per call of tile_scores / tile_values: a 32-dim chunk's accumulators of two
+// heads, the V chunk and a weight fill 13 of the 16 registers.
+template <int kD>
+constexpr int kMaxHeadsPerStep = 2;
+
+// The running sum's 16 lanes of one head, added in sum16's tree (GCC's _mm512_reduce_add_ps).
+inline float lane_sum16(const float* x) {
+  return pagoda_vec::sum16(_mm256_loadu_ps(x), _mm256_loadu_ps(x + 8));
+}
+#endif  // PAGODA_DECODE_AVX2
+
+#if defined(PAGODA_DECODE_VEC)
 // A quantized tile's K and V scales of kv heads [kvh0, kvh1) into s.ks / s.vs (times the
 // codes' unit), lane t = the tile's row t; V scales are 0 outside [lo, hi) (so a weight
 // there is 0 whatever the slot holds).
 template <typename KV>
 inline void tile_scales(const Problem& p, const TileRows& tr, int kvh0, int kvh1,
                         AvxScratch& s) {
-  const __m512 unit = _mm512_set1_ps(kCodeUnit<KV>);
   const int hk = p.num_kv_heads;
   if (s.k_tile != nullptr) {
     // NOTE: staged (stage_scales): the tile's 16 slots' scales, consecutive.
+#if defined(PAGODA_DECODE_AVX512)
+    const __m512 unit = _mm512_set1_ps(kCodeUnit<KV>);
     for (int kvh = kvh0; kvh < kvh1; ++kvh) {
       const __m512 ks = strided16(s.k_tile, hk, kvh);
       const __m512 vs = strided16(s.v_tile, hk, kvh);
@@ -781,6 +1074,16 @@ inline void tile_scales(const Problem& p, const TileRows& tr, int kvh0, int kvh1
       _mm512_storeu_ps(s.vs.data() + (kvh - kvh0) * kTile,
                        _mm512_maskz_mul_ps(tr.mask, vs, unit));
     }
+#else
+    for (int kvh = kvh0; kvh < kvh1; ++kvh) {
+      float* ks = s.ks.data() + (kvh - kvh0) * kTile;
+      float* vs = s.vs.data() + (kvh - kvh0) * kTile;
+      for (int t = 0; t < kTile; ++t) {
+        ks[t] = s.k_tile[t * hk + kvh] * kCodeUnit<KV>;
+        vs[t] = (tr.mask >> t) & 1 ? s.v_tile[t * hk + kvh] * kCodeUnit<KV> : 0.0f;
+      }
+    }
+#endif
     return;
   }
   for (int kvh = kvh0; kvh < kvh1; ++kvh) {
@@ -792,52 +1095,6 @@ inline void tile_scales(const Problem& p, const TileRows& tr, int kvh0, int kvh1
       ks[t] = p.k_scale[i] * kCodeUnit<KV>;
       vs[t] = valid ? p.v_scale[i] * kCodeUnit<KV> : 0.0f;
     }
-  }
-}
-
-// The K / V scales of tiles [first, last] of a range (block size a multiple of 16: a
-// tile's 16 slots are consecutive) copied into s.k_stage / s.v_stage, 16 * Hk floats per
-// tile. NOTE (measured): read where each tile starts, the scales missed the cache at their
-// first load although prefetched one or two tiles ahead (a third of the int8 path's time);
-// these copies are independent loads, so their misses overlap (a burst per range).
-inline void stage_scales(const Problem& p, const int64_t* table, int64_t first, int64_t last,
-                         AvxScratch& s) {
-  const int64_t bs = p.block_size, per = kTile * p.num_kv_heads;
-  s.k_stage.resize((last - first + 1) * per);
-  s.v_stage.resize((last - first + 1) * per);
-  for (int64_t tile = first; tile <= last; ++tile) {
-    const int64_t pos0 = tile * kTile;
-    const int64_t src = (table[pos0 / bs] * bs + pos0 % bs) * p.num_kv_heads;
-    std::memcpy(s.k_stage.data() + (tile - first) * per, p.k_scale + src, per * sizeof(float));
-    std::memcpy(s.v_stage.data() + (tile - first) * per, p.v_scale + src, per * sizeof(float));
-  }
-}
-
-// The cache lines of a tile's scales (kv heads from kvh0 on), each asked for once.
-inline void prefetch_scales(const Problem& p, const TileRows& tr, int kvh0) {
-  uintptr_t last = 0;
-  for (int t = tr.lo; t < tr.hi; ++t) {
-    const int64_t i = tr.slot[t] * p.num_kv_heads + kvh0;
-    const uintptr_t line = reinterpret_cast<uintptr_t>(p.k_scale + i) >> 6;
-    if (line == last) continue;
-    last = line;
-    _mm_prefetch(reinterpret_cast<const char*>(p.k_scale + i), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(p.v_scale + i), _MM_HINT_T0);
-  }
-}
-
-// One query head (n values from q[q0]) as int16 (stored in a uint16 buffer) and its scale,
-// for the int8 dot path: |q| max -> 32767. NOTE: the rounding error (<= amax / 65534 per
-// value) is far below a bf16 q's own (2^-9 relative) and the int8 K's (amax_k / 254).
-inline void quantize_q_int16(const Problem& p, const void* q, int64_t q0, int n, uint16_t* out,
-                             float& scale) {
-  float amax = 0.0f;
-  for (int d = 0; d < n; ++d) amax = std::max(amax, std::fabs(load_q(p, q, q0 + d)));
-  scale = amax / 32767.0f;
-  const float inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
-  for (int d = 0; d < n; ++d) {
-    const auto v = static_cast<int16_t>(std::nearbyint(load_q(p, q, q0 + d) * inv));
-    out[d] = static_cast<uint16_t>(v);
   }
 }
 
@@ -860,6 +1117,7 @@ inline void stage_queries(const Problem& p, const void* q, int64_t q_base, int n
         }
       }
     }
+#if defined(PAGODA_DECODE_AVX512)
     if constexpr (kDot && kQuantized<KV>) {
       // NOTE: tile_scores_codes' operands: each chunk's pairs doubled by dword unpacks.
       s.hscale[j] = p.scale * (std::is_same_v<KV, int8_t> ? s.qscale[j] : 1.0f);
@@ -870,14 +1128,8 @@ inline void stage_queries(const Problem& p, const void* q, int64_t q_base, int n
         _mm512_storeu_si512(dst + 16, _mm512_unpackhi_epi32(pairs, pairs));
       }
     }
+#endif
   }
-}
-
-// Fresh softmax state and accumulators for query heads [0, nh).
-inline void reset_state(int nh, int d, AvxScratch& s) {
-  std::fill(s.acc.begin(), s.acc.begin() + nh * d, 0.0f);
-  std::fill(s.m.begin(), s.m.begin() + nh * kTile, -std::numeric_limits<float>::infinity());
-  std::fill(s.l.begin(), s.l.begin() + nh * kTile, 0.0f);
 }
 
 // The three phases of one tile for kv heads [kvh0, kvh1) and their G query heads each.
@@ -886,19 +1138,21 @@ inline void decode_tile(const Problem& p, const KV* k_cache, const KV* v_cache,
                         const TileRows& tr, int kvh0, int kvh1, AvxScratch& s, Prefetcher& pf) {
   constexpr int kNH = kMaxHeadsPerStep<kD>;
   const int G = p.num_heads / p.num_kv_heads;
-  const __m512 vscale = _mm512_set1_ps(p.scale);
   if constexpr (kQuantized<KV>) tile_scales<KV>(p, tr, kvh0, kvh1, s);
-  constexpr bool kCodes = kDot && kQuantized<KV>;
+  [[maybe_unused]] constexpr bool kCodes = kDot && kQuantized<KV>;
   for (int kvh = kvh0; kvh < kvh1; ++kvh) {
     const int64_t col = static_cast<int64_t>(kvh) * kD;
     const int jk = (kvh - kvh0) * G;
     const float* ksc = s.ks.data() + (kvh - kvh0) * kTile;
     for_head_chunks<kNH>(G, [&](auto nh_c, int g0) {
       constexpr int kNHc = decltype(nh_c)::value;
+#if defined(PAGODA_DECODE_AVX512)
       if constexpr (kCodes) {
         tile_scores_codes<KV, kD, kNHc>(k_cache, tr, col, s, jk + g0, _mm512_loadu_ps(ksc), pf);
-      } else {
-        tile_scores<KV, kD, kNHc, kDot>(k_cache, tr, col, s, jk + g0, vscale, ksc, pf);
+      } else
+#endif
+      {
+        tile_scores<KV, kD, kNHc, kDot>(k_cache, tr, col, s, jk + g0, p.scale, ksc, pf);
       }
     });
   }
@@ -909,9 +1163,12 @@ inline void decode_tile(const Problem& p, const KV* k_cache, const KV* v_cache,
     const float* vsc = s.vs.data() + (kvh - kvh0) * kTile;
     for_head_chunks<kNH>(G, [&](auto nh_c, int g0) {
       constexpr int kNHc = decltype(nh_c)::value;
+#if defined(PAGODA_DECODE_AVX512)
       if constexpr (kCodes) {
         tile_values_codes<KV, kD, kNHc>(v_cache, tr, col, s, jk + g0, vsc, pf);
-      } else {
+      } else
+#endif
+      {
         tile_values<KV, kD, kNHc>(v_cache, tr, col, s, jk + g0, vsc, pf);
       }
     });
@@ -983,7 +1240,7 @@ void decode_one_avx(const Problem& p, const KV* k_cache, const KV* v_cache, int6
   stage_queries<KV, kD, kDot>(p, p.q, q_base, nh, s);
   attend_range<KV, kD, kDot>(p, k_cache, v_cache, table, start, seq_len, kvh0, kvh1, s);
   for (int j = 0; j < nh; ++j) {
-    const float l = _mm512_reduce_add_ps(_mm512_loadu_ps(s.l.data() + j * kTile));
+    const float l = lane_sum16(s.l.data() + j * kTile);
     const float inv = l > 0.0f ? 1.0f / l : 0.0f;
     const float* aj = s.acc.data() + j * kD;
     for (int d = 0; d < kD; ++d) {
@@ -991,10 +1248,9 @@ void decode_one_avx(const Problem& p, const KV* k_cache, const KV* v_cache, int6
     }
   }
 }
+#endif  // PAGODA_DECODE_VEC
 
-#endif  // __AVX512F__
-
-// Portable path (any head dim; the only path without AVX-512).
+// Portable path (any head dim; the only path without AVX-512 or AVX2 + FMA).
 // One work item: request b, kv heads [kvh0, kvh1) and their G query heads each. Blocks are
 // the outer loop so that, when the item spans all kv heads, each block is read sequentially.
 
@@ -1141,7 +1397,7 @@ void for_each_item(const Problem& p, int64_t batch, int scratch_heads_per_kv, Fn
   }
 }
 
-#if defined(__AVX512F__)
+#if defined(PAGODA_DECODE_VEC)
 template <typename KV, int kD, bool kDot>
 void decode_all_avx(const Problem& p, const KV* k, const KV* v, int64_t batch) {
   for_each_item<AvxScratch>(p, batch, p.num_heads / p.num_kv_heads,
@@ -1173,7 +1429,7 @@ void dispatch_avx(const Problem& p, const KV* k, const KV* v, int64_t batch) {
 
 template <typename KV>
 void dispatch_head_dim(const Problem& p, const KV* k, const KV* v, int64_t batch) {
-#if defined(__AVX512F__)
+#if defined(PAGODA_DECODE_VEC)
   switch (p.head_dim) {
     case 32:
       return dispatch_avx<KV, 32>(p, k, v, batch);
@@ -1248,15 +1504,17 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_
 }
 
 // Turns the bf16 dot products on or off (tests of the fallback; in the prefill kernel too) and
-// returns the inner path that bf16 q on bf16 caches (head dim 32/64/96/128/256) now takes: "bf16_dot" (vdpbf16ps),
-// "avx512" (fp32 FMAs) or "portable".
+// returns the inner path that bf16 q on bf16 caches (head dim 32/64/96/128/256) now takes:
+// "bf16_dot" (vdpbf16ps), "avx512" (fp32 FMAs), "avx2" (fp32 FMAs, 8 lanes) or "portable".
 std::string set_bf16_dot(bool enable) {
   g_use_bf16_dot = enable;
 #if defined(__AVX512BF16__)
   if (enable) return "bf16_dot";
 #endif
-#if defined(__AVX512F__)
+#if defined(PAGODA_DECODE_AVX512)
   return "avx512";
+#elif defined(PAGODA_DECODE_AVX2)
+  return "avx2";
 #else
   return "portable";
 #endif
@@ -1266,8 +1524,11 @@ std::string set_bf16_dot(bool enable) {
 // paged_decode_attention was compiled to use; empty: the portable path only.
 std::vector<std::string> attention_isa() {
   std::vector<std::string> isa;
-#if defined(__AVX512F__)
+#if defined(PAGODA_DECODE_AVX512)
   isa.push_back("avx512f");
+#elif defined(PAGODA_DECODE_AVX2)
+  isa.push_back("avx2");
+  isa.push_back("fma");
 #endif
 #if defined(__AVX512BF16__)
   isa.push_back("avx512_bf16");
