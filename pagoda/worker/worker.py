@@ -39,6 +39,7 @@ from pagoda.spec_decode.proposer import ProposerContext, create_proposer
 from pagoda.worker.block_copies import LayerCaches, swap_blocks
 from pagoda.worker.kv_compress import host_layer_tensors, pool_format
 from pagoda.worker.model_runner import ModelRunner, ModelRunnerOutput
+from pagoda.worker.omp_team import omp_team_for
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +89,8 @@ class Worker:
         self.host_tier_kv_caches: LayerCaches | None = None
         self.runner: ModelRunner | None = None
         self.kv_formats = ("plain", "plain")  # (device, host pools): kv_compress.py
+        # NOTE: made here, on the thread that runs the steps (OpenMP's count is per thread).
+        self.omp_team = omp_team_for(self.device)
 
     def kv_cache_specs(self) -> list[KVCacheSpec]:
         """The model's layer groups, derived from its config, in the KV cache dtype."""
@@ -158,7 +161,10 @@ class Worker:
         """The step's block copies, then its forward and sampling."""
         swap_blocks(out, self.kv_caches, self.host_kv_caches, self.host_tier_kv_caches,
                     *self.kv_formats)
-        return self.runner.execute_model(out)
+        result = self.runner.execute_model(out)
+        if self.omp_team is not None:
+            self.omp_team.tick()
+        return result
 
 
 def allocate_kv_caches(
