@@ -12,7 +12,10 @@ collapse as well but costs ~50% quiet, at every region's wake-up.
 So the worker watches, over windows of `window_s`, two counters the kernel keeps:
 - the run-queue delay of this process's threads (/proc/self/task/*/schedstat): time they
   were ready to run but waited for a core. With the full team, more than `wait_frac` of
-  the window means the cores are oversubscribed: the team drops to one thread.
+  each of `windows` windows in a row means the cores are oversubscribed: the team drops
+  to one thread. Measured: 83-91% beside a 2-thread competitor; ~31% in a server whose
+  load-generating client shares the cores, where one thread served 18% fewer tokens/s
+  at concurrency 8 (one run): so half, twice in a row.
 - the machine's idle time (/proc/stat): with one thread, when at least `idle_frac` of the
   other cores' time was idle, the cores are free again: the full team comes back.
 Each switch is `torch.set_num_threads` on the thread that runs the steps (OpenMP's thread
@@ -69,8 +72,9 @@ class OmpTeam:
         self,
         max_threads: int,
         window_s: float = 0.25,
-        wait_frac: float = 0.3,
+        wait_frac: float = 0.5,
         idle_frac: float = 0.6,
+        windows: int = 2,
         run_delay: Callable[[], float] = run_delay_seconds,
         idle: Callable[[], float] = idle_core_seconds,
         clock: Callable[[], float] = time.monotonic,
@@ -81,6 +85,8 @@ class OmpTeam:
         self.max_threads = max_threads
         self.threads = max_threads
         self.window_s, self.wait_frac, self.idle_frac = window_s, wait_frac, idle_frac
+        self.windows = windows
+        self._waiting = 0  # consecutive windows above wait_frac
         self._run_delay, self._idle, self._clock = run_delay, idle, clock
         self._set_threads = set_threads
         self.switches = 0  # NOTE: diagnostics and tests
@@ -96,7 +102,8 @@ class OmpTeam:
             return
         waited = (self._run_delay() - self._wait0) / span
         idle = (self._idle() - self._idle0) / span
-        if self.threads > 1 and waited > self.wait_frac:
+        self._waiting = self._waiting + 1 if waited > self.wait_frac else 0
+        if self.threads > 1 and self._waiting >= self.windows:
             self._switch(1, f"threads waited for a core {waited:.0%} of the last {span:.2f} s")
         elif self.threads == 1 and idle >= self.idle_frac * (self.max_threads - 1):
             self._switch(self.max_threads, f"{idle:.1f} cores idle over the last {span:.2f} s")

@@ -20,7 +20,7 @@ class Counters:
         self.threads: list[int] = []
 
     def team(self, max_threads: int = 2) -> OmpTeam:
-        return OmpTeam(max_threads, window_s=0.25, wait_frac=0.3, idle_frac=0.6,
+        return OmpTeam(max_threads, window_s=0.25, wait_frac=0.5, idle_frac=0.6, windows=2,
                        run_delay=lambda: self.wait, idle=lambda: self.idle,
                        clock=lambda: self.now, set_threads=self.threads.append)
 
@@ -42,7 +42,12 @@ def test_full_team_kept_while_the_threads_get_their_cores() -> None:
     c = Counters()
     team = c.team()
     for _ in range(8):
-        c.advance(0.3, wait=0.03, idle=0.0)  # 10% waiting: below 30%
+        c.advance(0.3, wait=0.12, idle=0.0)  # 40% waiting: below half
+        team.tick()
+    for _ in range(4):  # above half, but never two windows in a row
+        c.advance(0.3, wait=0.27)
+        team.tick()
+        c.advance(0.3, wait=0.03)
         team.tick()
     assert team.threads == 2 and c.threads == [] and team.switches == 0
 
@@ -53,7 +58,10 @@ def test_drops_to_one_thread_when_the_threads_wait_for_cores_then_comes_back() -
     c.advance(0.1, wait=0.1)
     team.tick()  # NOTE: within the window: nothing is judged yet
     assert c.threads == []
-    c.advance(0.2, wait=0.1)  # 0.2 s of waiting over 0.3 s
+    c.advance(0.2, wait=0.1)  # 0.2 s of waiting over 0.3 s: one window
+    team.tick()
+    assert c.threads == []
+    c.advance(0.3, wait=0.25)  # the second in a row
     team.tick()
     assert team.threads == 1 and c.threads == [1]
     for _ in range(3):  # the other cores stay busy
@@ -68,8 +76,9 @@ def test_drops_to_one_thread_when_the_threads_wait_for_cores_then_comes_back() -
 def test_restoring_needs_the_idle_share_of_every_other_core() -> None:
     c = Counters()
     team = c.team(max_threads=4)
-    c.advance(0.5, wait=0.5)
-    team.tick()
+    for _ in range(2):
+        c.advance(0.5, wait=0.5)
+        team.tick()
     assert team.threads == 1
     c.advance(0.5, idle=0.6)  # 1.2 cores idle of the 3 others: below 0.6 x 3
     team.tick()
@@ -106,8 +115,9 @@ def test_a_new_engine_starts_from_the_team_a_dropped_one_lowered(restore_threads
     torch.set_num_threads(2)
     c = Counters()
     team = OmpTeam(2, run_delay=lambda: c.wait, idle=lambda: c.idle, clock=lambda: c.now)
-    c.advance(0.5, wait=0.5)
-    team.tick()
+    for _ in range(2):
+        c.advance(0.5, wait=0.5)
+        team.tick()
     assert torch.get_num_threads() == 1
     fresh = omp_team_for(torch.device("cpu"))
     assert torch.get_num_threads() == 2 and fresh is not None and fresh.max_threads == 2
@@ -142,7 +152,7 @@ def test_outputs_equal_across_a_team_switch(tiny_model, restore_threads, model, 
 
     def tick() -> None:  # every step: contended for 3 steps, then the cores free up
         step = len(seen)
-        c.advance(0.3, wait=0.2 if 2 <= step < 5 else 0.0, idle=0.3 if step >= 8 else 0.0)
+        c.advance(0.3, wait=0.25 if 2 <= step < 5 else 0.0, idle=0.3 if step >= 8 else 0.0)
         OmpTeam.tick(team)
         seen.append(torch.get_num_threads())
 
