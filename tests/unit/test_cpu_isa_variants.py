@@ -11,7 +11,9 @@ int8 / fp8 caches, and bf16 q, which the native build takes through its dot prod
 can, so bf16 q is compared with the native fp32 fallback (`set_bf16_dot(False)`) and with the
 reference; the decode cases: head dims 32-256, GQA groups 1 and 3, block sizes 16 and 12,
 sliding windows, attention sinks, lengths with tile tails); its portable decode attention
-(head dim 48) meets the reference. Where the CPU
+(head dim 48) meets the reference. int8 caches with a bf16 q and the dot products on take
+the integer dot path on both builds (vpdpwssd there, vpmaddwd + vpaddd here: the same exact
+int32 sums and float operations), compared bit for bit too. Where the CPU
 has no AVX-512 the native build is the AVX2 one: it runs the reference checks alone, and the
 bit comparisons skip, saying so. Run as a module, this file is that subprocess.
 
@@ -212,6 +214,18 @@ def _decode_cases(cases: dict) -> None:
         q, kc, vc, bt, lens = _make_case(DECODE_LENS, 2, 3, torch.float32, head_dim=d, seed=d)
         cases[f"decode/float32/d{d}"] = ("decode_fp32_fma", (q, kc, vc, bt, lens, d**-0.5, 37,
                                                              None, None, None, 0))
+    # int8 caches with a bf16 q and the dot products on: the integer dot path of both builds
+    # (head dims 32-256: query heads in chunks of 1-4; block size 16: scales staged per
+    # range; 12 and 8: read per row, tiles across blocks; GQA 1 to 4; windows)
+    for d, group, bs in ((64, 1, 16), (64, 3, 12), (128, 3, 16), (128, 1, 8), (32, 4, 16),
+                         (96, 3, 16), (256, 2, 16)):
+        q, kc, vc, bt, lens = _make_case(DECODE_LENS + [300], 2, group, torch.float32,
+                                         head_dim=d, seed=d + group + bs, block_size=bs,
+                                         q_dtype=torch.bfloat16)
+        kc, vc, ks, vs = _cache_as(kc, vc, torch.int8)
+        for window in (-1, 21):
+            cases[f"decode/dot/int8/d{d}/g{group}/bs{bs}/w{window}"] = (
+                "decode_dot", (q, kc, vc, bt, lens, d**-0.5, window, ks, vs, None, 0))
     lens = [1, 5, 27, 28, 61, 150, 33]  # the sinks, the window's start and end inside tiles
     for q_dtype, cache, d, bs in ((torch.float32, "float32", 64, 16),
                                   (torch.bfloat16, "bfloat16", 128, 12),
@@ -224,6 +238,10 @@ def _decode_cases(cases: dict) -> None:
         cases[f"decode/sinks/{q_dtype}/{cache}/d{d}/bs{bs}"] = (
             "decode_fp32_fma", (q, kc, vc, bt, seq_lens, d**-0.5, sink_tests.WINDOW, ks, vs,
                                 q_sink, sink_tests.SINKS))
+        if cache is torch.int8:
+            cases[f"decode/dot/sinks/int8/d{d}/bs{bs}"] = (
+                "decode_dot", (q, kc, vc, bt, seq_lens, d**-0.5, sink_tests.WINDOW, ks, vs,
+                               q_sink, sink_tests.SINKS))
 
 
 def _prefill_cases(cases: dict) -> None:
@@ -281,6 +299,11 @@ def _run(ext, qext, kernel: str, args: tuple) -> tuple[torch.Tensor, ...]:
         finally:
             ext.set_bf16_dot(True)
         return (out,)
+    if kernel == "decode_dot":
+        out = torch.zeros_like(args[0])
+        ext.set_bf16_dot(True)
+        ext.paged_decode_attention(out, *args)
+        return (out,)
     q, kc, vc, bt, lens, scale, window, ks, vs = args
     out = torch.empty_like(q)
     ext.paged_decode_attention(out, q, kc, vc, bt, lens, scale, window, ks, vs, None, 0)
@@ -296,6 +319,7 @@ def run_all(cases: dict) -> dict:
     return {
         "isa": {**ext.kernel_isa(), **qext.kernel_isa()},
         "name": cpu_kernels.extension_name(),
+        "code_paths": ext.decode_code_paths(),
         "dispatch": {"fused_ops": cpu_kernels.kernel_for("fused_ops") is not None,
                      "decode": cpu_kernels.kernel_for("paged_attention") is not None,
                      "prefill": cpu_kernels.kernel_for("paged_prefill_attention") is not None,
@@ -366,6 +390,9 @@ def test_variant_compiles_the_avx2_paths_and_dispatch_takes_them(runs) -> None:
     assert isa["fp8"] == list(AVX2_PATH)
     assert isa["paged_prefill_attention"] == ["avx2", "fma"]
     assert isa["paged_attention"] == ["avx2", "fma"]
+    # A bf16 q on int8 caches: the integer dot path (vpmaddwd), as on AVX-512 VNNI; fp8 has
+    # no AVX2 dot product and keeps the fp32 path.
+    assert runs["variant"]["code_paths"] == {"int8": "int8_dot", "fp8": "fp32"}
     flags = cpu_kernels.cpu_flags()
     assert cpu_kernels.isa_allows("paged_attention", isa["paged_attention"], flags)
     assert cpu_kernels.isa_allows("fused_ops", isa["fused_ops"], flags)
@@ -388,8 +415,33 @@ def test_fused_ops_bit_identical(runs) -> None:
 
 
 def test_decode_attention_bit_identical(runs) -> None:
-    """float32 q: the native fp32 path; bf16 q: the native fp32 fallback (no dot products)."""
+    """float32 q: the native fp32 path; bf16 q: the native fp32 fallback (no dot products),
+    and on int8 caches with the dot products on (decode/dot/) the native integer dot path."""
     _bit_identical(runs, ("decode/",))
+
+
+def test_int8_dot_cases_take_the_dot_path_on_both_builds(runs) -> None:
+    """The decode/dot/ cases compare the two builds' integer dot paths: the native build
+    takes it where it has AVX-512 VNNI (else the comparison is of the AVX2 path with itself
+    and the reference check below is what holds)."""
+    assert runs["variant"]["code_paths"]["int8"] == "int8_dot"
+    if "avx512_vnni" in runs["native"]["isa"]["paged_attention"]:
+        assert runs["native"]["code_paths"]["int8"] == "int8_dot"
+    assert any(n.startswith("decode/dot/") for n in runs["cases"])
+
+
+def test_int8_dot_path_matches_reference(runs) -> None:
+    """The AVX2 build's integer dot path against the reference, with
+    test_kv_quant_kernels' tolerances for a bf16 q on quantized caches."""
+    out = runs["variant"]["out"]
+    for name, (kernel, args) in runs["cases"].items():
+        if kernel != "decode_dot":
+            continue
+        q, kc, vc, bt, lens, scale, window, ks, vs, q_sink, sinks = args
+        want = reference.paged_attention(
+            q.float(), kc, vc, bt, lens, scale, None if window < 0 else window, None, ks, vs,
+            None if q_sink is None else q_sink.float(), sinks)
+        torch.testing.assert_close(out[name][0].float(), want, rtol=2e-2, atol=2e-2, msg=name)
 
 
 def test_decode_attention_matches_reference(runs) -> None:

@@ -9,9 +9,10 @@
 // Three implementations: an AVX-512 one for head dims 32/64/96/128/256 (tiles of 16
 // positions, vdpbf16ps for bf16 where the CPU has AVX512_BF16; see the comment at its start);
 // its fp32 path on AVX2 + FMA for the same head dims where the build has no AVX-512 (the same
-// tiles and phases on 8-lane halves, bit for bit the AVX-512 fp32 path; no dot products, so a
-// bf16 q takes the fp32 FMAs); and a portable one for everything else (any head dim, CPUs
-// with neither). The build uses -march=native (or PAGODA_CPU_MARCH), so the preprocessor
+// tiles and phases on 8-lane halves, bit for bit the AVX-512 fp32 path; no bf16 dot products,
+// so a bf16 q takes the fp32 FMAs, except on int8 caches: the AVX-512 VNNI path's integer
+// dot products through vpmaddwd, bit for bit too); and a portable one for everything else
+// (any head dim, CPUs with neither). The build uses -march=native (or PAGODA_CPU_MARCH), so the preprocessor
 // picks what exists: the AVX-512 path uses AVX512F intrinsics only (plus AVX512_BF16 /
 // AVX512BW / AVX512_VNNI for the dot products, under their own guards), the AVX2 path AVX2 +
 // FMA ones; `kernel_isa()` reports the subsets compiled in, which the Python side checks
@@ -34,9 +35,9 @@
 //
 // Quantized caches are read in place too (no dequantized copy): q . code is scaled by the
 // row's K scale (one multiply per score) and each probability by the row's V scale before it
-// weights the codes. With a bf16 q, int8 rows go through vpdpwssd (int16 q and weights) and
-// fp8 rows through vdpbf16ps (codes widened to bf16; bf16 weights): tile_scores_codes /
-// tile_values_codes.
+// weights the codes. With a bf16 q, int8 rows go through vpdpwssd (int16 q and weights; on
+// AVX2 vpmaddwd + vpaddd, the same sums) and fp8 rows through vdpbf16ps (codes widened to
+// bf16; bf16 weights): tile_scores_codes / tile_values_codes.
 
 // NOTE: no FMA contraction: the AVX-512 and AVX2 paths must fuse the same multiply-adds,
 // written as FMAs (the portable path's products are rounded as written too).
@@ -62,6 +63,12 @@
 #endif
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define PAGODA_INT8_DOT 1
+#endif
+// int8 codes with a bf16 q on AVX2: vpmaddwd + vpaddd give vpdpwssd's exact int32 sums, so
+// this build can repeat PAGODA_INT8_DOT's arithmetic (tile_scores_codes / tile_values_codes
+// in the AVX2 section). fp8 has no AVX2 counterpart of vdpbf16ps and keeps the fp32 path.
+#if defined(PAGODA_DECODE_AVX2)
+#define PAGODA_INT8_DOT_AVX2 1
 #endif
 
 #include <algorithm>
@@ -418,7 +425,7 @@ inline void reset_state(int nh, int d, AvxScratch& s) {
 // Where dim d of an accumulator lives: the rows' layout (row_index), except on the code
 // paths (quantized rows with a bf16 q), whose 16-bit row pairs (unpacklo / unpackhi of two
 // rows, per 128-bit lane) leave 32 dims c as lanes [4k + j] of vector 2c (d = 32c + 8k + j)
-// and 2c + 1 (d = 32c + 8k + 4 + j).
+// and 2c + 1 (d = 32c + 8k + 4 + j); the AVX2 code path stores its sums in the same layout.
 template <typename KV, bool kDot>
 inline int acc_index(int d) {
   if constexpr (kDot && kQuantized<KV>) {
@@ -856,7 +863,8 @@ inline float lane_sum16(const float* x) { return pagoda_vec::sum16(_mm512_loadu_
 // every row type), and its cross-lane steps (sum4, sum16, hmax16, the final sum of l) are the
 // same trees of adds / maxes: the results equal the AVX-512 fp32 path's bit for bit (a
 // float32 q on every cache dtype; a bf16 q: the AVX-512 build's fallback without dot
-// products, which this build does not have). The loops are ordered to fit 16 registers:
+// products, which this build does not have, except for int8 rows: tile_scores_codes /
+// tile_values_codes below). The loops are ordered to fit 16 registers:
 // scores one head at a time over 32-value chunks of four rows (a K row is read from L1 once
 // per head), values in 32-dim chunks of at most two heads.
 // ---------------------------------------------------------------------------------------
@@ -1044,6 +1052,139 @@ inline void tile_values(const KV* __restrict v_cache, const TileRows& tr, int64_
   }
 }
 
+// The code paths for int8 rows with a bf16 q (PAGODA_INT8_DOT's arithmetic): vpmaddwd on
+// int16 q (s.qb) or weights against codes widened to int16 gives the pairwise int32 sums
+// vpdpwssd adds, and vpaddd adds them; integer sums are exact in any order, so these loops
+// are free to pair and reduce differently from the AVX-512 ones (no saturation: |code| <=
+// 127, |int16| <= 32767). Every float operation is the AVX-512 one, lane by lane.
+
+// 16 codes from src sign-extended to int16.
+inline __m256i load_codes16(const int8_t* src) {
+  return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+}
+
+// sum4 on int32 lanes: four vectors of partial sums (rows a, b, c, d) -> per 128-bit lane
+// (sum of a's lanes there, of b's, of c's, of d's).
+inline __m256i sum4_epi32(__m256i a, __m256i b, __m256i c, __m256i d) {
+  const __m256i ab = _mm256_add_epi32(_mm256_unpacklo_epi32(a, b), _mm256_unpackhi_epi32(a, b));
+  const __m256i cd = _mm256_add_epi32(_mm256_unpacklo_epi32(c, d), _mm256_unpackhi_epi32(c, d));
+  return _mm256_add_epi32(_mm256_unpacklo_epi64(ab, cd), _mm256_unpackhi_epi64(ab, cd));
+}
+
+// Phase 1 (AVX-512 tile_scores_codes, int8): per four rows and head, 8 int32 partial sums of
+// q . k per row over 32-value chunks (the K chunk widened once for the NH heads), sum4_epi32,
+// then the two 128-bit lanes of two such groups added: lane t = the exact sum of row t. As
+// there: one conversion per score, times (K scale * s.hscale), masked.
+template <int kD, int NH>
+inline void tile_scores_codes(const int8_t* __restrict k_cache, const TileRows& tr, int64_t col,
+                              AvxScratch& s, int j0, const float* ksc, Prefetcher& pf) {
+  constexpr int kNC = kD / 32;
+  __m256i w[NH][4];
+  for (int g = 0; g < 4; ++g) {
+    __m256i a[4][NH];
+    for (int c = 0; c < kNC; ++c) {
+      __m256i qc[NH][2];
+      for (int h = 0; h < NH; ++h) {
+        const uint16_t* qh = s.qb.data() + (j0 + h) * kD + 32 * c;
+        for (int x = 0; x < 2; ++x)
+          qc[h][x] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + 16 * x));
+      }
+      for (int u = 0; u < 4; ++u) {
+        const int8_t* kr = k_cache + tr.off[4 * g + u] + col + 32 * c;
+        const __m256i k0 = load_codes16(kr), k1 = load_codes16(kr + 16);
+        for (int h = 0; h < NH; ++h) {
+          const __m256i d = _mm256_add_epi32(_mm256_madd_epi16(qc[h][0], k0),
+                                             _mm256_madd_epi16(qc[h][1], k1));
+          a[u][h] = c == 0 ? d : _mm256_add_epi32(a[u][h], d);
+        }
+      }
+    }
+    for (int h = 0; h < NH; ++h) w[h][g] = sum4_epi32(a[0][h], a[1][h], a[2][h], a[3][h]);
+    pf.issue();
+  }
+  const __m256 neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  __m256 valid[2];
+  lane_masks(tr.mask, valid[0], valid[1]);
+  for (int h = 0; h < NH; ++h) {
+    const __m256 hs = _mm256_set1_ps(s.hscale[j0 + h]);
+    for (int x = 0; x < 2; ++x) {
+      const __m256i lo = w[h][2 * x], hi = w[h][2 * x + 1];
+      const __m256i total = _mm256_add_epi32(_mm256_permute2x128_si256(lo, hi, 0x20),
+                                             _mm256_permute2x128_si256(lo, hi, 0x31));
+      const __m256 sc = _mm256_mul_ps(_mm256_cvtepi32_ps(total),
+                                      _mm256_mul_ps(_mm256_loadu_ps(ksc + 8 * x), hs));
+      _mm256_storeu_ps(s.p.data() + (j0 + h) * kTile + 8 * x,
+                       _mm256_blendv_ps(neg_inf, sc, valid[x]));
+    }
+  }
+}
+
+// Phase 3 (AVX-512 tile_values_codes, int8): the same int16 weights (the tile's largest V
+// scale -> 32767, rounded by cvtps_epi32; packed with saturation, which never applies: every
+// weight is <= 32767.5), then per 16 dims and row pair (t, t + 1) the two rows' codes paired
+// by word unpacks against the broadcast weight pair, all 8 pairs (weight 0 outside [lo, hi)).
+// The int32 sums go into the fp32 accumulators, in their AVX-512 layout, with the AVX-512
+// path's fma.
+template <int kD, int NH>
+inline void tile_values_codes(const int8_t* __restrict v_cache, const TileRows& tr, int64_t col,
+                              AvxScratch& s, int j0, const float* vsc, Prefetcher& pf) {
+  __m256 vs[2] = {_mm256_loadu_ps(vsc), _mm256_loadu_ps(vsc + 8)};
+  __m256 mx = _mm256_max_ps(vs[0], vs[1]);
+  mx = _mm256_max_ps(mx, _mm256_permute2f128_ps(mx, mx, 0x01));
+  mx = _mm256_max_ps(mx, _mm256_permute_ps(mx, _MM_SHUFFLE(1, 0, 3, 2)));
+  mx = _mm256_max_ps(mx, _mm256_permute_ps(mx, _MM_SHUFFLE(2, 3, 0, 1)));
+  const float vmax = _mm256_cvtss_f32(mx);
+  const float wscale = vmax / 32767.0f;
+  const __m256 mul = _mm256_set1_ps(vmax > 0.0f ? 32767.0f / vmax : 0.0f);
+  for (int x = 0; x < 2; ++x) vs[x] = _mm256_mul_ps(vs[x], mul);
+  alignas(32) uint16_t wq[NH][kTile];
+  for (int h = 0; h < NH; ++h) {
+    const float* ph = s.p.data() + (j0 + h) * kTile;
+    __m256i wi[2];
+    for (int x = 0; x < 2; ++x)
+      wi[x] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(ph + 8 * x), vs[x]));
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi32(wi[0], wi[1]),
+                                                    _MM_SHUFFLE(3, 1, 2, 0));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(wq[h]), packed);
+  }
+  const bool rescaled = s.rescaled;  // NOTE: a local: the stores to s.acc might alias it
+  const __m256 ws = _mm256_set1_ps(wscale);
+  // NOTE: 16 dims at a time: the accumulators of up to four heads stay in registers, so the
+  // rows are widened once for all of a kv head's query heads (decode_tile).
+  for (int e = 0; e < kD / 16; ++e) {
+    __m256i acc[NH][2];
+    for (int h = 0; h < NH; ++h)
+      for (int i = 0; i < 2; ++i) acc[h][i] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int t = 0; t < kTile; t += 2) {
+      if (e == 0) pf.issue();  // NOTE: the AVX-512 path's prefetch units per row pair
+      const __m256i a = load_codes16(v_cache + tr.off[t] + col + 16 * e);
+      const __m256i b = load_codes16(v_cache + tr.off[t + 1] + col + 16 * e);
+      // dims (0-3, 8-11) and (4-7, 12-15) of the 16
+      const __m256i x[2] = {_mm256_unpacklo_epi16(a, b), _mm256_unpackhi_epi16(a, b)};
+      for (int h = 0; h < NH; ++h) {
+        int32_t pair;
+        std::memcpy(&pair, &wq[h][t], sizeof(pair));
+        const __m256i wp = _mm256_set1_epi32(pair);
+        for (int i = 0; i < 2; ++i)
+          acc[h][i] = _mm256_add_epi32(acc[h][i], _mm256_madd_epi16(wp, x[i]));
+      }
+    }
+    // The AVX-512 accumulators' layout (acc_index): of 32 dims c, unpacklo of dims 0-15 is
+    // vector 2c's lanes 0-7 and of dims 16-31 its lanes 8-15; unpackhi likewise 2c + 1.
+    const int c = e >> 1, half = e & 1;
+    for (int h = 0; h < NH; ++h) {
+      const float* cj = s.corr.data() + (j0 + h) * kTile + 8 * half;
+      for (int i = 0; i < 2; ++i) {
+        float* a = s.acc.data() + (j0 + h) * kD + 32 * c + 16 * i + 8 * half;
+        __m256 old = _mm256_loadu_ps(a);
+        if (rescaled) old = _mm256_mul_ps(old, _mm256_loadu_ps(cj));
+        _mm256_storeu_ps(a, _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[h][i]), ws, old));
+      }
+    }
+  }
+}
+
 // Query heads per call of tile_scores / tile_values: a 32-dim chunk's accumulators of two
 // heads, the V chunk and a weight fill 13 of the 16 registers.
 template <int kD>
@@ -1117,10 +1258,13 @@ inline void stage_queries(const Problem& p, const void* q, int64_t q_base, int n
         }
       }
     }
+    if constexpr (kDot && kQuantized<KV>) {
+      s.hscale[j] = p.scale * (std::is_same_v<KV, int8_t> ? s.qscale[j] : 1.0f);
+    }
 #if defined(PAGODA_DECODE_AVX512)
     if constexpr (kDot && kQuantized<KV>) {
-      // NOTE: tile_scores_codes' operands: each chunk's pairs doubled by dword unpacks.
-      s.hscale[j] = p.scale * (std::is_same_v<KV, int8_t> ? s.qscale[j] : 1.0f);
+      // NOTE: tile_scores_codes' operands: each chunk's pairs doubled by dword unpacks (the
+      // AVX2 one reads s.qb as it is).
       for (int c = 0; c < kD / 32; ++c) {
         const __m512i pairs = _mm512_loadu_si512(s.qb.data() + j * kD + 32 * c);
         uint32_t* dst = s.qy.data() + (j * (kD / 32) + c) * 32;
@@ -1140,6 +1284,11 @@ inline void decode_tile(const Problem& p, const KV* k_cache, const KV* v_cache,
   const int G = p.num_heads / p.num_kv_heads;
   if constexpr (kQuantized<KV>) tile_scales<KV>(p, tr, kvh0, kvh1, s);
   [[maybe_unused]] constexpr bool kCodes = kDot && kQuantized<KV>;
+#if defined(PAGODA_INT8_DOT_AVX2)
+  constexpr int kNHv = kCodes ? 4 : kNH;  // tile_values_codes: 16 dims of four heads at a time
+#else
+  constexpr int kNHv = kNH;
+#endif
   for (int kvh = kvh0; kvh < kvh1; ++kvh) {
     const int64_t col = static_cast<int64_t>(kvh) * kD;
     const int jk = (kvh - kvh0) * G;
@@ -1149,6 +1298,10 @@ inline void decode_tile(const Problem& p, const KV* k_cache, const KV* v_cache,
 #if defined(PAGODA_DECODE_AVX512)
       if constexpr (kCodes) {
         tile_scores_codes<KV, kD, kNHc>(k_cache, tr, col, s, jk + g0, _mm512_loadu_ps(ksc), pf);
+      } else
+#elif defined(PAGODA_INT8_DOT_AVX2)
+      if constexpr (kCodes) {
+        tile_scores_codes<kD, kNHc>(k_cache, tr, col, s, jk + g0, ksc, pf);
       } else
 #endif
       {
@@ -1161,11 +1314,15 @@ inline void decode_tile(const Problem& p, const KV* k_cache, const KV* v_cache,
     const int64_t col = static_cast<int64_t>(kvh) * kD;
     const int jk = (kvh - kvh0) * G;
     const float* vsc = s.vs.data() + (kvh - kvh0) * kTile;
-    for_head_chunks<kNH>(G, [&](auto nh_c, int g0) {
+    for_head_chunks<kNHv>(G, [&](auto nh_c, int g0) {
       constexpr int kNHc = decltype(nh_c)::value;
 #if defined(PAGODA_DECODE_AVX512)
       if constexpr (kCodes) {
         tile_values_codes<KV, kD, kNHc>(v_cache, tr, col, s, jk + g0, vsc, pf);
+      } else
+#elif defined(PAGODA_INT8_DOT_AVX2)
+      if constexpr (kCodes) {
+        tile_values_codes<kD, kNHc>(v_cache, tr, col, s, jk + g0, vsc, pf);
       } else
 #endif
       {
@@ -1419,7 +1576,7 @@ void dispatch_avx(const Problem& p, const KV* k, const KV* v, int64_t batch) {
     if (g_use_bf16_dot && p.q_is_bf16) return decode_all_avx<KV, kD, true>(p, k, v, batch);
 #endif
   } else if constexpr (std::is_same_v<KV, int8_t>) {
-#if defined(PAGODA_INT8_DOT)
+#if defined(PAGODA_INT8_DOT) || defined(PAGODA_INT8_DOT_AVX2)
     if (g_use_bf16_dot && p.q_is_bf16) return decode_all_avx<KV, kD, true>(p, k, v, batch);
 #endif
   }
@@ -1520,6 +1677,24 @@ std::string set_bf16_dot(bool enable) {
 #endif
 }
 
+// The inner paths that a bf16 q on int8 and on fp8 caches (head dims 32/64/96/128/256) now
+// takes: "int8_dot" (int16 q and weights: vpdpwssd on AVX-512, vpmaddwd + vpaddd on AVX2,
+// the same results), "bf16_dot" (fp8: vdpbf16ps), "fp32" (widened rows, fp32 FMAs) or
+// "portable".
+std::map<std::string, std::string> code_paths() {
+  std::map<std::string, std::string> paths{{"int8", "fp32"}, {"fp8", "fp32"}};
+#if !defined(PAGODA_DECODE_VEC)
+  paths = {{"int8", "portable"}, {"fp8", "portable"}};
+#endif
+#if defined(PAGODA_INT8_DOT) || defined(PAGODA_INT8_DOT_AVX2)
+  if (g_use_bf16_dot) paths["int8"] = "int8_dot";
+#endif
+#if defined(PAGODA_FP8_DOT)
+  if (g_use_bf16_dot) paths["fp8"] = "bf16_dot";
+#endif
+  return paths;
+}
+
 // The instruction-set extensions (named as in /proc/cpuinfo) that the vector path of
 // paged_decode_attention was compiled to use; empty: the portable path only.
 std::vector<std::string> attention_isa() {
@@ -1576,6 +1751,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         {"paged_attention", attention_isa()}, {"fused_ops", fused_ops_isa()},
         {"paged_prefill_attention", prefill_attention_isa()}};
   }, "op -> the /proc/cpuinfo flags its compiled vector path uses (empty: scalar only)");
+  m.def("decode_code_paths", &code_paths,
+        "cache dtype (int8, fp8) -> the decode path a bf16 q on it takes now (set_bf16_dot)");
   m.def("set_bf16_dot", &set_bf16_dot,
         "Enable/disable the AVX512_BF16 dot product for bf16 caches; returns the path in use");
 }
