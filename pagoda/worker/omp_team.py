@@ -4,18 +4,17 @@ Every kernel of a step is an OpenMP region that ends at a barrier, ~150 of them 
 decode step. When another busy process shares the cores (Linux's autogroups give each
 session an equal share, whatever its nice value), a team of two threads gets one core's
 worth of time between them, and each barrier waits for a thread that is off its core for a
-time slice: measured on the 2-core AMD EPYC beside a 2-thread torch matmul loop in its own
-session, a batch-1 decode step took 34-65 ms with two threads against 13-15 ms with one
-(7-8 ms quiet, two threads; docs/architecture.md). OMP_WAIT_POLICY=PASSIVE avoids the
-collapse as well but costs ~50% quiet, at every region's wake-up.
+time slice: the step runs several times slower than on one thread (measured:
+docs/architecture.md, "The OpenMP team adapts"). OMP_WAIT_POLICY=PASSIVE avoids the
+collapse too, but pays a wake-up at every region when the machine is quiet.
 
 So the worker watches, over windows of `window_s`, two counters the kernel keeps:
 - the run-queue delay of this process's threads (/proc/self/task/*/schedstat): time they
   were ready to run but waited for a core. With the full team, more than `wait_frac` of
   each of `windows` windows in a row means the cores are oversubscribed: the team drops
-  to one thread. Measured: 83-91% beside a 2-thread competitor; ~31% in a server whose
-  load-generating client shares the cores, where one thread served 18% fewer tokens/s
-  at concurrency 8 (one run): so half, twice in a row.
+  to one thread. Half, twice in a row: far below what a multi-threaded competitor causes,
+  above what a server's own benchmark client on the same cores does (both measured in
+  docs/architecture.md), where one thread would serve less.
 - the machine's idle time (/proc/stat): with one thread, when at least `idle_frac` of the
   other cores' time was idle, the cores are free again: the full team comes back.
 Each switch is `torch.set_num_threads` on the thread that runs the steps (OpenMP's thread
