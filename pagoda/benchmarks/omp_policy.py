@@ -8,8 +8,11 @@ environment replaced. Each child loads the engine (bf16, prefix caching off), th
 - batched: `--batch` requests decoding together -> output tokens/s of the decode steps.
 Settings run in turn, and the whole round `--rounds` times (A B C A B C ...), so a drift of
 the machine's load spreads over all of them. `--load spin` adds a process spinning on one
-core (the case that collapses a spinning OpenMP team); `--load both` runs each round
-without and with it.
+core (the case that collapses a spinning OpenMP team); `--load omp` a multi-threaded torch
+job in a session of its own, as a separate service's job would run (Linux then shares the
+cores per session, which collapsed even the short spin until the worker's team adapted,
+worker/omp_team.py; the `-fixed` setting keeps the team fixed); `--load both` runs each
+round without and with the spinner, `--load all` with each load.
 """
 
 from __future__ import annotations
@@ -26,19 +29,22 @@ from typing import Any
 # name -> the environment that selects it (beside the engine's own setting, omp_env.py)
 SETTINGS = {
     "spin-3000": {"GOMP_SPINCOUNT": "3000"},
+    "spin-3000-fixed": {"GOMP_SPINCOUNT": "3000", "PAGODA_OMP_ADAPT": "0"},
     "spin-30k": {"GOMP_SPINCOUNT": "30000"},
     "spin-300k": {"GOMP_SPINCOUNT": "300000"},
     "active": {"OMP_WAIT_POLICY": "ACTIVE"},
     "passive": {"OMP_WAIT_POLICY": "PASSIVE"},
 }
-_POLICY_VARS = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")
+_POLICY_VARS = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY", "PAGODA_OMP_ADAPT")
+LOADS = {"none": ["none"], "spin": ["spin"], "omp": ["omp"], "both": ["none", "spin"],
+         "all": ["none", "spin", "omp"]}
 
 
 def add_omp_policy_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF folder or .gguf file (default: embedded)")
     p.add_argument("--settings", default=",".join(SETTINGS),
                    help=f"comma-separated subset of {', '.join(SETTINGS)}")
-    p.add_argument("--load", choices=["none", "spin", "both"], default="both")
+    p.add_argument("--load", choices=list(LOADS), default="both")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--decode-tokens", type=int, default=48)
     p.add_argument("--batch", type=int, default=32)
@@ -110,6 +116,18 @@ def _spinner() -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", code])
 
 
+def _omp_job() -> subprocess.Popen:
+    """A torch job on every core (matmuls in a loop) in a session of its own."""
+    code = ("import os, torch\ntorch.set_num_threads(os.cpu_count() or 1)\n"
+            "a = torch.randn(512, 512)\nwhile True:\n    a @ a\n")
+    return subprocess.Popen([sys.executable, "-c", code], start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+# NOTE: looked up at call time (tests replace the two functions).
+_LOAD_PROCESS = {"spin": lambda: _spinner(), "omp": lambda: _omp_job()}
+
+
 def _aggregate(samples: list[dict[str, Any]]) -> dict[str, Any]:
     ok = [s for s in samples if "error" not in s]
     if not ok:
@@ -125,11 +143,12 @@ def run_omp_policy(args: argparse.Namespace) -> dict[str, Any]:
     unknown = [s for s in settings if s not in SETTINGS]
     if unknown:
         raise ValueError(f"unknown settings {unknown}; choose from {list(SETTINGS)}")
-    loads = ["none", "spin"] if args.load == "both" else [args.load]
+    loads = LOADS[args.load]
     samples: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for _ in range(args.rounds):
         for load in loads:
-            spinner = _spinner() if load == "spin" else None
+            maker = _LOAD_PROCESS.get(load)
+            spinner = maker() if maker is not None else None
             try:
                 for setting in settings:
                     result = _run_child(setting, args)
@@ -151,7 +170,8 @@ def run_omp_policy(args: argparse.Namespace) -> dict[str, Any]:
 
 def print_omp_table(report: dict[str, Any]) -> None:
     print(f"== pagoda bench omp-policy: {report['cpu']}, {report['num_cpus']} CPUs, medians "
-          f"of {report['rounds']} rounds; load spin = one extra process busy on a core ==")
+          f"of {report['rounds']} rounds; load spin = one extra process busy on a core, "
+          f"omp = a torch job on every core in its own session ==")
     print(f"{'load / setting':<24}{'1-stream ms/tok':>16}{'median':>9}"
           f"{'batch ' + str(report['batch']) + ' tok/s':>16}{'median step ms':>16}")
     for name, r in report["results"].items():

@@ -65,3 +65,39 @@ def test_a_failed_child_is_reported_not_raised(monkeypatch, capsys):
                                              "--rounds", "1"))
     assert report["results"]["none / passive"] == {"error": "exit 1: boom"}
     assert "exit 1: boom" in capsys.readouterr().out
+
+
+def test_fixed_setting_turns_the_adaptive_team_off(monkeypatch):
+    monkeypatch.setenv("PAGODA_OMP_ADAPT", "0")
+    assert "PAGODA_OMP_ADAPT" not in omp_policy.child_env("spin-3000")
+    env = omp_policy.child_env("spin-3000-fixed")
+    assert env["PAGODA_OMP_ADAPT"] == "0" and env["GOMP_SPINCOUNT"] == "3000"
+
+
+def test_omp_load_runs_in_a_session_of_its_own(monkeypatch):
+    import os
+
+    job = omp_policy._omp_job()
+    try:
+        assert os.getsid(job.pid) == job.pid != os.getsid(0)
+        assert job.poll() is None
+    finally:
+        job.kill()
+        job.wait()
+    calls = []
+    monkeypatch.setattr(omp_policy, "_run_child",
+                        lambda setting, args: calls.append(setting) or {"error": "skipped"})
+    jobs = []
+
+    class FakeJob:
+        def kill(self):
+            jobs.append("killed")
+
+        def wait(self):
+            pass
+
+    monkeypatch.setattr(omp_policy, "_omp_job", FakeJob)
+    report = omp_policy.run_omp_policy(_args("--settings", "spin-3000", "--load", "omp",
+                                             "--rounds", "1"))
+    assert calls == ["spin-3000"] and jobs == ["killed"]
+    assert set(report["results"]) == {"omp / spin-3000"}
