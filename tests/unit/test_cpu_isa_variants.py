@@ -430,6 +430,14 @@ def test_int8_dot_cases_take_the_dot_path_on_both_builds(runs) -> None:
     assert any(n.startswith("decode/dot/") for n in runs["cases"])
 
 
+def _decode_reference(args: tuple) -> torch.Tensor:
+    """The reference's decode attention for one case's kernel arguments (float32 q)."""
+    q, kc, vc, bt, lens, scale, window, ks, vs, q_sink, sinks = args
+    return reference.paged_attention(
+        q.float(), kc, vc, bt, lens, scale, None if window < 0 else window, None, ks, vs,
+        None if q_sink is None else q_sink.float(), sinks)
+
+
 def test_int8_dot_path_matches_reference(runs) -> None:
     """The AVX2 build's integer dot path against the reference, with
     test_kv_quant_kernels' tolerances for a bf16 q on quantized caches."""
@@ -437,10 +445,7 @@ def test_int8_dot_path_matches_reference(runs) -> None:
     for name, (kernel, args) in runs["cases"].items():
         if kernel != "decode_dot":
             continue
-        q, kc, vc, bt, lens, scale, window, ks, vs, q_sink, sinks = args
-        want = reference.paged_attention(
-            q.float(), kc, vc, bt, lens, scale, None if window < 0 else window, None, ks, vs,
-            None if q_sink is None else q_sink.float(), sinks)
+        want = _decode_reference(args)
         torch.testing.assert_close(out[name][0].float(), want, rtol=2e-2, atol=2e-2, msg=name)
 
 
@@ -452,10 +457,8 @@ def test_decode_attention_matches_reference(runs) -> None:
     for name, (kernel, args) in runs["cases"].items():
         if kernel != "decode_fp32_fma":
             continue
-        q, kc, vc, bt, lens, scale, window, ks, vs, q_sink, sinks = args
-        want = reference.paged_attention(
-            q.float(), kc, vc, bt, lens, scale, None if window < 0 else window, None, ks, vs,
-            None if q_sink is None else q_sink.float(), sinks)
+        q, ks = args[0], args[7]
+        want = _decode_reference(args)
         if q.dtype != torch.float32:
             tol = {"rtol": 2e-2, "atol": 2e-2}
         else:
