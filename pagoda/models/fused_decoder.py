@@ -84,6 +84,8 @@ class FusedDecoderStack:
         self.dtype = dtype
         self.first_norm = layers[0].input_layernorm
         self.attns = [layer.self_attn.attn for layer in layers]
+        # The quant extension's GemvPlans, which the DecoderLayers point to: kept alive here.
+        self._plans: list[Any] = []
         self.layers = [self._layer(ext, layer) for layer in layers]
         self.has_dense = any(_packed_dense(m) for layer in layers for m in _linears(layer))
         self.qkv: Callable[..., Any] = ext.decoder_qkv
@@ -94,30 +96,41 @@ class FusedDecoderStack:
         self.decode = (
             ext.DecoderStack(self.layers, [a.scale for a in self.attns],
                              [-1 if a.sliding_window is None else int(a.sliding_window)
-                              for a in self.attns])
+                              for a in self.attns],
+                             gemv_fn=self._gemv_fn())
             if all(type(a) is TorchPagedAttention for a in self.attns) else None
         )
         self._decode_kernel: dict[tuple[torch.dtype, int], bool] = {}
         self.decode_steps = 0  # steps run by decode_stack (tests, diagnostics)
 
     @staticmethod
-    def _weight(ext: Any, linear: nn.Module) -> Any:
+    def _gemv_fn() -> int:
+        """The quant extension's single-row product for the one-region decode stack
+        (csrc/q_gemv_abi.h); 0 where that extension does not run here."""
+        qext = quant_cpu.resolve()
+        return 0 if qext is None else int(qext.gemv_part_address())
+
+    def _weight(self, ext: Any, linear: nn.Module) -> Any:
         lay = _quant_layout(linear)
         if lay is None:
             return linear.weight
+        plan = quant_cpu.resolve().GemvPlan(
+            codes=lay.codes, scales=lay.scales, offsets=lay.offsets, bits=lay.bits,
+            block=lay.block, group=lay.group, zero_form=lay.zero_form, n=lay.shape[0],
+            k=linear.input_size)
+        self._plans.append(plan)
         return ext.QuantWeight(codes=lay.codes, scales=lay.scales, offsets=lay.offsets,
                                bits=lay.bits, block=lay.block, group=lay.group,
-                               zero_form=lay.zero_form, n=lay.shape[0])
+                               zero_form=lay.zero_form, n=lay.shape[0], plan=plan.address)
 
-    @classmethod
-    def _layer(cls, ext: Any, layer: nn.Module) -> Any:
+    def _layer(self, ext: Any, layer: nn.Module) -> Any:
         attn, mlp = layer.self_attn, layer.mlp
         return ext.DecoderLayer(
             input_norm=layer.input_layernorm.weight.detach(),
             post_norm=layer.post_attention_layernorm.weight.detach(),
-            qkv_w=cls._weight(ext, attn.qkv_proj), o_w=cls._weight(ext, attn.o_proj),
-            gate_up_w=cls._weight(ext, mlp.gate_up_proj),
-            down_w=cls._weight(ext, mlp.down_proj),
+            qkv_w=self._weight(ext, attn.qkv_proj), o_w=self._weight(ext, attn.o_proj),
+            gate_up_w=self._weight(ext, mlp.gate_up_proj),
+            down_w=self._weight(ext, mlp.down_proj),
             qkv_b=attn.qkv_proj.bias, o_b=attn.o_proj.bias,
             gate_up_b=mlp.gate_up_proj.bias, down_b=mlp.down_proj.bias,
             eps=layer.post_attention_layernorm.eps, num_heads=attn.num_heads,

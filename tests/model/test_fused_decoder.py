@@ -72,8 +72,22 @@ def test_fused_layers_equal_op_by_op(
     assert fused == plain
 
 
+# (arch, config overrides, engine kwargs). max_num_seqs=1: every decode step is one token,
+# which a quantized bf16 stack runs in one OpenMP region (decoder_layer_cpu.cpp's
+# one_region_stack); two requests at a time take the per-op calls.
+INT4_CASES = [
+    ("LlamaForCausalLM", {}, {}),
+    ("LlamaForCausalLM", {}, {"max_num_seqs": 1}),
+    ("Qwen2ForCausalLM", {}, {"max_num_seqs": 1, "kv_cache_dtype": "int8"}),  # biases
+    ("MistralForCausalLM", {"sliding_window": 32},
+     {"max_num_seqs": 1, "kv_cache_dtype": "fp8_e4m3"}),
+]
+
+
+@pytest.mark.parametrize(("arch", "overrides", "engine_kwargs"), INT4_CASES)
 def test_fused_layers_with_int4_projections_equal_op_by_op(
-    tiny_model, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    arch: str, overrides: dict, engine_kwargs: dict, tiny_model, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """RTN int4 g32 (GPTQ format): the projections run the quant kernel inside the
     whole-layer calls, bit for bit as op by op."""
@@ -84,14 +98,15 @@ def test_fused_layers_with_int4_projections_equal_op_by_op(
     if quant_cpu.resolve() is None:
         pytest.skip("the quant CPU kernels do not run here")
     out = tmp_path / "rtn"
-    quantize_to_dir(str(tiny_model("LlamaForCausalLM")), out, "rtn", 4, 32)
+    quantize_to_dir(str(tiny_model(arch, **overrides)), out, "rtn", 4, 32)
     gen = torch.Generator().manual_seed(4)
     prompts = [torch.randint(3, 49152, (n,), generator=gen).tolist() for n in (33, 7)]
-    fused, stack = _run(out, prompts)
+    fused, stack = _run(out, prompts, **engine_kwargs)
     assert stack is not None, "the fused stack did not apply"
     assert stack.decode_steps > 0
+    assert stack.decode.one_region, "every projection has a GemvPlan: one region applies"
     monkeypatch.setenv("PAGODA_DISABLE_FUSED_LAYERS", "1")
-    plain, no_stack = _run(out, prompts)
+    plain, no_stack = _run(out, prompts, **engine_kwargs)
     assert no_stack is None
     assert fused == plain
 

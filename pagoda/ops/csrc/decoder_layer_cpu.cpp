@@ -19,9 +19,16 @@
 // a third of the GEMMs' time. residual is updated in place.
 
 #include "fused_ops_cpu.h"
+#include "q_gemv_abi.h"
 
+#include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <omp.h>
 
+#include <array>
+#include <atomic>
+#include <cstring>
+#include <functional>
 #include <optional>
 #include <string_view>
 #include <tuple>
@@ -34,6 +41,12 @@ void decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
                       torch::Tensor v_cache, torch::Tensor block_tables, torch::Tensor seq_lens,
                       double scale, int64_t sliding_window, std::optional<torch::Tensor> k_scale,
                       std::optional<torch::Tensor> v_scale);
+using DecodeHeads = std::function<void(int64_t b, int kvh0, int kvh1)>;
+DecodeHeads decode_heads(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
+                         torch::Tensor v_cache, torch::Tensor block_tables,
+                         torch::Tensor seq_lens, double scale, int64_t sliding_window,
+                         std::optional<torch::Tensor> k_scale,
+                         std::optional<torch::Tensor> v_scale);
 }  // namespace pagoda_decode
 
 namespace pagoda_layer {
@@ -59,6 +72,9 @@ struct QuantWeight {
   int64_t bits, block, group;
   bool zero_form;
   int64_t n;  // output features
+  // The quant extension's GemvPlan of this layout (its address; 0: none): what the
+  // one-region decode stack passes to pagoda_q_gemv_part (q_gemv_abi.h).
+  int64_t plan = 0;
 };
 
 // A projection's weight: oneDNN-packed [out, in], or quantized.
@@ -131,14 +147,188 @@ struct DecoderStack {
   std::vector<DecoderLayer> layers;
   std::vector<double> scales;     // per layer: the attention's softmax scale
   std::vector<int64_t> windows;   // per layer: its sliding window, -1: none
+  PagodaGemvPart gemv = nullptr;  // the quant extension's single-row product, if given
+  // Per layer, the float32 biases of qkv, o, gate_up and down (undefined: none), as
+  // q_linear converts them on each call.
+  std::vector<std::array<torch::Tensor, 4>> float_biases;
+  bool one_region = false;  // one_region_stack can run it
 };
 
+// Whether one_region_stack can run a stack: every projection quantized with a plan, the
+// norms bfloat16 and every layer of one shape (the region's buffers are sized once).
+bool one_region_ok(const DecoderStack& s) {
+  if (s.gemv == nullptr) return false;
+  const DecoderLayer& l0 = s.layers[0];
+  for (const auto& l : s.layers) {
+    for (const Weight* w : {&l.qkv_w, &l.o_w, &l.gate_up_w, &l.down_w}) {
+      const auto* q = std::get_if<QuantWeight>(w);
+      if (q == nullptr || q->plan == 0) return false;
+    }
+    if (l.input_norm.scalar_type() != at::kBFloat16 ||
+        l.post_norm.scalar_type() != at::kBFloat16 || l.num_heads != l0.num_heads ||
+        l.num_kv_heads != l0.num_kv_heads || l.head_dim != l0.head_dim ||
+        l.input_norm.size(0) != l0.input_norm.size(0) ||
+        std::get<QuantWeight>(l.gate_up_w).n != std::get<QuantWeight>(l0.gate_up_w).n) {
+      return false;
+    }
+  }
+  const int64_t hidden = l0.input_norm.size(0), nh = l0.num_heads, nkv = l0.num_kv_heads,
+                d = l0.head_dim, gu = std::get<QuantWeight>(l0.gate_up_w).n;
+  return nh % nkv == 0 && d % 2 == 0 && gu % 2 == 0 &&
+         std::get<QuantWeight>(l0.qkv_w).n == (nh + 2 * nkv) * d &&
+         std::get<QuantWeight>(l0.o_w).n == hidden &&
+         std::get<QuantWeight>(l0.down_w).n == hidden;
+}
+
 DecoderStack make_stack(std::vector<DecoderLayer> layers, std::vector<double> scales,
-                        std::vector<int64_t> windows) {
+                        std::vector<int64_t> windows, int64_t gemv_fn) {
   TORCH_CHECK(!layers.empty() && scales.size() == layers.size() &&
                   windows.size() == layers.size(),
               "DecoderStack: one scale and one window per layer");
-  return DecoderStack{std::move(layers), std::move(scales), std::move(windows)};
+  DecoderStack s{std::move(layers), std::move(scales), std::move(windows),
+                 reinterpret_cast<PagodaGemvPart>(gemv_fn), {}, false};
+  for (const auto& l : s.layers) {
+    std::array<torch::Tensor, 4> b;
+    const std::optional<torch::Tensor>* src[4] = {&l.qkv_b, &l.o_b, &l.gate_up_b, &l.down_b};
+    for (int j = 0; j < 4; ++j) {
+      if (src[j]->has_value()) b[j] = (*src[j])->to(at::kFloat).contiguous();
+    }
+    s.float_biases.push_back(b);
+  }
+  s.one_region = one_region_ok(s);
+  return s;
+}
+
+// False when a test turns the one-region path off, to compare it with the per-op calls.
+std::atomic<bool> g_one_region{true};
+
+const float* bias_ptr(const torch::Tensor& b) {
+  return b.defined() ? b.data_ptr<float>() : nullptr;
+}
+
+// A single-token decode step of a quantized bf16 stack in one OpenMP region.
+//
+// The per-op calls of decoder_decode_stack open ~5 regions a layer, and between them the
+// master thread alone runs the glue (dispatch, tensor set-up, the norms, the activation
+// quantization) while the other threads wait. Here every thread runs the whole stack: each
+// does the element-wise glue itself on private copies (the residual, the normed x, the
+// activations: a few KiB, microseconds), takes its share of each projection's output tiles
+// (pagoda_q_gemv_part: q_linear's single-row split) and of the kv heads (rotary, cache
+// write and attention of its heads), with a barrier after each phase whose output the next
+// phase reads whole. The kernels and their order per value are those of the per-op path,
+// so the result is the same bits. Everything that can throw is checked before the region.
+torch::Tensor one_region_stack(const DecoderStack& s, const torch::Tensor& x,
+                               const torch::Tensor& residual, const torch::Tensor& cos,
+                               const torch::Tensor& sin, const torch::Tensor& positions,
+                               const std::vector<std::vector<torch::Tensor>>& kv,
+                               const torch::Tensor& slot_mapping,
+                               const torch::Tensor& block_tables,
+                               const torch::Tensor& seq_lens) {
+  const DecoderLayer& l0 = s.layers[0];
+  const int64_t hidden = l0.input_norm.size(0), nh = l0.num_heads, nkv = l0.num_kv_heads,
+                hd = l0.head_dim, gu_n = std::get<QuantWeight>(l0.gate_up_w).n,
+                inter = gu_n / 2;
+  const auto bf16 = at::kBFloat16;
+  TORCH_CHECK(x.scalar_type() == bf16 && residual.scalar_type() == bf16 && x.is_contiguous() &&
+                  residual.is_contiguous() && x.sizes() == residual.sizes() &&
+                  x.size(1) == hidden,
+              "decoder_decode_stack: x and residual must be contiguous bf16 [1, ", hidden, "]");
+  TORCH_CHECK(cos.scalar_type() == bf16 && sin.scalar_type() == bf16 && cos.dim() == 2 &&
+                  cos.size(1) == hd / 2 && sin.sizes() == cos.sizes() && cos.is_contiguous() &&
+                  sin.is_contiguous(),
+              "decoder_decode_stack: cos and sin must be contiguous bf16 [P, D / 2]");
+  TORCH_CHECK(positions.numel() == 1 && slot_mapping.numel() == 1,
+              "decoder_decode_stack: one position and one slot for one token");
+  const int64_t pos = positions.to(at::kLong).item<int64_t>();
+  const int64_t slot = slot_mapping.to(at::kLong).item<int64_t>();
+  TORCH_CHECK(pos >= 0 && pos < cos.size(0), "position ", pos, " out of range");
+
+  auto opts = x.options();
+  auto qkv = at::empty({(nh + 2 * nkv) * hd}, opts);
+  auto attn = at::empty({1, nh, hd}, opts);
+  auto y = at::empty({hidden}, opts);
+  auto gu = at::empty({gu_n}, opts);
+  auto out = at::empty({1, hidden}, opts);
+  const auto q = qkv.narrow(0, 0, nh * hd).view({1, nh, hd});
+  const size_t n = s.layers.size();
+  std::vector<pagoda_fused::CacheDst> dst;
+  std::vector<pagoda_decode::DecodeHeads> heads;
+  for (size_t i = 0; i < n; ++i) {
+    auto k_cache = kv[i][0], v_cache = kv[i][1];
+    std::optional<torch::Tensor> ks, vs;
+    if (kv[i].size() == 4) {
+      ks = kv[i][2];
+      vs = kv[i][3];
+    }
+    TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() &&
+                    k_cache.size(2) == nkv && k_cache.size(3) == hd &&
+                    k_cache.is_contiguous() && v_cache.is_contiguous(),
+                "caches must be contiguous [N, bs, ", nkv, ", ", hd, "]");
+    TORCH_CHECK(slot < k_cache.size(0) * k_cache.size(1), "slot ", slot, " out of range");
+    dst.push_back(pagoda_fused::cache_dst(qkv, k_cache, v_cache, ks, vs));
+    heads.push_back(pagoda_decode::decode_heads(attn, q, k_cache, v_cache, block_tables,
+                                                seq_lens, s.scales[i], s.windows[i], ks, vs));
+  }
+
+  const int threads = at::get_num_threads();
+  // Per thread: the residual, the normed x and the SiLU * up activations.
+  std::vector<at::BFloat16> priv(static_cast<size_t>(threads) * (2 * hidden + inter));
+  auto* qkv_p = qkv.data_ptr<at::BFloat16>();
+  auto* attn_p = attn.data_ptr<at::BFloat16>();
+  auto* y_p = y.data_ptr<at::BFloat16>();
+  auto* gu_p = gu.data_ptr<at::BFloat16>();
+  auto* out_p = out.data_ptr<at::BFloat16>();
+  const auto* cos_p = cos.data_ptr<at::BFloat16>() + pos * (hd / 2);
+  const auto* sin_p = sin.data_ptr<at::BFloat16>() + pos * (hd / 2);
+  const auto* x_p = x.data_ptr<at::BFloat16>();
+  auto* res_p = residual.data_ptr<at::BFloat16>();
+  const size_t row_bytes = hidden * sizeof(at::BFloat16);
+  const PagodaGemvPart gemv = s.gemv;
+  auto plan = [](const Weight& w) {
+    return reinterpret_cast<const void*>(std::get<QuantWeight>(w).plan);
+  };
+#pragma omp parallel num_threads(threads)
+  {
+    const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
+    at::BFloat16* rp = priv.data() + tid * (2 * hidden + inter);
+    at::BFloat16* xp = rp + hidden;
+    at::BFloat16* act = xp + hidden;
+    std::memcpy(rp, res_p, row_bytes);
+    const at::BFloat16* in = x_p;  // the first layer's normed input
+    for (size_t i = 0; i < n; ++i) {
+      const DecoderLayer& l = s.layers[i];
+      const auto& b = s.float_biases[i];
+      gemv(plan(l.qkv_w), in, qkv_p, 1, bias_ptr(b[0]), tid, nth);
+#pragma omp barrier
+      for (int64_t h = tid; h < nkv; h += nth) {
+        pagoda_fused::rotary_cache_group(qkv_p, cos_p, sin_p, dst[i], slot, h, nh, nkv, hd);
+        heads[i](0, static_cast<int>(h), static_cast<int>(h + 1));
+      }
+#pragma omp barrier
+      gemv(plan(l.o_w), attn_p, y_p, 1, bias_ptr(b[1]), tid, nth);
+#pragma omp barrier
+      std::memcpy(xp, y_p, row_bytes);
+      pagoda_fused::add_rms_norm_row(xp, rp, l.post_norm.data_ptr<at::BFloat16>(), hidden,
+                                     static_cast<float>(l.eps));
+      gemv(plan(l.gate_up_w), xp, gu_p, 1, bias_ptr(b[2]), tid, nth);
+#pragma omp barrier
+      pagoda_fused::silu_and_mul_row(gu_p, act, inter);
+      gemv(plan(l.down_w), act, y_p, 1, bias_ptr(b[3]), tid, nth);
+#pragma omp barrier
+      if (i + 1 < n) {
+        const DecoderLayer& next = s.layers[i + 1];
+        std::memcpy(xp, y_p, row_bytes);
+        pagoda_fused::add_rms_norm_row(xp, rp, next.input_norm.data_ptr<at::BFloat16>(),
+                                       hidden, static_cast<float>(next.eps));
+        in = xp;
+      }
+    }
+    if (tid == 0) {
+      std::memcpy(out_p, y_p, row_bytes);
+      std::memcpy(res_p, rp, row_bytes);
+    }
+  }
+  return out;
 }
 
 // x: the first layer's normed input [T, hidden]; residual [T, hidden] (updated in place);
@@ -162,9 +352,13 @@ torch::Tensor decoder_decode_stack(const DecoderStack& s, const torch::Tensor& x
     if (kv[i].size() == 4) return kv[i][j];
     return std::nullopt;
   };
+  const int64_t t = x.size(0);
+  if (s.one_region && t == 1 && x.scalar_type() == at::kBFloat16 && g_one_region) {
+    return one_region_stack(s, x, residual, cos, sin, positions, kv, slot_mapping,
+                            block_tables, seq_lens);
+  }
   auto [q, k, v] = decoder_qkv(s.layers[0], x, cos, sin, positions, kv[0][0], kv[0][1],
                                slot_mapping, scale_of(0, 2), scale_of(0, 3));
-  const int64_t t = x.size(0);
   for (size_t i = 0;; ++i) {
     const DecoderLayer& l = s.layers[i];
     auto qc = q.contiguous();
@@ -207,11 +401,14 @@ void register_decoder_layer(pybind11::module& m) {
   py::class_<QuantWeight>(m, "QuantWeight",
                           "A quantized projection's panel layout (ops/quant_layouts.py)")
       .def(py::init([](torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets,
-                       int64_t bits, int64_t block, int64_t group, bool zero_form, int64_t n) {
-             return QuantWeight{codes, scales, offsets, bits, block, group, zero_form, n};
+                       int64_t bits, int64_t block, int64_t group, bool zero_form, int64_t n,
+                       int64_t plan) {
+             return QuantWeight{codes, scales, offsets, bits, block, group, zero_form, n,
+                                plan};
            }),
            py::arg("codes"), py::arg("scales"), py::arg("offsets"), py::arg("bits"),
-           py::arg("block"), py::arg("group"), py::arg("zero_form"), py::arg("n"));
+           py::arg("block"), py::arg("group"), py::arg("zero_form"), py::arg("n"),
+           py::arg("plan") = 0);
   py::class_<DecoderLayer>(m, "DecoderLayer",
                            "One decoder layer's norm weights and projections")
       .def(py::init(&pagoda_layer::make_layer), py::arg("input_norm"), py::arg("post_norm"),
@@ -230,7 +427,12 @@ void register_decoder_layer(pybind11::module& m) {
   py::class_<pagoda_layer::DecoderStack>(m, "DecoderStack",
                                          "Every layer of a model with its attention's scale and window")
       .def(py::init(&pagoda_layer::make_stack), py::arg("layers"), py::arg("scales"),
-           py::arg("windows"));
+           py::arg("windows"), py::arg("gemv_fn") = 0)
+      .def_property_readonly("one_region",
+                             [](const pagoda_layer::DecoderStack& s) { return s.one_region; });
+  m.def("set_one_region",
+        [](bool enable) { return pagoda_layer::g_one_region.exchange(enable); },
+        "turns the one-region single-token decode stack on or off; returns the old setting");
   m.def("decoder_decode_stack", &pagoda_layer::decoder_decode_stack, release(),
         "a decode-only step's layers, attention included, in one call; returns the last "
         "layer's output (residual updated in place)");

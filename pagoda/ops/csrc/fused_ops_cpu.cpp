@@ -57,46 +57,49 @@ inline T from_f(float x) {
 constexpr int64_t kParallelGrain = 1 << 15;
 
 template <typename T>
+void add_rms_norm_one(T* xr, T* rr, const T* weight, int64_t hidden, float eps) {
+#if defined(PAGODA_FUSED_VEC)
+  if constexpr (kVec<T>) {
+    // NOTE: 16 partial sums whatever the lane count (element i in sum i % 16), reduced
+    // by vsum16's fixed tree: the AVX-512 and AVX2 paths give the same mean.
+    VecF acc[kSumParts];
+    for (auto& a : acc) a = vset1<VecF>(0.0f);
+    for (int64_t i = 0; i < hidden; i += kLanes) {
+      const int64_t n = hidden - i;
+      const VecF sum = vround<T>(vadd(vload(xr + i, n), vload(rr + i, n)));
+      vstore(rr + i, sum, n);
+      VecF& a = acc[(i / kLanes) % kSumParts];
+      a = vfmadd(sum, sum, a);
+    }
+    const float mean = vsum16(acc) / static_cast<float>(hidden);
+    const VecF inv = vset1<VecF>(1.0f / std::sqrt(mean + eps));
+    for (int64_t i = 0; i < hidden; i += kLanes) {
+      const int64_t n = hidden - i;
+      vstore(xr + i, vmul(vload(weight + i, n), vmul(vload(rr + i, n), inv)), n);
+    }
+    return;
+  }
+#endif
+  double ss = 0.0;
+  for (int64_t i = 0; i < hidden; ++i) {
+    const T s = from_f<T>(to_f(xr[i]) + to_f(rr[i]));
+    rr[i] = s;
+    const float f = to_f(s);
+    ss += static_cast<double>(f) * f;
+  }
+  const float inv = static_cast<float>(1.0 / std::sqrt(ss / hidden + eps));
+  for (int64_t i = 0; i < hidden; ++i) {
+    xr[i] = from_f<T>(to_f(weight[i]) * (to_f(rr[i]) * inv));
+  }
+}
+
+template <typename T>
 void add_rms_norm_impl(T* x, T* residual, const T* weight, int64_t rows, int64_t hidden,
                        float eps) {
   const bool par = rows * hidden >= kParallelGrain;
 #pragma omp parallel for if (par) schedule(static)
   for (int64_t r = 0; r < rows; ++r) {
-    T* xr = x + r * hidden;
-    T* rr = residual + r * hidden;
-#if defined(PAGODA_FUSED_VEC)
-    if constexpr (kVec<T>) {
-      // NOTE: 16 partial sums whatever the lane count (element i in sum i % 16), reduced
-      // by vsum16's fixed tree: the AVX-512 and AVX2 paths give the same mean.
-      VecF acc[kSumParts];
-      for (auto& a : acc) a = vset1<VecF>(0.0f);
-      for (int64_t i = 0; i < hidden; i += kLanes) {
-        const int64_t n = hidden - i;
-        const VecF sum = vround<T>(vadd(vload(xr + i, n), vload(rr + i, n)));
-        vstore(rr + i, sum, n);
-        VecF& a = acc[(i / kLanes) % kSumParts];
-        a = vfmadd(sum, sum, a);
-      }
-      const float mean = vsum16(acc) / static_cast<float>(hidden);
-      const VecF inv = vset1<VecF>(1.0f / std::sqrt(mean + eps));
-      for (int64_t i = 0; i < hidden; i += kLanes) {
-        const int64_t n = hidden - i;
-        vstore(xr + i, vmul(vload(weight + i, n), vmul(vload(rr + i, n), inv)), n);
-      }
-      continue;
-    }
-#endif
-    double ss = 0.0;
-    for (int64_t i = 0; i < hidden; ++i) {
-      const T s = from_f<T>(to_f(xr[i]) + to_f(rr[i]));
-      rr[i] = s;
-      const float f = to_f(s);
-      ss += static_cast<double>(f) * f;
-    }
-    const float inv = static_cast<float>(1.0 / std::sqrt(ss / hidden + eps));
-    for (int64_t i = 0; i < hidden; ++i) {
-      xr[i] = from_f<T>(to_f(weight[i]) * (to_f(rr[i]) * inv));
-    }
+    add_rms_norm_one(x + r * hidden, residual + r * hidden, weight, hidden, eps);
   }
 }
 
@@ -143,14 +146,23 @@ inline void rotate_head(T* h, const T* cos, const T* sin, int64_t half) {
   }
 }
 
-// Where rotary_and_cache writes: plain caches of T, or codes (int8 / fp8 bits) and scales.
-struct CacheDst {
-  void* k;
-  void* v;
-  float* k_scale = nullptr;  // quantized only: [N * bs * Hk]
-  float* v_scale = nullptr;
-  c10::ScalarType dtype;
-};
+// Head h of one token's k and v rows (k and v: that head's head_dim values) into slot
+// `slot` of the caches.
+template <typename T>
+inline void write_slot_head(const T* k, const T* v, const CacheDst& dst, int64_t slot,
+                            int64_t h, int64_t num_kv_heads, int64_t head_dim) {
+  const int64_t row = (slot * num_kv_heads + h) * head_dim, sc = slot * num_kv_heads + h;
+  if (dst.k_scale == nullptr) {
+    std::memcpy(static_cast<T*>(dst.k) + row, k, head_dim * sizeof(T));
+    std::memcpy(static_cast<T*>(dst.v) + row, v, head_dim * sizeof(T));
+  } else if (dst.dtype == at::kChar) {
+    dst.k_scale[sc] = pagoda_kvq::quantize_row(k, static_cast<int8_t*>(dst.k) + row, head_dim);
+    dst.v_scale[sc] = pagoda_kvq::quantize_row(v, static_cast<int8_t*>(dst.v) + row, head_dim);
+  } else {
+    dst.k_scale[sc] = pagoda_kvq::quantize_row(k, static_cast<uint8_t*>(dst.k) + row, head_dim);
+    dst.v_scale[sc] = pagoda_kvq::quantize_row(v, static_cast<uint8_t*>(dst.v) + row, head_dim);
+  }
+}
 
 // One token's k and v rows (Hk heads of head_dim) into slot `slot` of the caches.
 template <typename T>
@@ -163,18 +175,7 @@ inline void write_slot(const T* k, const T* v, const CacheDst& dst, int64_t slot
     return;
   }
   for (int64_t h = 0; h < num_kv_heads; ++h) {
-    const int64_t row = slot * kv_row + h * head_dim, sc = slot * num_kv_heads + h;
-    if (dst.dtype == at::kChar) {
-      dst.k_scale[sc] = pagoda_kvq::quantize_row(k + h * head_dim,
-                                                 static_cast<int8_t*>(dst.k) + row, head_dim);
-      dst.v_scale[sc] = pagoda_kvq::quantize_row(v + h * head_dim,
-                                                 static_cast<int8_t*>(dst.v) + row, head_dim);
-    } else {
-      dst.k_scale[sc] = pagoda_kvq::quantize_row(k + h * head_dim,
-                                                 static_cast<uint8_t*>(dst.k) + row, head_dim);
-      dst.v_scale[sc] = pagoda_kvq::quantize_row(v + h * head_dim,
-                                                 static_cast<uint8_t*>(dst.v) + row, head_dim);
-    }
+    write_slot_head(k + h * head_dim, v + h * head_dim, dst, slot, h, num_kv_heads, head_dim);
   }
 }
 
@@ -270,32 +271,55 @@ void rotary_and_cache(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
 }
 
 template <typename T>
+void silu_and_mul_one(const T* g, T* o, int64_t inter) {
+  const T* u = g + inter;
+#if defined(PAGODA_FUSED_VEC)
+  if constexpr (kVec<T>) {
+    const VecF one = vset1<VecF>(1.0f), zero = vset1<VecF>(0.0f);
+    for (int64_t i = 0; i < inter; i += kLanes) {
+      const int64_t n = inter - i;
+      const VecF gv = vload(g + i, n);
+      const VecF e = vexp(vsub(zero, gv));
+      const VecF act = vround<T>(vdiv(gv, vadd(one, e)));
+      vstore(o + i, vmul(act, vload(u + i, n)), n);
+    }
+    return;
+  }
+#endif
+  for (int64_t i = 0; i < inter; ++i) {
+    const float gf = to_f(g[i]);
+    const T act = from_f<T>(gf / (1.0f + std::exp(-gf)));
+    o[i] = from_f<T>(to_f(act) * to_f(u[i]));
+  }
+}
+
+template <typename T>
 void silu_and_mul_impl(const T* x, T* out, int64_t rows, int64_t inter) {
   const bool par = rows * inter >= kParallelGrain;
 #pragma omp parallel for if (par) schedule(static)
-  for (int64_t r = 0; r < rows; ++r) {
-    const T* g = x + r * 2 * inter;
-    const T* u = g + inter;
-    T* o = out + r * inter;
-#if defined(PAGODA_FUSED_VEC)
-    if constexpr (kVec<T>) {
-      const VecF one = vset1<VecF>(1.0f), zero = vset1<VecF>(0.0f);
-      for (int64_t i = 0; i < inter; i += kLanes) {
-        const int64_t n = inter - i;
-        const VecF gv = vload(g + i, n);
-        const VecF e = vexp(vsub(zero, gv));
-        const VecF act = vround<T>(vdiv(gv, vadd(one, e)));
-        vstore(o + i, vmul(act, vload(u + i, n)), n);
-      }
-      continue;
-    }
-#endif
-    for (int64_t i = 0; i < inter; ++i) {
-      const float gf = to_f(g[i]);
-      const T act = from_f<T>(gf / (1.0f + std::exp(-gf)));
-      o[i] = from_f<T>(to_f(act) * to_f(u[i]));
-    }
+  for (int64_t r = 0; r < rows; ++r) silu_and_mul_one(x + r * 2 * inter, out + r * inter, inter);
+}
+
+void add_rms_norm_row(at::BFloat16* x, at::BFloat16* residual, const at::BFloat16* weight,
+                      int64_t hidden, float eps) {
+  add_rms_norm_one(x, residual, weight, hidden, eps);
+}
+
+void silu_and_mul_row(const at::BFloat16* x, at::BFloat16* out, int64_t inter) {
+  silu_and_mul_one(x, out, inter);
+}
+
+void rotary_cache_group(at::BFloat16* qkv, const at::BFloat16* cos, const at::BFloat16* sin,
+                        const CacheDst& dst, int64_t slot, int64_t h, int64_t num_heads,
+                        int64_t num_kv_heads, int64_t head_dim) {
+  const int64_t half = head_dim / 2, group = num_heads / num_kv_heads;
+  for (int64_t j = h * group; j < (h + 1) * group; ++j) {
+    rotate_head(qkv + j * head_dim, cos, sin, half);
   }
+  at::BFloat16* k = qkv + (num_heads + h) * head_dim;
+  rotate_head(k, cos, sin, half);
+  if (slot < 0) return;  // a padding token: no cache slot
+  write_slot_head(k, k + num_kv_heads * head_dim, dst, slot, h, num_kv_heads, head_dim);
 }
 
 torch::Tensor silu_and_mul(torch::Tensor x) {

@@ -18,4 +18,29 @@ void rotary_and_cache(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
 
 torch::Tensor silu_and_mul(torch::Tensor x);
 
+// Where rotary_and_cache writes: plain caches of T, or codes (int8 / fp8 bits) and scales.
+struct CacheDst {
+  void* k;
+  void* v;
+  float* k_scale = nullptr;  // quantized only: [N * bs * Hk]
+  float* v_scale = nullptr;
+  c10::ScalarType dtype;
+};
+
+// rotary_and_cache's checks of the caches against qkv's dtype, and where it writes.
+CacheDst cache_dst(const torch::Tensor& qkv, torch::Tensor& k_cache, torch::Tensor& v_cache,
+                   std::optional<torch::Tensor>& k_scale, std::optional<torch::Tensor>& v_scale);
+
+// One token row of the ops above on the calling thread, with no checks and no parallel
+// region: the one-region decode stack (decoder_layer_cpu.cpp) checks its arguments before
+// its OpenMP region and calls these inside it. The same arithmetic, so the same bits.
+void add_rms_norm_row(at::BFloat16* x, at::BFloat16* residual, const at::BFloat16* weight,
+                      int64_t hidden, float eps);
+void silu_and_mul_row(const at::BFloat16* x, at::BFloat16* out, int64_t inter);
+// Rotary on query heads [h * G, (h + 1) * G) and key head h of one token's qkv row (cos and
+// sin: its position's rows), then its k and v head h into cache slot `slot` (none if < 0).
+void rotary_cache_group(at::BFloat16* qkv, const at::BFloat16* cos, const at::BFloat16* sin,
+                        const CacheDst& dst, int64_t slot, int64_t h, int64_t num_heads,
+                        int64_t num_kv_heads, int64_t head_dim);
+
 }  // namespace pagoda_fused

@@ -76,10 +76,13 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -1536,8 +1539,29 @@ void decode_one(const Problem& p, const KV* k_cache, const KV* v_cache, int64_t 
 // Runs fn(item, scratch) for every work item on the torch thread count. A work item is a
 // request, or one kv head of a request when there are too few requests to keep the threads
 // busy (a whole request per item reads each block sequentially: best for the memory system).
+//
+// With `one`, only that item, on the calling thread (from inside the caller's OpenMP region:
+// the one-region decode stack), with a scratch kept per thread from one call to the next.
+struct OneItem {
+  int64_t b;
+  int kvh0, kvh1;
+};
+
 template <typename ScratchT, typename Fn>
-void for_each_item(const Problem& p, int64_t batch, int scratch_heads_per_kv, Fn fn) {
+void for_each_item(const Problem& p, int64_t batch, int scratch_heads_per_kv, Fn fn,
+                   const OneItem* one) {
+  if (one != nullptr) {
+    const int heads = (one->kvh1 - one->kvh0) * scratch_heads_per_kv;
+    thread_local std::unique_ptr<ScratchT> kept;
+    thread_local std::tuple<int, int, int> kept_shape{0, 0, 0};
+    const std::tuple<int, int, int> shape{heads, p.head_dim, p.block_size};
+    if (kept == nullptr || kept_shape != shape) {
+      kept = std::make_unique<ScratchT>(heads, p.head_dim, p.block_size);
+      kept_shape = shape;
+    }
+    fn(one->b, one->kvh0, one->kvh1, *kept);
+    return;
+  }
   const int num_threads = at::get_num_threads();
   const int heads_per_item = batch >= 4 * num_threads ? p.num_kv_heads : 1;
   const int items_per_req = p.num_kv_heads / heads_per_item;
@@ -1556,48 +1580,51 @@ void for_each_item(const Problem& p, int64_t batch, int scratch_heads_per_kv, Fn
 
 #if defined(PAGODA_DECODE_VEC)
 template <typename KV, int kD, bool kDot>
-void decode_all_avx(const Problem& p, const KV* k, const KV* v, int64_t batch) {
+void decode_all_avx(const Problem& p, const KV* k, const KV* v, int64_t batch,
+                    const OneItem* one) {
   for_each_item<AvxScratch>(p, batch, p.num_heads / p.num_kv_heads,
                             [&](int64_t b, int kvh0, int kvh1, AvxScratch& s) {
                               decode_one_avx<KV, kD, kDot>(p, k, v, b, kvh0, kvh1, s);
-                            });
+                            }, one);
 }
 
 template <typename KV, int kD>
-void dispatch_avx(const Problem& p, const KV* k, const KV* v, int64_t batch) {
+void dispatch_avx(const Problem& p, const KV* k, const KV* v, int64_t batch,
+                  const OneItem* one) {
   // NOTE: the dot paths only for a bf16 q: a float32 q would have to be rounded (or split
   // into terms); it keeps the fp32 FMAs (the exact path).
   if constexpr (std::is_same_v<KV, uint16_t>) {
 #if defined(__AVX512BF16__)
-    if (g_use_bf16_dot && p.q_is_bf16) return decode_all_avx<KV, kD, true>(p, k, v, batch);
+    if (g_use_bf16_dot && p.q_is_bf16) return decode_all_avx<KV, kD, true>(p, k, v, batch, one);
 #endif
   } else if constexpr (std::is_same_v<KV, uint8_t>) {
 #if defined(PAGODA_FP8_DOT)
-    if (g_use_bf16_dot && p.q_is_bf16) return decode_all_avx<KV, kD, true>(p, k, v, batch);
+    if (g_use_bf16_dot && p.q_is_bf16) return decode_all_avx<KV, kD, true>(p, k, v, batch, one);
 #endif
   } else if constexpr (std::is_same_v<KV, int8_t>) {
 #if defined(PAGODA_INT8_DOT) || defined(PAGODA_INT8_DOT_AVX2)
-    if (g_use_bf16_dot && p.q_is_bf16) return decode_all_avx<KV, kD, true>(p, k, v, batch);
+    if (g_use_bf16_dot && p.q_is_bf16) return decode_all_avx<KV, kD, true>(p, k, v, batch, one);
 #endif
   }
-  decode_all_avx<KV, kD, false>(p, k, v, batch);
+  decode_all_avx<KV, kD, false>(p, k, v, batch, one);
 }
 #endif
 
 template <typename KV>
-void dispatch_head_dim(const Problem& p, const KV* k, const KV* v, int64_t batch) {
+void dispatch_head_dim(const Problem& p, const KV* k, const KV* v, int64_t batch,
+                       const OneItem* one = nullptr) {
 #if defined(PAGODA_DECODE_VEC)
   switch (p.head_dim) {
     case 32:
-      return dispatch_avx<KV, 32>(p, k, v, batch);
+      return dispatch_avx<KV, 32>(p, k, v, batch, one);
     case 64:
-      return dispatch_avx<KV, 64>(p, k, v, batch);
+      return dispatch_avx<KV, 64>(p, k, v, batch, one);
     case 96:
-      return dispatch_avx<KV, 96>(p, k, v, batch);
+      return dispatch_avx<KV, 96>(p, k, v, batch, one);
     case 128:
-      return dispatch_avx<KV, 128>(p, k, v, batch);
+      return dispatch_avx<KV, 128>(p, k, v, batch, one);
     case 256:
-      return dispatch_avx<KV, 256>(p, k, v, batch);
+      return dispatch_avx<KV, 256>(p, k, v, batch, one);
     default:
       break;
   }
@@ -1605,15 +1632,23 @@ void dispatch_head_dim(const Problem& p, const KV* k, const KV* v, int64_t batch
   for_each_item<Scratch>(p, batch, p.num_heads / p.num_kv_heads,
                          [&](int64_t b, int kvh0, int kvh1, Scratch& s) {
                            decode_one<KV>(p, k, v, b, kvh0, kvh1, s);
-                         });
+                         }, one);
 }
 
-void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
-                            torch::Tensor v_cache, torch::Tensor block_tables,
-                            torch::Tensor seq_lens, double scale, int64_t sliding_window,
-                            std::optional<torch::Tensor> k_scale,
-                            std::optional<torch::Tensor> v_scale,
-                            std::optional<torch::Tensor> q_sink, int64_t num_sink_tokens) {
+// A decode attention call with its arguments checked: the Problem and the tensors its
+// pointers point into.
+struct PreparedDecode {
+  Problem p;
+  torch::Tensor k_cache, v_cache, block_tables, seq_lens;
+  int64_t batch;
+};
+
+PreparedDecode prepare_decode(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
+                              torch::Tensor v_cache, torch::Tensor block_tables,
+                              torch::Tensor seq_lens, double scale, int64_t sliding_window,
+                              std::optional<torch::Tensor> k_scale,
+                              std::optional<torch::Tensor> v_scale,
+                              std::optional<torch::Tensor> q_sink, int64_t num_sink_tokens) {
   const AttentionShape shape =
       check_attention_args(out, q, k_cache, v_cache, k_scale, v_scale, "[B, H, D]");
   TORCH_CHECK(!q_sink.has_value() || (q_sink->sizes() == q.sizes() &&
@@ -1625,7 +1660,6 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_
   const int64_t batch = q.size(0);
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == batch, "block_tables: [B, M]");
   TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.size(0) == batch, "seq_lens: [B]");
-  if (batch == 0) return;
 
   auto bt = block_tables.to(at::kLong).contiguous();
   auto sl = seq_lens.to(at::kLong).contiguous();
@@ -1655,8 +1689,21 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_
     p.q_sink = q_sink->data_ptr();
     p.num_sinks = num_sink_tokens;
   }
-  visit_caches(k_cache, v_cache, [&](const auto* k, const auto* v) {
-    dispatch_head_dim(p, k, v, batch);
+  return PreparedDecode{p, k_cache, v_cache, bt, sl, batch};
+}
+
+void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
+                            torch::Tensor v_cache, torch::Tensor block_tables,
+                            torch::Tensor seq_lens, double scale, int64_t sliding_window,
+                            std::optional<torch::Tensor> k_scale,
+                            std::optional<torch::Tensor> v_scale,
+                            std::optional<torch::Tensor> q_sink, int64_t num_sink_tokens) {
+  const PreparedDecode d = prepare_decode(out, q, k_cache, v_cache, block_tables, seq_lens,
+                                          scale, sliding_window, k_scale, v_scale, q_sink,
+                                          num_sink_tokens);
+  if (d.batch == 0) return;
+  visit_caches(d.k_cache, d.v_cache, [&](const auto* k, const auto* v) {
+    dispatch_head_dim(d.p, k, v, d.batch);
   });
 }
 
@@ -1727,6 +1774,26 @@ void decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
                       std::optional<torch::Tensor> v_scale) {
   paged_decode_attention(out, q, k_cache, v_cache, block_tables, seq_lens, scale,
                          sliding_window, k_scale, v_scale, std::nullopt, 0);
+}
+
+// The same call prepared (its arguments checked) for a caller's OpenMP region: the result
+// runs request b's kv heads [kvh0, kvh1) on the calling thread, without throwing.
+using DecodeHeads = std::function<void(int64_t b, int kvh0, int kvh1)>;
+
+DecodeHeads decode_heads(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
+                         torch::Tensor v_cache, torch::Tensor block_tables,
+                         torch::Tensor seq_lens, double scale, int64_t sliding_window,
+                         std::optional<torch::Tensor> k_scale,
+                         std::optional<torch::Tensor> v_scale) {
+  auto d = std::make_shared<const PreparedDecode>(
+      prepare_decode(out, q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window,
+                     k_scale, v_scale, std::nullopt, 0));
+  return [d](int64_t b, int kvh0, int kvh1) {
+    const OneItem one{b, kvh0, kvh1};
+    visit_caches(d->k_cache, d->v_cache, [&](const auto* k, const auto* v) {
+      dispatch_head_dim(d->p, k, v, d->batch, &one);
+    });
+  };
 }
 }  // namespace pagoda_decode
 

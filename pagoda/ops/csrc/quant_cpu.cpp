@@ -34,6 +34,8 @@
 
 #include <omp.h>
 
+#include "q_gemv_abi.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define PAGODA_Q_AVX512 1
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -49,6 +51,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace pagoda_quant {
@@ -105,6 +108,20 @@ std::vector<std::string> quant_isa() {
 }
 
 #if defined(PAGODA_Q_VEC)
+
+// row(r) for r in [0, m): in parallel for a large batch only. NOTE: a parallel region costs
+// more than quantizing a few rows (tens of microseconds a wake-up when the cores are
+// shared), and a single row is quantized inside the caller's region (q_gemv_part), where a
+// nested region of one thread would still cost its set-up.
+template <typename Fn>
+inline void for_rows(int64_t m, int64_t kp, Fn&& row) {
+  if (m * kp >= (1 << 17)) {
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < m; ++r) row(r);
+  } else {
+    for (int64_t r = 0; r < m; ++r) row(r);
+  }
+}
 
 // Activations quantized to int8 per block: q [m, kp] (zero past K), d and d * sum(q) [m, nb].
 struct QuantActs {
@@ -167,10 +184,7 @@ void quantize_acts(const T* x, int64_t m, int64_t k, int64_t kp, int64_t block, 
   a.d.assign(m * nb, 0.f);
   a.dsum.assign(m * nb, 0.f);
   const int nv = static_cast<int>(block / 16);
-  // NOTE: a parallel region costs more than quantizing a few rows (tens of microseconds a
-  // wake-up when the cores are shared), so only large batches quantize in parallel.
-#pragma omp parallel for schedule(static) if (m * kp >= (1 << 17))
-  for (int64_t r = 0; r < m; ++r) {
+  auto row = [&](int64_t r) {
     for (int64_t b = 0; b < nb && b * block < k; ++b) {
       const int64_t k0 = b * block;
       __m512 v[2];
@@ -191,7 +205,8 @@ void quantize_acts(const T* x, int64_t m, int64_t k, int64_t kp, int64_t block, 
       a.d[r * nb + b] = d;
       a.dsum[r * nb + b] = d * static_cast<float>(_mm512_reduce_add_epi32(sum));
     }
-  }
+  };
+  for_rows(m, kp, row);
 }
 
 // acc + per int32 lane the sum over its 4 bytes of u8 a times s8 b (exact either way).
@@ -479,8 +494,7 @@ void quantize_acts(const T* x, int64_t m, int64_t k, int64_t kp, int64_t block, 
   a.dsum.assign(m * nb, 0.f);
   const int nv = static_cast<int>(block / 8);
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-#pragma omp parallel for schedule(static) if (m * kp >= (1 << 17))
-  for (int64_t r = 0; r < m; ++r) {
+  auto row = [&](int64_t r) {
     for (int64_t b = 0; b < nb && b * block < k; ++b) {
       const int64_t k0 = b * block;
       __m256 v[4];
@@ -502,7 +516,8 @@ void quantize_acts(const T* x, int64_t m, int64_t k, int64_t kp, int64_t block, 
       a.d[r * nb + b] = d;
       a.dsum[r * nb + b] = d * static_cast<float>(hsum8(sum));
     }
-  }
+  };
+  for_rows(m, kp, row);
 }
 
 // acc + per int32 lane the sum over its 4 bytes of u8 a times s8 b (exact, no saturation).
@@ -735,22 +750,25 @@ void run_rows(int rows, const Weights& w, const QuantActs& a, int64_t row0, int6
 // One activation row (decode): each thread takes an equal contiguous share of the tiles,
 // kGemvTiles at a time (more independent loads and chains than a pair gives one row).
 template <int BITS, int BLOCK>
-void q_gemv(const Weights& w, const QuantActs& a, const Output& o) {
+void q_gemv_share(const Weights& w, const QuantActs& a, const Output& o, int64_t tid,
+                  int64_t nth) {
   const int64_t tiles = w.np / kTileRows;
-#pragma omp parallel
-  {
-    const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num();
-    const int64_t end = tiles * (tid + 1) / nth;
-    int64_t p = tiles * tid / nth;
-    for (; p + kGemvTiles <= end; p += kGemvTiles) {
-      run_tile<BITS, BLOCK, 1, kGemvTiles>(w, a, 0, p, o);
-    }
-    if (p + 2 <= end) {
-      run_tile<BITS, BLOCK, 1, 2>(w, a, 0, p, o);
-      p += 2;
-    }
-    if (p < end) run_tile<BITS, BLOCK, 1, 1>(w, a, 0, p, o);
+  const int64_t end = tiles * (tid + 1) / nth;
+  int64_t p = tiles * tid / nth;
+  for (; p + kGemvTiles <= end; p += kGemvTiles) {
+    run_tile<BITS, BLOCK, 1, kGemvTiles>(w, a, 0, p, o);
   }
+  if (p + 2 <= end) {
+    run_tile<BITS, BLOCK, 1, 2>(w, a, 0, p, o);
+    p += 2;
+  }
+  if (p < end) run_tile<BITS, BLOCK, 1, 1>(w, a, 0, p, o);
+}
+
+template <int BITS, int BLOCK>
+void q_gemv(const Weights& w, const QuantActs& a, const Output& o) {
+#pragma omp parallel
+  q_gemv_share<BITS, BLOCK>(w, a, o, omp_get_thread_num(), omp_get_num_threads());
 }
 
 template <int BITS, int BLOCK>
@@ -858,6 +876,45 @@ at::Tensor q_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tens
 #endif
   return out;
 }
+
+// A weight's layout, checked once, for pagoda_q_gemv_part (q_gemv_abi.h): the tensors are
+// held so that the pointers in `w` stay valid while the Python object lives.
+struct GemvPlan {
+  at::Tensor codes, sc, off;
+  Weights w;
+  int64_t bits, block, k, kp, n;
+};
+
+GemvPlan make_gemv_plan(const at::Tensor& codes, const at::Tensor& sc, const at::Tensor& off,
+                        int64_t bits, int64_t block, int64_t group, bool zero_form, int64_t n,
+                        int64_t k) {
+#if !defined(PAGODA_Q_VEC)
+  TORCH_CHECK(false, "pagoda quant kernels were built without AVX-512 or AVX2");
+#endif
+  TORCH_CHECK(k > 0, "k must be positive");
+  // NOTE: checked_weights reads only x's shape and dtype.
+  const at::Tensor x = at::empty({1, k}, at::kBFloat16);
+  const Weights w = checked_weights(x, codes, sc, off, bits, block, group, zero_form, n);
+  return GemvPlan{codes, sc, off, w, bits, block, k, codes.size(1) / (2 * bits), n};
+}
+
+extern "C" void pagoda_q_gemv_part(const void* plan, const void* x, void* y, int bf16,
+                                   const float* bias, int tid, int nth) {
+#if defined(PAGODA_Q_VEC)
+  const GemvPlan& p = *static_cast<const GemvPlan*>(plan);
+  // NOTE: per thread: every thread of the caller's team quantizes the row itself.
+  thread_local QuantActs a;
+  if (bf16) quantize_acts(static_cast<const at::BFloat16*>(x), 1, p.k, p.kp, p.block, a);
+  else quantize_acts(static_cast<const float*>(x), 1, p.k, p.kp, p.block, a);
+  const Output o{y, bf16 != 0, p.n, bias};
+  if (p.bits == 4) q_gemv_share<4, 32>(p.w, a, o, tid, nth);
+  else if (p.block == 32) q_gemv_share<8, 32>(p.w, a, o, tid, nth);
+  else q_gemv_share<8, 16>(p.w, a, o, tid, nth);
+#endif
+}
+
+static_assert(std::is_same_v<decltype(&pagoda_q_gemv_part), PagodaGemvPart>,
+              "pagoda_q_gemv_part must have q_gemv_abi.h's signature");
 
 // The same product through a bf16 GEMM: per tile of `tile` output rows (a multiple of 16),
 // the weights dequantized into a bf16 scratch [K, tile], then x @ scratch (+ bias). Only
@@ -990,6 +1047,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("i8_linear", &pagoda_quant::i8_linear, "W8A8 with a dynamic per-token activation scale");
   m.def("fp8_gemv", &pagoda_quant::fp8_gemv, "x @ w.T for e4m3fn codes with block scales (few rows)");
   m.def("fp8_dequant", &pagoda_quant::fp8_dequant, "e4m3fn codes times their scales, into a bf16 buffer");
+  namespace py = pybind11;
+  py::class_<pagoda_quant::GemvPlan>(m, "GemvPlan",
+                                     "A panel layout checked for single-row products "
+                                     "(q_gemv_abi.h); address: for the other extension")
+      .def(py::init(&pagoda_quant::make_gemv_plan), py::arg("codes"), py::arg("scales"),
+           py::arg("offsets"), py::arg("bits"), py::arg("block"), py::arg("group"),
+           py::arg("zero_form"), py::arg("n"), py::arg("k"))
+      .def_property_readonly("address", [](const pagoda_quant::GemvPlan& p) {
+        return reinterpret_cast<std::intptr_t>(&p);
+      });
+  m.def("gemv_part_address", [] {
+        return reinterpret_cast<std::intptr_t>(&pagoda_quant::pagoda_q_gemv_part);
+      },
+        "the address of pagoda_q_gemv_part (q_gemv_abi.h)");
   m.def("kernel_isa", [] { return std::map<std::string, std::vector<std::string>>{
       {"quant", pagoda_quant::quant_isa()}, {"fp8", pagoda_quant::fp8_isa()}}; }, "op -> the /proc/cpuinfo flags its vector path uses");
 }
