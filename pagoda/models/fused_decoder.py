@@ -6,12 +6,15 @@ Op by op, a decoder layer is ~12 Python-level calls (modules, op dispatch, views
 layer's dense part (o_proj, add+RMSNorm, gate_up, SiLU*mul, down, the next layer's
 add+RMSNorm, qkv_proj, rotary+KV write) is one call into the C++ extension
 (ops/csrc/decoder_layer_cpu.cpp), which runs the very kernels the Python layers run, in
-the same order: the result is bit for bit the op-by-op one (tests/unit/test_fused_decoder.py).
+the same order: the result is bit for bit the op-by-op one (tests/model/test_fused_decoder.py).
 Attention stays the backend's call, so every step (decode, prefill, mixed) takes this path.
 A decode-only step (one query row per request, one metadata for every layer, the C++ decode
 attention kernel in use, no attention sinks) goes further: every layer, attention included,
 is one call (`decoder_decode_stack`), the same kernels in the same order, so the Python
-between the layers and the OpenMP workers' sleep in that gap go too.
+between the layers and the OpenMP workers' sleep in that gap go too. With one token and
+every projection quantized (bf16), that call is one OpenMP region (`one_region_stack`):
+each weight gets the quant extension's `GemvPlan`, whose address, with that of its
+single-row product (csrc/q_gemv_abi.h), the C++ stack calls from every thread.
 
 Eligible: every projection unquantized with a oneDNN-packed weight (bf16, or fp16 where
 oneDNN packs it) or quantized with the CPU quant kernels' panel layout prepared (GGUF
