@@ -202,6 +202,12 @@ DecoderStack make_stack(std::vector<DecoderLayer> layers, std::vector<double> sc
 // False when a test turns the one-region path off, to compare it with the per-op calls.
 std::atomic<bool> g_one_region{true};
 
+// Entry j (2: k_scale, 3: v_scale) of a layer's cache (k, v[, k_scale, v_scale]), if any.
+std::optional<torch::Tensor> cache_scale(const std::vector<torch::Tensor>& cache, size_t j) {
+  if (cache.size() == 4) return cache[j];
+  return std::nullopt;
+}
+
 const float* bias_ptr(const torch::Tensor& b) {
   return b.defined() ? b.data_ptr<float>() : nullptr;
 }
@@ -255,17 +261,9 @@ torch::Tensor one_region_stack(const DecoderStack& s, const torch::Tensor& x,
   std::vector<pagoda_decode::DecodeHeads> heads;
   for (size_t i = 0; i < n; ++i) {
     auto k_cache = kv[i][0], v_cache = kv[i][1];
-    std::optional<torch::Tensor> ks, vs;
-    if (kv[i].size() == 4) {
-      ks = kv[i][2];
-      vs = kv[i][3];
-    }
-    TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() &&
-                    k_cache.size(2) == nkv && k_cache.size(3) == hd &&
-                    k_cache.is_contiguous() && v_cache.is_contiguous(),
-                "caches must be contiguous [N, bs, ", nkv, ", ", hd, "]");
+    auto ks = cache_scale(kv[i], 2), vs = cache_scale(kv[i], 3);
+    dst.push_back(pagoda_fused::cache_dst(qkv, k_cache, v_cache, ks, vs, nkv, hd));
     TORCH_CHECK(slot < k_cache.size(0) * k_cache.size(1), "slot ", slot, " out of range");
-    dst.push_back(pagoda_fused::cache_dst(qkv, k_cache, v_cache, ks, vs));
     heads.push_back(pagoda_decode::decode_heads(attn, q, k_cache, v_cache, block_tables,
                                                 seq_lens, s.scales[i], s.windows[i], ks, vs));
   }
@@ -348,10 +346,7 @@ torch::Tensor decoder_decode_stack(const DecoderStack& s, const torch::Tensor& x
     TORCH_CHECK(c.size() == 2 || c.size() == 4,
                 "decoder_decode_stack: a layer's cache is (k, v) or (k, v, k_scale, v_scale)");
   }
-  auto scale_of = [&](size_t i, size_t j) -> std::optional<torch::Tensor> {
-    if (kv[i].size() == 4) return kv[i][j];
-    return std::nullopt;
-  };
+  auto scale_of = [&](size_t i, size_t j) { return cache_scale(kv[i], j); };
   const int64_t t = x.size(0);
   if (s.one_region && t == 1 && x.scalar_type() == at::kBFloat16 && g_one_region) {
     return one_region_stack(s, x, residual, cos, sin, positions, kv, slot_mapping,

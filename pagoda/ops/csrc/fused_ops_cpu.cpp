@@ -205,7 +205,12 @@ void rotary_and_cache_impl(T* qkv, const T* cos, const T* sin, const int64_t* po
 // The cache destination of rotary_and_cache: a plain cache of qkv's dtype, or int8 / uint8
 // (fp8 bits) codes with their float32 [N, bs, Hk] scales.
 CacheDst cache_dst(const torch::Tensor& qkv, torch::Tensor& k_cache, torch::Tensor& v_cache,
-                   std::optional<torch::Tensor>& k_scale, std::optional<torch::Tensor>& v_scale) {
+                   std::optional<torch::Tensor>& k_scale, std::optional<torch::Tensor>& v_scale,
+                   int64_t num_kv_heads, int64_t head_dim) {
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() &&
+                  k_cache.size(2) == num_kv_heads && k_cache.size(3) == head_dim,
+              "caches must be [N, bs, Hk, D]");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   const auto dtype = k_cache.scalar_type();
   TORCH_CHECK(v_cache.scalar_type() == dtype, "the caches must share a dtype");
   const bool quantized = dtype == at::kChar || dtype == at::kByte;
@@ -243,13 +248,9 @@ void rotary_and_cache(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
   TORCH_CHECK(cos.dim() == 2 && cos.size(1) == head_dim / 2 && sin.sizes() == cos.sizes(),
               "cos and sin must be [P, D / 2]");
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous(), "cos and sin must be contiguous");
-  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() &&
-                  k_cache.size(2) == num_kv_heads && k_cache.size(3) == head_dim,
-              "caches must be [N, bs, Hk, D]");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK(qkv.scalar_type() == cos.scalar_type() && qkv.scalar_type() == sin.scalar_type(),
               "qkv, cos/sin and the caches must share a dtype");
-  const CacheDst dst = cache_dst(qkv, k_cache, v_cache, k_scale, v_scale);
+  const CacheDst dst = cache_dst(qkv, k_cache, v_cache, k_scale, v_scale, num_kv_heads, head_dim);
   TORCH_CHECK(positions.dim() == 1 && positions.size(0) == tokens, "positions must be [T]");
   TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == tokens,
               "slot_mapping must be [T]");

@@ -27,9 +27,11 @@ struct CacheDst {
   c10::ScalarType dtype;
 };
 
-// rotary_and_cache's checks of the caches against qkv's dtype, and where it writes.
+// rotary_and_cache's checks of the caches ([N, bs, Hk, D], contiguous, qkv's dtype or
+// quantized with their scales), and where it writes.
 CacheDst cache_dst(const torch::Tensor& qkv, torch::Tensor& k_cache, torch::Tensor& v_cache,
-                   std::optional<torch::Tensor>& k_scale, std::optional<torch::Tensor>& v_scale);
+                   std::optional<torch::Tensor>& k_scale, std::optional<torch::Tensor>& v_scale,
+                   int64_t num_kv_heads, int64_t head_dim);
 
 // One token row of the ops above on the calling thread, with no checks and no parallel
 // region: the one-region decode stack (decoder_layer_cpu.cpp) checks its arguments before
