@@ -21,9 +21,13 @@ import os
 # per-layer GEMMs and the LM head), so this keeps ~25 recent batch sizes.
 GEMM_CACHE_CAPACITY = "128"
 CACHE_CAPACITY_VARS = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
-# NOTE: fixed, so glibc stops raising it; larger blocks go to mmap and back to the system
-# at free. 4 MiB keeps a decode step's tensors in the heap (logits of 16 rows: 3 MiB).
-MMAP_THRESHOLD_BYTES = 4 << 20
+# NOTE: fixed at the top of glibc's own dynamic range (it raises the threshold to each freed
+# mmapped block up to 32 MiB), but from the first step on, and without the trim threshold
+# falling back to 128 KiB (below). Above it a block is mmapped at every allocation and
+# every page is faulted in and zeroed again: at 4 MiB a 2,048-token step's GEMM outputs
+# (SmolLM2's gate_up: 12 MiB) and a 64-row step's logits (12 MiB) were, which cost a
+# third of the short offline workload's time (docs/memory.md).
+MMAP_THRESHOLD_BYTES = 32 << 20
 # NOTE: a fixed mmap threshold also stops glibc's dynamic trim threshold, which then stays
 # at 128 KiB: every free that leaves more than that at the heap's top gives the pages back,
 # and the next step faults them in again (a served c=1 prefill: ~14,000 minor faults a
