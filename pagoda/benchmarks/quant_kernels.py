@@ -4,10 +4,12 @@ Part 1, per SmolLM2 shape (in -> out) and rows M: ms per call of the bf16 packed
 (oneDNN, the unquantized path: also the floor of any dequantize-then-GEMM path, which adds
 the dequantization to it), torch's own int4 ops (`_weight_int4pack_mm_for_cpu` in bf16,
 `_dyn_quant_matmul_4bit` in float32), and the wquant ops as dispatched here (GGUF Q4_1 /
-Q8_0 / Q4_K / Q6_K, group-wise int4 g64, W8A8 int8), and `gguf Q4_1 bf16 tiles`, the
-dequantize-then-GEMM alternative (per tile of TILE_ROWS output rows the Q4_1 layout
-dequantized into a bf16 scratch, then oneDNN's GEMM; not dispatched), each also as its time
-over the bf16 GEMM's in the same run (`x bf16`).
+Q8_0 / Q4_K / Q6_K, group-wise int4 g64, W8A8 int8; on an AMX CPU from
+`quant_cpu.WIDE_MIN_ROWS` rows these take the tiles below, `PAGODA_QUANT_WIDE=int8` pins
+the int8 panel kernel), and `gguf Q4_1 bf16 tiles`, the dequantize-then-GEMM path alone
+(`q_linear_tiles`: per tile of output rows, as the engine sizes them, the Q4_1 layout
+dequantized into a bf16 scratch, then oneDNN's GEMM), each also as its time over the bf16
+GEMM's in the same run (`x bf16`).
 
 Part 2 (`--decode`): single-stream greedy decode ms/token of the embedded SmolLM2 GGUF in
 bf16 (its weights dequantized at load) and with its Q4_1 / Q8_0 blocks run natively
@@ -34,7 +36,6 @@ from pagoda.ops import quant_cpu, quant_layouts, wquant
 SMOLLM2_SHAPES = [(576, 576), (576, 1536), (1536, 576), (576, 192), (576, 960), (576, 3072),
                   (576, 49152)]
 RATIO_OF = ("gguf Q4_1", "gguf Q4_1 bf16 tiles", "wq int4 g64")  # `x bf16` columns
-TILE_ROWS = 1024  # output rows per dequantized tile of the bf16-tiles row
 
 
 def _time_ms(fn: Callable[[], object], budget_s: float = 0.3, max_calls: int = 400) -> float:
@@ -109,9 +110,9 @@ def _kernels(k: int, n: int) -> dict[str, Callable[[torch.Tensor], object]]:
         fns[f"gguf {name}"] = lambda x, w=w: wquant.gguf_linear(x, w)
     if (ext := quant_cpu.resolve()) is not None and "cpp" in q41.kernel_data:
         lay = q41.kernel_data["cpp"]
-        # The dequantize-a-tile-then-bf16-GEMM alternative (not dispatched: measured here).
+        # The dequantize-a-tile-then-bf16-GEMM path on its own, at every row count.
         fns["gguf Q4_1 bf16 tiles"] = lambda x: ext.q_linear_tiles(
-            x, lay.codes, lay.scales, lay.offsets, 4, 32, 32, False, n, None, TILE_ROWS)
+            x, lay.codes, lay.scales, lay.offsets, 4, 32, 32, False, n, None, ext.tile_rows(k, n))
     g = torch.Generator().manual_seed(0)
     wq = wquant.GroupQuantWeight(torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g),
                                  torch.rand(n, k // 64, generator=g),

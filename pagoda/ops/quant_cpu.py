@@ -16,10 +16,17 @@ None): the preparers build nothing for other dtypes (a float32 model never runs 
 `PAGODA_DISABLE_CPU_KERNELS=1` forces the reference.
 
 Rounding: gguf_linear and wq_linear quantize the activations to int8 per block of 32 (16
-for Q6_K) before the integer dot products (llama.cpp's scheme), at every row count: the
-panel kernel (csrc/quant_cpu.cpp) beats dequantize + the dense bf16 GEMM (`q_linear_tiles`,
-kept for `pagoda bench kernels` only) at every row count measured, 1 to 1,024, so there is
-no second path.
+for Q6_K) before the integer dot products (llama.cpp's scheme), in the panel kernel
+(csrc/quant_cpu.cpp). Where the CPU has AMX (amx_bf16, tiles granted), a product of at
+least `WIDE_MIN_ROWS` activation rows (a prefill step) instead dequantizes the weight to
+bf16 a tile at a time and runs ATen's bf16 GEMM on the bf16 activations (`q_linear_tiles`:
+oneDNN's AMX kernel, about 4x the panel kernel's rate at 2,048 rows on an AMX Xeon);
+without AMX the panel kernel wins at every row count measured (AMD EPYC, AVX-512 BF16),
+so it runs everywhere else. The two round differently (int8 activations against bf16
+activations and weights), so on an AMX CPU a bf16 row's result depends on whether its
+step had WIDE_MIN_ROWS rows: exact batch invariance stays with float32 models, which run
+the reference. `PAGODA_QUANT_WIDE=int8` keeps every product on the panel kernel, `=bf16`
+takes the tiled path from WIDE_MIN_ROWS rows on any CPU; `auto` (the default) decides by AMX.
 
 The extension is a second module beside cpu_kernels' (whose sources belong to other ops),
 built by the same loader (`cpu_kernels.load_built`: named by CPU flags, sources and
@@ -30,6 +37,8 @@ in the process).
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +46,7 @@ from types import ModuleType
 
 import torch
 
+from pagoda.cpu_features import request_amx_tiles
 from pagoda.ops import cpu_kernels, quant_layouts, wquant
 from pagoda.ops.quant_layouts import BlockLayout
 from pagoda.ops.registry import OPS, Kernel
@@ -56,6 +66,7 @@ _HEADERS = [Path(__file__).parent / "csrc" / h for h in ("vec_lanes_cpu.h", "q_g
 _module: ModuleType | None = None
 _load_failed = False
 _allowed: bool | None = None
+_wide_rows: int | None = None
 
 
 def extension_name() -> str:
@@ -87,7 +98,9 @@ def resolve() -> ModuleType | None:
     if _allowed is None:
         compiled = ext.kernel_isa()["quant"]
         _allowed = isa_allows(compiled, cpu_kernels.cpu_flags())
-        if not _allowed:
+        if _allowed:
+            _configure_wide(ext)
+        else:
             logger.warning("pagoda quant CPU kernels not used here: compiled for %s; they run "
                            "where the CPU has those flags and one of the vector paths %s",
                            compiled or "scalar code only", [list(p) for p in REQUIRED_ISA])
@@ -157,10 +170,53 @@ def _prepare_fp8(w: wquant.Fp8Weight, dtype: torch.dtype | None) -> None:
             w.kernel_data[NAME] = layout
 
 
+# ---- wide products: the panel kernel or dequantized tiles through oneDNN ----------------
+# NOTE: rows from which the tiled path runs on an AMX CPU: at 128 rows it is ahead of the
+# panel kernel on every SmolLM2 layer shape (576 -> 576 ... 3072), at 64 behind.
+WIDE_MIN_ROWS = 128
+
+
+def wide_mode() -> str:
+    value = os.environ.get("PAGODA_QUANT_WIDE", "auto").strip().lower() or "auto"
+    if value not in ("auto", "int8", "bf16"):
+        raise ValueError(f"PAGODA_QUANT_WIDE={value!r}: expected auto, int8 or bf16")
+    return value
+
+
+def decide_wide_min_rows(mode: str, flags: frozenset[str], amx_usable: bool) -> int | None:
+    """Rows from which a bf16 gguf/wq product runs dequantized bf16 tiles through oneDNN's
+    GEMM, or None (the int8 panel kernel at every row count): under auto, AMX decides."""
+    if mode == "auto":
+        mode = "bf16" if "amx_bf16" in flags and amx_usable else "int8"
+    return WIDE_MIN_ROWS if mode == "bf16" else None
+
+
+def wide_min_rows() -> int | None:
+    """This process's choice (`decide_wide_min_rows`), once the extension resolved."""
+    return _wide_rows
+
+
+def set_wide_min_rows(ext: ModuleType, rows: int | None) -> None:
+    """Sets the rows from which bf16 products take the tiled path (None: never), in this
+    process; tests and `bench kernels` pin one path with it."""
+    global _wide_rows
+    _wide_rows = rows
+    ext.set_wide_min_rows(sys.maxsize if rows is None else rows)
+
+
+def _configure_wide(ext: ModuleType) -> None:
+    flags = cpu_kernels.cpu_flags()
+    amx = "amx_bf16" in flags and request_amx_tiles().usable
+    set_wide_min_rows(ext, decide_wide_min_rows(wide_mode(), flags, amx))
+    logger.info("quantized bf16 products: %s", "the int8 panel kernel at every row count"
+                if _wide_rows is None else f"dequantized bf16 tiles from {_wide_rows} rows")
+
+
 # ---- kernels -------------------------------------------------------------------------------
 def block_linear(ext: ModuleType, x: torch.Tensor, lay: BlockLayout,
                  bias: torch.Tensor | None) -> torch.Tensor:
-    """x [..., K] @ w.T (+ bias) for a panel layout, activations quantized to int8 per block."""
+    """x [..., K] @ w.T (+ bias) for a panel layout: activations quantized to int8 per block,
+    or, bf16 from `wide_min_rows()` rows, the weight dequantized to bf16 tiles."""
     n, k = lay.shape
     x2 = x.reshape(-1, k)
     if not x2.is_contiguous():

@@ -7,7 +7,8 @@ the dequantized weight, in float64: what is left is float32 summation order (ato
 the largest output; bf16 outputs also carry their final rounding, 2**-8 relative). Row
 counts cover every tail of the kernel's 4-row tiles and an odd panel count (N = 37: 3
 panels of 16, the last one partly padding). int8_linear (W8A8) is exact: equal to the
-reference bit for bit.
+reference bit for bit. These tests pin the panel kernel at every row count (`panel_kernel`);
+the wide products' tiled path (AMX CPUs) has its own tests at the end.
 """
 
 from __future__ import annotations
@@ -20,6 +21,20 @@ from pagoda.ops import quant_cpu, quant_layouts, wquant
 from pagoda.ops.registry import OPS
 
 gguf_quants = pytest.importorskip("gguf.quants")
+
+
+@pytest.fixture(autouse=True)
+def panel_kernel():
+    """The int8 panel kernel at every row count (on an AMX CPU wide bf16 products would take
+    the tiled path); this process's choice is put back after each test."""
+    ext = quant_cpu.resolve()
+    if ext is None:
+        yield
+        return
+    chosen = quant_cpu.wide_min_rows()
+    quant_cpu.set_wide_min_rows(ext, None)
+    yield
+    quant_cpu.set_wide_min_rows(ext, chosen)
 
 MS = [1, 2, 3, 4, 17, 64, 300]
 QUANTIZABLE = {quant_layouts.Q4_0: "Q4_0", quant_layouts.Q4_1: "Q4_1", quant_layouts.Q8_0: "Q8_0"}
@@ -222,17 +237,81 @@ def test_many_rows_run_in_row_chunks(qext) -> None:
     _check(wquant.gguf_linear, x, w, None, 32)
 
 
-def test_dequantize_tiles_product_matches_reference(qext) -> None:
-    """q_linear_tiles (per tile of output rows the weight dequantized to bf16, then a bf16
-    GEMM: measured slower than q_linear at every M, so only `bench kernels` calls it)."""
-    w = _gguf_weight(quant_layouts.Q4_1, 200, 96, seed=13)
+@pytest.mark.parametrize("qtype", [*QUANTIZABLE, *KQUANTS],
+                         ids=[*QUANTIZABLE.values(), *KQUANTS.values()])
+@pytest.mark.parametrize("n, k, tile", [(200, 256, 64), (37, 512, 37), (37, 512, 16)])
+def test_dequantize_tiles_product_matches_reference(qext, qtype: int, n: int, k: int,
+                                                     tile: int) -> None:
+    """q_linear_tiles (per tile of output rows the weight dequantized to bf16, then ATen's
+    bf16 GEMM) against x times the bf16-rounded dequantized weight, in float64: what is left
+    is float32 summation order and the output's rounding to bf16 (2**-8 relative); tiles
+    of whole panels, one covering N = 37 (not a panel multiple), and a bias (added in bf16)."""
+    if qtype in KQUANTS and k % quant_layouts.QK_K:
+        pytest.skip("K-quant super-blocks are 256 wide")
+    w = _gguf_weight(qtype, n, k, seed=13)
     lay = w.kernel_data["cpp"]
-    x = torch.randn(70, 96, generator=torch.Generator().manual_seed(13)).to(torch.bfloat16)
-    bias = torch.randn(200)
-    y = qext.q_linear_tiles(x, lay.codes, lay.scales, lay.offsets, 4, 32, 32, False, 200,
-                            bias, 64)
-    ref = x.double() @ _deq(w).to(torch.bfloat16).double().T + bias.double()
-    torch.testing.assert_close(y.double(), ref, rtol=2**-7, atol=1e-3 * ref.abs().max().item())
+    g = torch.Generator().manual_seed(13)
+    x = torch.randn(70, k, generator=g).to(torch.bfloat16)
+    bias = torch.randn(n, generator=g)
+    y = qext.q_linear_tiles(x, lay.codes, lay.scales, lay.offsets, lay.bits, lay.block,
+                            lay.group, lay.zero_form, n, bias, tile)
+    # NOTE: the GEMM adds the bias in bf16 (a bf16 checkpoint's bias loses nothing)
+    ref = x.double() @ _deq(w).to(torch.bfloat16).double().T + bias.to(torch.bfloat16).double()
+    torch.testing.assert_close(y.double(), ref, rtol=2**-8, atol=1e-4 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("zero_form", [True, False], ids=["gptq_zeros", "gguf_offsets"])
+def test_wide_rows_take_the_tiles(qext, zero_form: bool) -> None:
+    """With a threshold set, q_linear (what the layers and the fused decoder call) runs
+    bf16 products of at least that many rows as q_linear_tiles, bit for bit, and fewer
+    rows, and every float32 product, on the int8 panel kernel."""
+    if zero_form:
+        g = torch.Generator().manual_seed(5)
+        w = wquant.GroupQuantWeight(torch.randint(0, 16, (48, 256), generator=g, dtype=torch.uint8),
+                                    torch.rand(48, 4, generator=g) * 0.02 + 0.001,
+                                    torch.randint(0, 16, (48, 4), generator=g).float(), 4, 64)
+        wquant.prepare("wq_linear", w, "cpu")
+        op = wquant.wq_linear
+    else:
+        w = _gguf_weight(quant_layouts.Q4_1, 48, 256, seed=5)
+        op = wquant.gguf_linear
+    lay = w.kernel_data["cpp"]
+    n, k = lay.shape
+    args = (lay.codes, lay.scales, lay.offsets, lay.bits, lay.block, lay.group, lay.zero_form, n)
+    x = torch.randn(12, k, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    bias = torch.randn(n)
+    panel = qext.q_linear(x, *args, bias)
+    tiles = qext.q_linear_tiles(x, *args, bias, qext.tile_rows(k, n))
+    assert not torch.equal(panel, tiles)  # the two paths round differently
+    quant_cpu.set_wide_min_rows(qext, 12)
+    assert quant_cpu.wide_min_rows() == 12
+    assert torch.equal(qext.q_linear(x, *args, bias), tiles)
+    assert torch.equal(qext.q_linear(x[:11], *args, bias), panel[:11])
+    assert torch.equal(op(x, w, bias), tiles)
+    y32 = qext.q_linear(x.float(), *args, bias)
+    quant_cpu.set_wide_min_rows(qext, None)
+    assert torch.equal(y32, qext.q_linear(x.float(), *args, bias))
+
+
+def test_tile_rows_cover_n_or_whole_panels(qext) -> None:
+    assert qext.tile_rows(576, 3072) == 3072
+    assert qext.tile_rows(576, 37) == 37
+    rows = qext.tile_rows(4096, 28672)  # Llama-8B's gate_up: 16 MiB of bf16 a tile
+    assert rows % quant_layouts.PANEL == 0 and rows * 4096 * 2 <= 16 << 20 and rows >= 1024
+
+
+def test_wide_products_take_the_tiles_only_with_amx(monkeypatch) -> None:
+    amx = frozenset({"avx512f", "avx512_bf16", "amx_bf16", "amx_tile"})
+    no_amx = frozenset({"avx512f", "avx512_bf16"})
+    rows = quant_cpu.WIDE_MIN_ROWS
+    assert quant_cpu.decide_wide_min_rows("auto", amx, True) == rows
+    assert quant_cpu.decide_wide_min_rows("auto", amx, False) is None  # tiles refused
+    assert quant_cpu.decide_wide_min_rows("auto", no_amx, True) is None
+    assert quant_cpu.decide_wide_min_rows("int8", amx, True) is None
+    assert quant_cpu.decide_wide_min_rows("bf16", no_amx, False) == rows
+    monkeypatch.setenv("PAGODA_QUANT_WIDE", "amx")
+    with pytest.raises(ValueError, match="PAGODA_QUANT_WIDE"):
+        quant_cpu.wide_mode()
 
 
 @pytest.mark.parametrize("m", MS)

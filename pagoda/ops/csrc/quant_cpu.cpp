@@ -47,6 +47,8 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
+#include <limits>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -687,7 +689,7 @@ void run_tile(const Weights& w, const QuantActs& a, int64_t row0, int64_t unit0,
   }
 }
 
-// Portable forms of the two dequantizations (a token table's lookups and the bench-only
+// Portable forms of the two dequantizations (a token table's lookups and the wide
 // tiled product): scalar loops, with the AVX-512 path's roundings (one fma for dequant_t,
 // each operation rounded on its own for dequant_row, which is built without contraction).
 template <int BITS>
@@ -854,10 +856,66 @@ at::Tensor float_bias(const c10::optional<at::Tensor>& bias, int64_t n) {
   return bias->to(at::kFloat).contiguous();
 }
 
+// The same product through a bf16 GEMM: per tile of `tile` output rows (a multiple of 16),
+// the weights dequantized into a bf16 scratch [K, tile] (w = s * q + m in float32, one
+// rounding to bf16), then x @ scratch (+ bias) by ATen's bf16 GEMM (oneDNN: AMX tiles where
+// the CPU has them). q_linear runs it from `wide_min_rows` rows; one tile covering N writes
+// `out` directly.
+at::Tensor q_linear_tiles(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sc,
+                          const at::Tensor& off, int64_t bits, int64_t block, int64_t group,
+                          bool zero_form, int64_t n, const c10::optional<at::Tensor>& bias,
+                          int64_t tile) {
+  const Weights w = checked_weights(x, codes, sc, off, bits, block, group, zero_form, n);
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && tile > 0 && (tile % kPanel == 0 || tile >= n),
+              "the tiled path takes bf16 x and tiles of whole panels (or one covering n)");
+  const at::Tensor b = float_bias(bias, n);
+  const int64_t m = x.size(0), k = x.size(1);
+  at::Tensor out = at::empty({m, n}, x.options());
+#if defined(PAGODA_Q_VEC)
+  at::Tensor scratch = at::empty({k * std::min(tile, n)}, x.options());
+  const at::Tensor b16 = b.defined() ? b.to(at::kBFloat16) : b;
+  for (int64_t t0 = 0; t0 < n; t0 += tile) {
+    const int64_t tn = std::min(tile, n - t0);
+    at::Tensor wt = scratch.narrow(0, 0, k * tn).view({k, tn});
+    auto* dst = reinterpret_cast<uint16_t*>(wt.data_ptr<at::BFloat16>());
+    if (bits == 4) dequant_t<4>(w, group, k, t0, tn, dst);
+    else dequant_t<8>(w, group, k, t0, tn, dst);
+    if (tn == n) {
+      if (b16.defined()) at::addmm_out(out, b16, x, wt);
+      else at::mm_out(out, x, wt);
+    } else {
+      at::Tensor y = b16.defined() ? at::addmm(b16.narrow(0, t0, tn), x, wt) : at::mm(x, wt);
+      out.narrow(1, t0, tn).copy_(y);
+    }
+  }
+#else
+  TORCH_CHECK(false, "pagoda quant kernels were built without AVX-512 or AVX2");
+#endif
+  return out;
+}
+
+// Rows from which q_linear's bf16 products run q_linear_tiles (set once per process by
+// quant_cpu.py: on a CPU with AMX the dequantized tiles through oneDNN are the faster path
+// for wide products; INT64_MAX: never).
+std::atomic<int64_t> wide_min_rows{std::numeric_limits<int64_t>::max()};
+// At most this many bytes of dequantized bf16 weight per tile: one tile covers a SmolLM2 or
+// Llama-8B attention weight (one GEMM, written in place), and the scratch stays under
+// memory_env's 32 MiB mmap threshold.
+constexpr int64_t kTileBytes = int64_t{16} << 20;
+
+int64_t tile_rows(int64_t k, int64_t n) {
+  const int64_t rows = std::max<int64_t>(kTileBytes / (2 * k), kPanel);
+  return rows >= n ? n : rows / kPanel * kPanel;
+}
+
 // y[M, n] = x[M, K] @ w.T (+ bias), w in the panel layout above; out has x's dtype.
 at::Tensor q_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sc,
                     const at::Tensor& off, int64_t bits, int64_t block, int64_t group,
                     bool zero_form, int64_t n, const c10::optional<at::Tensor>& bias) {
+  if (x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(0) >= wide_min_rows.load()) {
+    return q_linear_tiles(x, codes, sc, off, bits, block, group, zero_form, n, bias,
+                          tile_rows(x.size(1), n));
+  }
   const Weights w = checked_weights(x, codes, sc, off, bits, block, group, zero_form, n);
   const at::Tensor b = float_bias(bias, n);
   const int64_t m = x.size(0), k = x.size(1), kp = codes.size(1) / (2 * bits);
@@ -915,37 +973,6 @@ extern "C" void pagoda_q_gemv_part(const void* plan, const void* x, void* y, int
 
 static_assert(std::is_same_v<decltype(&pagoda_q_gemv_part), PagodaGemvPart>,
               "pagoda_q_gemv_part must have q_gemv_abi.h's signature");
-
-// The same product through a bf16 GEMM: per tile of `tile` output rows (a multiple of 16),
-// the weights dequantized into a bf16 scratch [K, tile], then x @ scratch (+ bias). Only
-// `pagoda bench kernels` calls it: slower than q_linear at every row count measured.
-at::Tensor q_linear_tiles(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sc,
-                          const at::Tensor& off, int64_t bits, int64_t block, int64_t group,
-                          bool zero_form, int64_t n, const c10::optional<at::Tensor>& bias,
-                          int64_t tile) {
-  const Weights w = checked_weights(x, codes, sc, off, bits, block, group, zero_form, n);
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && tile > 0 && tile % kPanel == 0,
-              "the tiled path takes bf16 x and tiles of whole panels");
-  const at::Tensor b = float_bias(bias, n);
-  const int64_t m = x.size(0), k = x.size(1);
-  at::Tensor out = at::empty({m, n}, x.options());
-#if defined(PAGODA_Q_VEC)
-  at::Tensor scratch = at::empty({k * std::min(tile, n)}, x.options());
-  for (int64_t t0 = 0; t0 < n; t0 += tile) {
-    const int64_t tn = std::min(tile, n - t0);
-    at::Tensor wt = scratch.narrow(0, 0, k * tn).view({k, tn});
-    auto* dst = reinterpret_cast<uint16_t*>(wt.data_ptr<at::BFloat16>());
-    if (bits == 4) dequant_t<4>(w, group, k, t0, tn, dst);
-    else dequant_t<8>(w, group, k, t0, tn, dst);
-    at::Tensor y = b.defined() ? at::addmm(b.narrow(0, t0, tn).to(at::kBFloat16), x, wt)
-                               : at::mm(x, wt);
-    out.narrow(1, t0, tn).copy_(y);
-  }
-#else
-  TORCH_CHECK(false, "pagoda quant kernels were built without AVX-512 or AVX2");
-#endif
-  return out;
-}
 
 // out[i] = row rows[i] of the layout's weight (float32 or bf16 [R, K]): what the reference
 // (quant_layouts.BlockLayout.dequantize_rows) computes, without its dozen tensor ops.
@@ -1039,9 +1066,12 @@ std::vector<std::string> fp8_isa();
 TORCH_LIBRARY(pagoda_quant, m) { m.def("q_linear", &pagoda_quant::q_linear); }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("q_linear", &pagoda_quant::q_linear, "x @ w.T for panel-packed codes (int8 activations)");
+  m.def("q_linear", &pagoda_quant::q_linear, "x @ w.T for panel-packed codes (int8 activations; bf16 tiles from wide_min_rows rows)");
   m.def("q_linear_tiles", &pagoda_quant::q_linear_tiles,
         "q_linear through per-tile bf16 dequantization and a bf16 GEMM");
+  m.def("set_wide_min_rows", [](int64_t rows) { pagoda_quant::wide_min_rows.store(rows); },
+        "rows from which q_linear's bf16 products take q_linear_tiles");
+  m.def("tile_rows", &pagoda_quant::tile_rows, "output rows per tile of q_linear's wide products");
   m.def("dequant_rows", &pagoda_quant::dequant_rows,
         "rows of a panel layout's weight, dequantized into out (float32 or bf16)");
   m.def("i8_linear", &pagoda_quant::i8_linear, "W8A8 with a dynamic per-token activation scale");
