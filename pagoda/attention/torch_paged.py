@@ -14,6 +14,8 @@ sees the same stored K/V).
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -25,6 +27,7 @@ from pagoda.attention.backend import (
     register_backend,
 )
 from pagoda.attention.sinks import sink_attention
+from pagoda.cpu_features import cpu_info, request_amx_tiles
 from pagoda.layers.rotary import rotate_by
 
 # A request whose query rows times G (query heads per kv head) are fewer takes the decode
@@ -33,6 +36,28 @@ from pagoda.layers.rotary import rotate_by
 # bf16, context 1,000): 16 requests of 2 rows (6 vectors each) ran 2x faster as rows, of 5
 # rows (15) at parity, of 16 rows 1.6x slower as rows. Not measured on AVX2.
 TILED_MIN_QUERY_VECTORS = 16
+# A bf16 prefill with nothing cached before it, of at least this many tokens, runs PyTorch's
+# SDPA (its CPU flash kernel, whose GEMMs oneDNN runs on AMX tiles) on the chunk's own K/V
+# where the CPU has AMX. NOTE (measured on an AMX Xeon, SmolLM2's 9 / 3 heads x 64, 2,048
+# prompt tokens a step, attention ms per step, tiled kernel -> SDPA): 1 x 2,048 939 -> 330,
+# 4 x 512 304 -> 159, 16 x 128 139 -> 87, 32 x 64 112-115 -> 89-94, 64 x 32 104 -> 103-108.
+SDPA_MIN_QUERY_LEN = 64
+_sdpa_prefill: bool | None = None
+
+
+def sdpa_prefill_enabled() -> bool:
+    """Whether long fresh bf16 prefills take SDPA (decided once per process):
+    `PAGODA_PREFILL_SDPA` on / off, or auto (the default): where the CPU lists amx_bf16 and
+    AMX tiles were granted."""
+    global _sdpa_prefill
+    if _sdpa_prefill is None:
+        mode = os.environ.get("PAGODA_PREFILL_SDPA", "auto").strip().lower() or "auto"
+        if mode not in ("auto", "on", "off"):
+            raise ValueError(f"PAGODA_PREFILL_SDPA={mode!r}: expected auto, on or off")
+        if mode == "auto":
+            mode = "on" if ("amx_bf16" in cpu_info()[1] and request_amx_tiles().usable) else "off"
+        _sdpa_prefill = mode == "on"
+    return _sdpa_prefill
 
 
 @register_backend("torch_paged")
@@ -70,7 +95,7 @@ class TorchPagedAttention:
         if self.sinks is not None:
             return self._forward_sinks(q, k_cache, v_cache, md, scales)
         if md.prefills and q.dtype in TOKEN_ROW_DTYPES:
-            out = self._forward_kernels(q, k_cache, v_cache, md, scales)
+            out = self._forward_kernels(q, k, v, k_cache, v_cache, md, scales)
             if out is not None:
                 return out.view(q.shape[0], -1)
         out = torch.empty_like(q)
@@ -101,39 +126,46 @@ class TorchPagedAttention:
         return out.view(q.shape[0], -1)
 
     def _forward_kernels(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-        md: AttentionMetadata, scales: list[torch.Tensor],
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+        v_cache: torch.Tensor, md: AttentionMetadata, scales: list[torch.Tensor],
     ) -> torch.Tensor | None:
         """A step with prefills through kernels that read the paged cache in place: the
         prefill rows through the tiled prefill kernel and the decode rows through the decode
-        kernel; where the tiled one cannot run, every row through the decode kernel as its
-        own query row. None: no kernel runs here (the caller takes SDPA)."""
+        kernel, long fresh bf16 prefills on an AMX CPU through SDPA on their own K/V
+        (`_sdpa_takes`); where the tiled one cannot run, every row through the decode
+        kernel as its own query row. None: no kernel runs here (the caller takes SDPA)."""
         nd = md.num_decode_tokens
         tiled_kernel = (md.prefill_seq_lens is not None
                         and ops.paged_prefill_attention.kernel_for(q) is not None)
-        split = self._tiled_split(md) if tiled_kernel else None
+        split = (self._tiled_split(md, self._sdpa_takes(q, k_cache, scales))
+                 if tiled_kernel else None)
         if split is not None:
-            arrays, rows = split
+            arrays, rows, fresh = split
             args = (q, k_cache, v_cache, *arrays, self.scale, self.sliding_window, *scales)
             tiled = ops.paged_prefill_attention.select(*args)
             if tiled is not ops.paged_prefill_attention.reference:
-                out = tiled(*args)  # NOTE: rows of no tiled request are unwritten, filled here
+                # NOTE: rows of no tiled request are unwritten, filled here
+                out = tiled(*args) if arrays[0].shape[0] else torch.empty_like(q)
                 if rows is not None:
-                    out[rows] = ops.paged_attention(
-                        q[rows], k_cache, v_cache, md.token_block_tables[rows],
-                        md.token_seq_lens[rows], self.scale, self.sliding_window, None,
-                        *scales,
-                    )
+                    if rows.numel():
+                        out[rows] = ops.paged_attention(
+                            q[rows], k_cache, v_cache, md.token_block_tables[rows],
+                            md.token_seq_lens[rows], self.scale, self.sliding_window, None,
+                            *scales,
+                        )
                 elif nd:
                     out[:nd] = ops.paged_attention(
                         q[:nd], k_cache, v_cache, md.decode_block_tables, md.decode_seq_lens,
                         self.scale, self.sliding_window, md.decode_max_seq_len, *scales,
                     )
+                for start, length in fresh:
+                    s = slice(start, start + length)
+                    out[s] = self._prefill(q[s], k[s], v[s])
                 return out
         if md.token_seq_lens is not None:
             # NOTE: each prefill token as its own decode row still runs 2-3x faster than
-            # SDPA's CPU flash kernel (head_dim 64, bf16); the reference would gather a
-            # context per token: not that.
+            # SDPA's CPU flash kernel (head_dim 64, bf16, without AMX); the reference would
+            # gather a context per token: not that.
             args = (
                 q, k_cache, v_cache, md.token_block_tables, md.token_seq_lens, self.scale,
                 self.sliding_window, None, *scales,
@@ -143,30 +175,47 @@ class TorchPagedAttention:
                 return kernel(*args)
         return None
 
+    def _sdpa_takes(self, q: torch.Tensor, k_cache: torch.Tensor,
+                    scales: list[torch.Tensor]) -> bool:
+        """Whether fresh prefills of SDPA_MIN_QUERY_LEN tokens run SDPA here: a CPU with AMX
+        (oneDNN's bf16 GEMM on tiles), a bf16 q and cache (the stored K/V are the chunk's
+        own, bit for bit), no sliding window. `PAGODA_PREFILL_SDPA` = auto / on / off."""
+        if (q.dtype != torch.bfloat16 or k_cache.dtype != q.dtype or scales
+                or self.sliding_window is not None or q.device.type != "cpu"):
+            return False
+        return sdpa_prefill_enabled()
+
     def _tiled_split(
-        self, md: AttentionMetadata
-    ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None] | None:
+        self, md: AttentionMetadata, sdpa: bool = False
+    ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None, list[tuple[int, int]]] | None:
         """The prefill arrays (tables, starts, query lens, seq lens) of the requests with at
-        least TILED_MIN_QUERY_VECTORS query vectors, and the flat rows left to the decode
-        kernel when some request has fewer (None: the decode rows only); None: no request
-        has enough. Derived once per step (the metadata's memo)."""
+        least TILED_MIN_QUERY_VECTORS query vectors, the flat rows left to the decode
+        kernel when some request has fewer or runs SDPA (None: the decode rows only), and
+        the (query start, length) of the requests that run SDPA (with `sdpa`: those of
+        SDPA_MIN_QUERY_LEN tokens with nothing cached before them); None: no request has
+        enough. Derived once per step (the metadata's memo)."""
         group = self.num_heads // self.num_kv_heads
-        key = ("tiled_split", group)
+        key = ("tiled_split", group, sdpa)
         if key in md.memo:
             return md.memo[key]
         lens = md.prefill_query_lens
-        tiled = lens * group >= TILED_MIN_QUERY_VECTORS
+        fresh = torch.zeros_like(lens, dtype=torch.bool)
+        if sdpa:
+            fresh = (lens >= SDPA_MIN_QUERY_LEN) & (md.prefill_seq_lens == lens)
+        tiled = (lens * group >= TILED_MIN_QUERY_VECTORS) & ~fresh
         arrays = (md.prefill_block_tables, md.prefill_query_starts, lens, md.prefill_seq_lens)
+        sdpa_seqs = [(int(a), int(n)) for a, n in zip(md.prefill_query_starts[fresh].tolist(),
+                                                      lens[fresh].tolist(), strict=True)]
         if bool(tiled.all()):
-            split = (arrays, None)
-        elif not bool(tiled.any()):
+            split = (arrays, None, sdpa_seqs)
+        elif not bool((tiled | fresh).any()):
             split = None
         else:
             nd = md.num_decode_tokens
-            row_kernel = ~torch.repeat_interleave(tiled, lens)  # over the prefill rows
+            row_kernel = ~torch.repeat_interleave(tiled | fresh, lens)  # over the prefill rows
             rows = torch.cat([torch.arange(nd, device=lens.device),
                               nd + row_kernel.nonzero()[:, 0]])
-            split = (tuple(a[tiled] for a in arrays), rows)
+            split = (tuple(a[tiled] for a in arrays), rows, sdpa_seqs)
         md.memo[key] = split
         return split
 

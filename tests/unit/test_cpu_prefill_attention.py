@@ -14,7 +14,9 @@ import torch
 
 from pagoda import ops
 from pagoda.attention.backend import AttentionMetadata, PrefillSeq
+from pagoda.attention import torch_paged
 from pagoda.attention.torch_paged import TorchPagedAttention
+from pagoda.cpu_features import AmxStatus
 from pagoda.ops import cpu_kernels, reference, registry
 from pagoda.ops.kv_quant import quantize
 from tests.helpers import spy_on_extension
@@ -94,6 +96,13 @@ def _check(case, window, tol, scales=(None, None), num_decodes=0):
 def test_float32_matches_oracle_and_reference(tiled, ext, group: int, window: int | None) -> None:
     case = _case(REQUESTS, 2, group, torch.float32, seed=group, num_decodes=3)
     _check(case, window, 1e-5, num_decodes=3)
+
+
+@pytest.fixture(autouse=True)
+def no_sdpa(monkeypatch):
+    """Fresh long prefills stay on the kernels (on an AMX CPU they would take SDPA, which
+    the tests that want it turn on themselves)."""
+    monkeypatch.setattr(torch_paged, "_sdpa_prefill", False)
 
 
 @pytest.fixture
@@ -269,7 +278,8 @@ def test_requests_with_few_query_vectors_take_the_decode_kernel(tiled, ext, monk
     got = backend.forward(q, q[:, :0], q[:, :0], (k_cache, v_cache), md, kv_written=True)
     assert calls.count("paged_prefill_attention") == 1
     assert calls.count("paged_decode_attention") == 1
-    arrays, rows = md.memo[("tiled_split", group)]
+    arrays, rows, fresh = md.memo[("tiled_split", group, False)]
+    assert fresh == []
     tiled_lens = [n for n, _ in requests if n * group >= 16]
     assert arrays[2].tolist() == tiled_lens
     assert len(rows) == 2 + sum(n for n, _ in requests) - sum(tiled_lens)
@@ -310,3 +320,72 @@ def test_cpu_without_its_isa_has_no_tiled_kernel(ext, monkeypatch) -> None:
     q = torch.zeros(2, 2, 64, dtype=torch.bfloat16)
     assert ops.paged_prefill_attention.kernel_for(q) is None
     registry.refresh()  # NOTE: no resolution made under the mocked flags outlives the test
+
+
+def _fresh_kv(case, num_decodes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """k, v [T, Hk, D] as the step computed them: each request's rows read back from its
+    cache slots (what a bf16 cache stores bit for bit); zeros for the decode rows."""
+    q, k_cache, v_cache, tables, starts, qlens, lens = case
+    k = torch.zeros(q.shape[0], *k_cache.shape[2:], dtype=k_cache.dtype)
+    v = torch.zeros_like(k)
+    bs = k_cache.shape[1]
+    for r in range(len(lens)):
+        n, s, a = int(qlens[r]), int(lens[r]), int(starts[r])
+        pos = torch.arange(s - n, s)
+        blocks, offs = tables[r, pos // bs], pos % bs
+        k[a : a + n], v[a : a + n] = k_cache[blocks, offs], v_cache[blocks, offs]
+    return k, v
+
+
+@pytest.mark.parametrize("requests", [
+    [(70, 70), (100, 130), (2, 90), (64, 64), (40, 40)],  # SDPA, tiled and the decode kernel
+    [(70, 70), (300, 300)],  # SDPA alone
+], ids=["mixed", "sdpa_only"])
+def test_long_fresh_prefills_take_sdpa_where_enabled(tiled, ext, monkeypatch, requests) -> None:
+    """With SDPA on (AMX CPUs): bf16 prefills of SDPA_MIN_QUERY_LEN tokens with nothing cached
+    before them run SDPA on their own K/V, the rest of the step the kernels as before; every
+    row right."""
+    monkeypatch.setattr(torch_paged, "_sdpa_prefill", True)
+    nd = 2 if len(requests) > 2 else 0
+    case = _case(requests, 3, 3, torch.bfloat16, num_decodes=nd, seed=31)
+    q, k_cache, v_cache = case[:3]
+    k, v = _fresh_kv(case, nd)
+    backend = TorchPagedAttention(9, 3, 64)
+    calls = spy_on_extension(ext, monkeypatch)
+    md = _metadata(case, nd, [7, 16], tiled=True)
+    got = backend.forward(q, k, v, (k_cache, v_cache), md, kv_written=True)
+    _, _, fresh = md.memo[("tiled_split", 3, True)]
+    starts = case[4]
+    want_fresh = [(int(starts[i]), n) for i, (n, s) in enumerate(requests)
+                  if n == s and n >= torch_paged.SDPA_MIN_QUERY_LEN]
+    assert fresh == want_fresh and len(fresh) == 2
+    assert calls.count("paged_prefill_attention") == (1 if nd else 0)
+    assert calls.count("paged_decode_attention") == (1 if nd else 0)
+    want = _naive(*case, None)[nd:]
+    torch.testing.assert_close(got.view_as(q)[nd:].double(), want, atol=1e-2, rtol=1e-2)
+
+
+def test_sdpa_prefill_stays_off_for_quantized_caches_windows_and_float32(monkeypatch) -> None:
+    monkeypatch.setattr(torch_paged, "_sdpa_prefill", True)
+    q = torch.zeros(4, 9, 64, dtype=torch.bfloat16)
+    cache = torch.zeros(4, 16, 3, 64, dtype=torch.bfloat16)
+    assert TorchPagedAttention(9, 3, 64)._sdpa_takes(q, cache, [])
+    assert not TorchPagedAttention(9, 3, 64, 32)._sdpa_takes(q, cache, [])
+    assert not TorchPagedAttention(9, 3, 64)._sdpa_takes(q, cache.to(torch.int8),
+                                                         [torch.ones(1), torch.ones(1)])
+    assert not TorchPagedAttention(9, 3, 64)._sdpa_takes(q.float(), cache.float(), [])
+
+
+@pytest.mark.parametrize(("mode", "amx", "want"), [
+    ("auto", True, True), ("auto", False, False), ("on", False, True), ("off", True, False)])
+def test_sdpa_prefill_mode(monkeypatch, mode: str, amx: bool, want: bool) -> None:
+    flags = frozenset({"avx512f", "amx_bf16", "amx_tile"} if amx else {"avx512f"})
+    monkeypatch.setattr(torch_paged, "cpu_info", lambda: ("cpu", flags))
+    monkeypatch.setattr(torch_paged, "request_amx_tiles", lambda: AmxStatus(amx, "mocked"))
+    monkeypatch.setattr(torch_paged, "_sdpa_prefill", None)
+    monkeypatch.setenv("PAGODA_PREFILL_SDPA", mode)
+    assert torch_paged.sdpa_prefill_enabled() is want
+    monkeypatch.setattr(torch_paged, "_sdpa_prefill", None)
+    monkeypatch.setenv("PAGODA_PREFILL_SDPA", "amx")
+    with pytest.raises(ValueError, match="PAGODA_PREFILL_SDPA"):
+        torch_paged.sdpa_prefill_enabled()
