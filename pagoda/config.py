@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 
 from pagoda.core.preemption import PREEMPTION_MODES
+from pagoda.cpu_features import cpu_info
 from pagoda.core.request import DEFAULT_SLA_TTFT_TARGETS_S, SLA_CLASS_RANKS
 from pagoda.core.request_queue import DEFAULT_AGING_INTERVAL_S, SCHEDULING_POLICIES
 from pagoda.quant.base import quantization_methods
@@ -62,6 +63,14 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> tor
             f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}"
         )
     return KV_CACHE_DTYPES[kv_cache_dtype] or model_dtype
+
+
+def default_max_num_seqs() -> int:
+    """256 (vLLM's CPU default) on a CPU that lists amx_bf16, else 64. With AMX a step's
+    products of 128+ rows run oneDNN's AMX GEMM (ops/quant_cpu.py), so more sequences per
+    step cost less per token; without it a step is compute-bound from a few dozen rows and
+    64 measured best (docs/architecture.md, Defaults)."""
+    return 256 if "amx_bf16" in cpu_info()[1] else 64
 
 
 def cpu_has_bf16() -> bool:
@@ -258,7 +267,7 @@ class EngineArgs:
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
     max_model_len: int | None = None
-    max_num_seqs: int = 64
+    max_num_seqs: int = field(default_factory=default_max_num_seqs)
     max_num_batched_tokens: int = 2048
     block_size: int = 16
     gpu_memory_utilization: float = 0.9

@@ -133,3 +133,19 @@ def test_entrypoints_set_openmp_before_torch_loads() -> None:
     got = _probe("import os; before = dict(os.environ); import pagoda.llm; " + _REPORT,
                  OMP_WAIT_POLICY="PASSIVE", **dict.fromkeys(CACHE_CAPACITY_VARS, "7"))
     assert got == {"same": True, "spin": None, "torch": True}
+
+
+@pytest.mark.parametrize(("flags", "want"), [({"avx512f", "avx512_bf16", "amx_bf16"}, 256),
+                                             ({"avx512f", "avx512_bf16"}, 64), (set(), 64)])
+def test_max_num_seqs_default_follows_amx(monkeypatch, flags: set[str], want: int) -> None:
+    """256 (vLLM's CPU default) where the CPU lists amx_bf16, else 64; the CLI's default is
+    the same, and an explicit value wins."""
+    from pagoda import config
+
+    monkeypatch.setattr(config, "cpu_info", lambda: ("cpu", frozenset(flags)))
+    assert EngineArgs().max_num_seqs == want
+    p = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(p)
+    assert p.parse_args([]).max_num_seqs == want
+    assert EngineArgs(max_num_seqs=8).max_num_seqs == 8
+    assert EngineArgs.from_cli_args(p.parse_args(["--max-num-seqs", "5"])).max_num_seqs == 5
