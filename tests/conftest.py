@@ -23,7 +23,10 @@ from tests.helpers import make_tiny_model
 @pytest.fixture(scope="session")
 def smollm2_hf_tokenizer() -> transformers.PreTrainedTokenizerBase:
     """transformers' tokenizer of the embedded SmolLM2 GGUF, read once (the oracle; do not
-    change it)."""
+    change it). `PAGODA_TEST_TOKENIZER_DIR` may name that tokenizer saved by save_pretrained
+    instead, for a machine without the 98 MB GGUF (the GPU check's)."""
+    if saved := os.environ.get("PAGODA_TEST_TOKENIZER_DIR"):
+        return transformers.AutoTokenizer.from_pretrained(saved)
     gguf_path = default_model_path()
     return transformers.AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
 

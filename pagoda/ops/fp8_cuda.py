@@ -4,7 +4,7 @@ activations are quantized to e4m3 per token, then torch._scaled_mm multiplies wi
 
 Its documented rounding against the reference (which keeps activations unquantized): the
 per-token e4m3 rounding of x, and a bfloat16 product. Block-scaled weights are left to the
-reference. NOTE: no CUDA device was available where this was written; it is untested.
+reference. tests/gpu/test_ops_on_device.py checks it (run on an H200, session 18).
 """
 
 from __future__ import annotations

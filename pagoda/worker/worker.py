@@ -9,6 +9,7 @@ Start-up order (driven by the executor): build -> `kv_cache_specs()` ->
 
 from __future__ import annotations
 
+import gc
 import logging
 
 import torch
@@ -106,6 +107,11 @@ class Worker:
         if c.num_gpu_blocks_override is not None:
             return c.num_gpu_blocks_override
         if self.device.type == "cuda":
+            # NOTE: an engine closed earlier in this process leaves its cache with PyTorch's
+            # caching allocator, which mem_get_info counts as used: give it back first
+            # (without this, a second LLM in one process got 0 blocks on an H200).
+            gc.collect()
+            torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info(self.device)
             budget = total * c.gpu_memory_utilization - (total - free)
         elif c.kv_cache_memory_bytes is not None:

@@ -9,7 +9,7 @@ import torch
 from pagoda import ops
 from pagoda.attention.backend import AttentionMetadata, PrefillSeq
 from pagoda.attention.torch_paged import TorchPagedAttention
-from pagoda.ops import reference
+from pagoda.ops import reference, wquant
 from tests.gpu.conftest import DEVICE
 
 torch.backends.cuda.matmul.allow_tf32 = False
@@ -27,10 +27,13 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> None:
     torch.testing.assert_close(got.cpu(), want, **TOL)
 
 
-def test_no_kernel_is_registered_for_the_device_yet() -> None:
+def test_no_kernel_but_fp8s_is_registered_for_the_device_yet() -> None:
+    """fp8_linear's torch._scaled_mm kernel (ops/fp8_cuda.py) is the only CUDA kernel so far;
+    every other op runs its PyTorch reference there."""
     x = torch.zeros(2, 8, dtype=torch.bfloat16, device=DEVICE)
     if DEVICE.type == "cuda":
-        assert all(op.kernel_for(x) is None for op in ops.OPS.values())
+        with_kernel = [op.name for op in ops.OPS.values() if op.kernel_for(x) is not None]
+        assert with_kernel == ["fp8_linear"]
         assert ops.fused_ops_for(x) is None
 
 
@@ -116,3 +119,31 @@ def test_paged_backend_step(window: int | None) -> None:
         return backend.forward(q.to(device), k.to(device), v.to(device), cache, md)
 
     _close(run(DEVICE), run(torch.device("cpu")))
+
+
+@pytest.mark.parametrize("per_channel", [False, True], ids=["tensor_scale", "channel_scales"])
+def test_fp8_linear_scaled_mm(per_channel: bool) -> None:
+    """fp8_linear's CUDA kernel: per-token e4m3 activations through torch._scaled_mm, against
+    that rounding of x replayed here times the dequantized weight, in float64 (what is left:
+    the bf16 output's rounding, twice with the bias)."""
+    if DEVICE.type != "cuda" or torch.cuda.get_device_capability(DEVICE) < (8, 9):
+        pytest.skip("torch._scaled_mm needs a CUDA device of compute capability 8.9+")
+    fp8, top = torch.float8_e4m3fn, float(torch.finfo(torch.float8_e4m3fn).max)
+    g = torch.Generator().manual_seed(3)
+    n, k, m = 64, 128, 5
+    w32 = torch.randn(n, k, generator=g)
+    scale = (w32.abs().amax(1) if per_channel else w32.abs().amax().reshape(1)) / top
+    codes = (w32 / (scale[:, None] if per_channel else scale)).to(fp8)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    bias = torch.randn(n, generator=g)
+    w = wquant.Fp8Weight(codes.to(DEVICE), scale.to(DEVICE))
+    args = (x.to(DEVICE), w, bias.to(DEVICE))
+    assert wquant.fp8_linear.select(*args) is not wquant.fp8_linear.reference
+    y = wquant.fp8_linear(*args)
+    assert y.dtype == torch.bfloat16 and y.device.type == "cuda"
+    xf = x.float()
+    s_x = (xf.abs().amax(1, keepdim=True) / top).clamp(min=1e-12)
+    xq = (xf / s_x).clamp(-top, top).to(fp8).double() * s_x.double()
+    ref = xq @ wquant.Fp8Weight(codes, scale).dequantize().double().T + bias.double()
+    torch.testing.assert_close(y.cpu().double(), ref, rtol=2**-7,
+                               atol=1e-3 * ref.abs().max().item())
