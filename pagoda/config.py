@@ -9,9 +9,9 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from pagoda.core.preemption import PREEMPTION_MODES
-from pagoda.cpu_features import cpu_info
 from pagoda.core.request import DEFAULT_SLA_TTFT_TARGETS_S, SLA_CLASS_RANKS
 from pagoda.core.request_queue import DEFAULT_AGING_INTERVAL_S, SCHEDULING_POLICIES
+from pagoda.cpu_features import cpu_info
 from pagoda.quant.base import quantization_methods
 
 # --kv-host-compression values (worker/kv_compress.py).

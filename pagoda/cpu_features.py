@@ -104,6 +104,12 @@ def request_amx_status(flags: frozenset[str] | None = None) -> AmxStatus:
                      "AVX-512 paths run instead")
 
 
+def amx_bf16_usable() -> bool:
+    """Whether bf16 AMX runs in this process: the CPU lists amx_bf16 and the kernel granted
+    the tiles (`request_amx_tiles`, asked once per process)."""
+    return "amx_bf16" in cpu_info()[1] and request_amx_tiles().usable
+
+
 @functools.cache
 def request_amx_tiles() -> AmxStatus:
     """Once per process, at engine start before the first GEMM: the AMX request's status.

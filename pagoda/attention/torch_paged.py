@@ -27,7 +27,7 @@ from pagoda.attention.backend import (
     register_backend,
 )
 from pagoda.attention.sinks import sink_attention
-from pagoda.cpu_features import cpu_info, request_amx_tiles
+from pagoda.cpu_features import amx_bf16_usable
 from pagoda.layers.rotary import rotate_by
 
 # A request whose query rows times G (query heads per kv head) are fewer takes the decode
@@ -55,7 +55,7 @@ def sdpa_prefill_enabled() -> bool:
         if mode not in ("auto", "on", "off"):
             raise ValueError(f"PAGODA_PREFILL_SDPA={mode!r}: expected auto, on or off")
         if mode == "auto":
-            mode = "on" if ("amx_bf16" in cpu_info()[1] and request_amx_tiles().usable) else "off"
+            mode = "on" if amx_bf16_usable() else "off"
         _sdpa_prefill = mode == "on"
     return _sdpa_prefill
 

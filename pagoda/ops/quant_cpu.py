@@ -205,9 +205,8 @@ def set_wide_min_rows(ext: ModuleType, rows: int | None) -> None:
 
 
 def _configure_wide(ext: ModuleType) -> None:
-    flags = cpu_kernels.cpu_flags()
-    amx = "amx_bf16" in flags and request_amx_tiles().usable
-    set_wide_min_rows(ext, decide_wide_min_rows(wide_mode(), flags, amx))
+    set_wide_min_rows(ext, decide_wide_min_rows(wide_mode(), cpu_kernels.cpu_flags(),
+                                                request_amx_tiles().usable))
     logger.info("quantized bf16 products: %s", "the int8 panel kernel at every row count"
                 if _wide_rows is None else f"dequantized bf16 tiles from {_wide_rows} rows")
 

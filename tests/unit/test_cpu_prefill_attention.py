@@ -12,9 +12,9 @@ import math
 import pytest
 import torch
 
-from pagoda import ops
-from pagoda.attention.backend import AttentionMetadata, PrefillSeq
+from pagoda import cpu_features, ops
 from pagoda.attention import torch_paged
+from pagoda.attention.backend import AttentionMetadata, PrefillSeq
 from pagoda.attention.torch_paged import TorchPagedAttention
 from pagoda.cpu_features import AmxStatus
 from pagoda.ops import cpu_kernels, reference, registry
@@ -380,8 +380,8 @@ def test_sdpa_prefill_stays_off_for_quantized_caches_windows_and_float32(monkeyp
     ("auto", True, True), ("auto", False, False), ("on", False, True), ("off", True, False)])
 def test_sdpa_prefill_mode(monkeypatch, mode: str, amx: bool, want: bool) -> None:
     flags = frozenset({"avx512f", "amx_bf16", "amx_tile"} if amx else {"avx512f"})
-    monkeypatch.setattr(torch_paged, "cpu_info", lambda: ("cpu", flags))
-    monkeypatch.setattr(torch_paged, "request_amx_tiles", lambda: AmxStatus(amx, "mocked"))
+    monkeypatch.setattr(cpu_features, "cpu_info", lambda: ("cpu", flags))
+    monkeypatch.setattr(cpu_features, "request_amx_tiles", lambda: AmxStatus(amx, "mocked"))
     monkeypatch.setattr(torch_paged, "_sdpa_prefill", None)
     monkeypatch.setenv("PAGODA_PREFILL_SDPA", mode)
     assert torch_paged.sdpa_prefill_enabled() is want
