@@ -115,8 +115,12 @@ class EngineClient:
         self._draining: EngineShutdownError | None = None  # set by end_grace()
         self._futures: dict[int, asyncio.Future] = {}  # answers the engine still owes
         self._tokens = itertools.count()
-        self._num_pending = 0  # sequences sent to the engine, not yet added
-        self._stats = stats
+        # NOTE: an add's sequences count against the queue limit until stats that include
+        # it arrive (the add's token <= the stats' `added_through`), not until its reply is
+        # awaited: stats and reply reach the loop apart, and a request in both the stats
+        # and the pending count once refused the next one (a full queue one short).
+        self._pending_adds: dict[int, int] = {}  # add token -> sequences
+        self._published: tuple[SchedulerStats, int] = (stats, -1)  # stats, added_through
         self._dead: BaseException | None = None
 
     @property
@@ -126,7 +130,18 @@ class EngineClient:
     @property
     def stats(self) -> SchedulerStats:
         """The scheduler's numbers as of the end of the engine's last loop iteration."""
-        return self._stats
+        return self._published[0]
+
+    def _set_stats(self, stats: SchedulerStats, added_through: int) -> None:
+        """New stats, which count every add up to the token `added_through`."""
+        self._published = (stats, added_through)
+
+    def _num_queued(self) -> int:
+        """Sequences waiting in the engine, or sent to it and not yet in its stats."""
+        stats, added_through = self._published
+        for token in [t for t in self._pending_adds if t <= added_through]:
+            del self._pending_adds[token]
+        return stats.num_waiting + sum(self._pending_adds.values())
 
     def _send(self, command: Any) -> None:
         raise NotImplementedError
@@ -145,7 +160,7 @@ class EngineClient:
             raise EngineDeadError("the engine is not running")
         num_seqs = sum(r.params.n for r in requests)
         limit = self.max_queued_requests
-        if limit is not None and self._stats.num_waiting + self._num_pending >= limit:
+        if limit is not None and self._num_queued() >= limit:
             raise QueueFullError(
                 f"the waiting queue is full ({limit} requests); retry later"
             )
@@ -155,10 +170,9 @@ class EngineClient:
             raise ValueError("request id is already in use")
         for rid in ids:
             self._streams[rid] = stream
-        self._num_pending += num_seqs
         try:
             await self._request(lambda token: AddCommand(
-                requests, arrival_time or time.monotonic(), token))
+                requests, arrival_time or time.monotonic(), token), num_seqs)
         except asyncio.CancelledError:
             self.abort(stream.request_ids)
             raise
@@ -166,8 +180,6 @@ class EngineClient:
             for rid in stream.request_ids:
                 self._streams.pop(rid, None)
             raise
-        finally:
-            self._num_pending -= num_seqs
         return stream
 
     def abort(self, request_ids: Iterable[str]) -> None:
@@ -209,10 +221,13 @@ class EngineClient:
         """Test hook: the next `num_steps` engine steps raise as if the model had failed."""
         self._send(FaultCommand(num_steps))
 
-    async def _request(self, make: Callable[[int], Any]) -> Any:
-        """Sends the command `make(token)` and awaits the engine's reply to it."""
+    async def _request(self, make: Callable[[int], Any], num_seqs: int = 0) -> Any:
+        """Sends the command `make(token)` and awaits the engine's reply to it; an add
+        says how many sequences it queues."""
         token = next(self._tokens)
         future = self._futures[token] = self._loop.create_future()
+        if num_seqs:
+            self._pending_adds[token] = num_seqs
         try:
             self._send(make(token))
             return await future
@@ -238,6 +253,7 @@ class EngineClient:
                 del self._streams[rid]
 
     def _fail_everything(self, exc: BaseException) -> None:
+        self._pending_adds.clear()
         for rid, stream in list(self._streams.items()):
             stream._put(rid, exc)
         self._streams.clear()
@@ -355,8 +371,8 @@ class AsyncLLMEngine(EngineClient):
     def reply(self, token: int, result: Any, exc: BaseException | None) -> None:
         self._to_loop(self._settle, token, result, exc)
 
-    def publish_stats(self, stats: SchedulerStats) -> None:
-        self._stats = stats
+    def publish_stats(self, stats: SchedulerStats, added_through: int) -> None:
+        self._set_stats(stats, added_through)
 
     def flush(self) -> None:
         pass  # NOTE: every event went to the loop as it came.

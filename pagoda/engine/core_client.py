@@ -157,7 +157,7 @@ class EngineCoreClient(EngineClient):
             elif kind == "reply":
                 self._settle(*event[1:])
             elif kind == "stats":
-                self._stats = event[1]
+                self._set_stats(event[1], event[2])
             elif kind == "died":
                 self._core_died(f"engine core died: {event[1]}")
 

@@ -9,8 +9,8 @@ Wire protocol (every message a pickle; core_client.py is the other end):
 | core -> API| once: `("ready", CoreInfo, SchedulerStats)` or `("failed", exception)`     |
 | core -> API| then batches: a list of events, in the order the loop made them:           |
 |            | `("metric", observe_method_name, args)`, `("deliver", items)`,             |
-|            | `("reply", token, result, exc)`, `("stats", SchedulerStats)`,              |
-|            | `("died", message)`                                                        |
+|            | `("reply", token, result, exc)`, `("died", message)`,                      |
+|            | `("stats", SchedulerStats, added_through)`: the last add token they count  |
 
 A request's prompt (text and token ids) crosses once, with its first output; later outputs
 carry None there and the API process puts its copy back (`elide_prompts` /
@@ -86,8 +86,8 @@ class PipeSink:
     def reply(self, token: int, result: Any, exc: BaseException | None) -> None:
         self.events.append(("reply", token, result, None if exc is None else _picklable(exc)))
 
-    def publish_stats(self, stats: SchedulerStats) -> None:
-        self.events.append(("stats", stats))
+    def publish_stats(self, stats: SchedulerStats, added_through: int) -> None:
+        self.events.append(("stats", stats, added_through))
 
     def flush(self) -> None:
         if self.events:

@@ -109,8 +109,9 @@ class CoreSink(Protocol):
     def reply(self, token: int, result: Any, exc: BaseException | None) -> None:
         """The answer to the command that carried `token`."""
 
-    def publish_stats(self, stats: SchedulerStats) -> None:
-        """The scheduler's numbers after a loop iteration or an add."""
+    def publish_stats(self, stats: SchedulerStats, added_through: int) -> None:
+        """The scheduler's numbers after a loop iteration or an add; they count every
+        AddCommand up to the token `added_through` (-1: none yet)."""
 
     def flush(self) -> None:
         """Hands over what was buffered (a no-op where nothing is)."""
@@ -133,6 +134,7 @@ class EngineCore:
         self._cond = threading.Condition()
         self._commands: collections.deque = collections.deque()
         self._stopping = False
+        self._added_through = -1  # the token of the last AddCommand applied
 
     def send(self, command: Any) -> None:
         """Queues a command for the loop; any thread."""
@@ -178,6 +180,7 @@ class EngineCore:
 
     def _apply(self, command: Any) -> None:
         if isinstance(command, AddCommand):
+            self._added_through = command.token
             self.sink.reply(command.token, None, self._add(command))
         elif isinstance(command, AbortCommand):
             self._deliver(self.engine.abort_request(command.request_ids))
@@ -282,7 +285,7 @@ class EngineCore:
 
     def _publish_stats(self) -> None:
         stats = self.engine.get_stats()
-        self.sink.publish_stats(stats)
+        self.sink.publish_stats(stats, self._added_through)
         if self.metrics is not None:
             self.metrics.observe_stats(stats)
             self.metrics.observe_queues(queue_snapshot(self.engine.scheduler))

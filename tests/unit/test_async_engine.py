@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -171,6 +172,32 @@ def test_waiting_queue_limit() -> None:
         raise AssertionError("the queue never freed up")
 
     assert len(run(body, max_queued_requests=1)) == 1
+
+
+def hold_the_loop_until(done) -> None:
+    """Blocks the event loop (on purpose: no reply can land) until `done()`, then a bit
+    more, for the engine thread to queue what follows."""
+    deadline = time.monotonic() + 5
+    while not done():
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    time.sleep(0.05)
+
+
+def test_an_added_request_counts_once_against_the_queue_limit() -> None:
+    """The engine thread publishes stats holding B before B's add reply reaches the loop;
+    a request in that window must still fit a queue of 2 (B counted once, not twice)."""
+    async def body(engine: AsyncLLMEngine):
+        b = asyncio.create_task(engine.generate([req("b", 10_000)]))
+        await asyncio.sleep(0)  # NOTE: B's add is sent
+        hold_the_loop_until(lambda: engine.stats.num_waiting == 1)
+        c = await engine.generate([req("c", 10_000)])
+        with pytest.raises(QueueFullError):
+            await engine.generate([req("d", 1)])
+        engine.abort(["b", "c"])
+        return sorted((await b).request_ids + c.request_ids)
+
+    assert run(body, max_queued_requests=2) == ["b", "c"]
 
 
 def test_priority_salt_and_sla_class_reach_the_engine() -> None:
