@@ -5,8 +5,9 @@ Part 1, per SmolLM2 shape (in -> out) and rows M: ms per call of the bf16 packed
 the dequantization to it), torch's own int4 ops (`_weight_int4pack_mm_for_cpu` in bf16,
 `_dyn_quant_matmul_4bit` in float32), and the wquant ops as dispatched here (GGUF Q4_1 /
 Q8_0 / Q4_K / Q6_K, group-wise int4 g64, W8A8 int8; on an AMX CPU from
-`quant_cpu.WIDE_MIN_ROWS` rows these take the tiles below, `PAGODA_QUANT_WIDE=int8` pins
-the int8 panel kernel), and `gguf Q4_1 bf16 tiles`, the dequantize-then-GEMM path alone
+`quant_cpu.AMX_MIN_ROWS` rows these take the AMX kernel and from
+`quant_cpu.AMX_WIDE_MIN_ROWS` the tiles below, `PAGODA_QUANT_WIDE=int8` pins the int8
+panel kernel), and `gguf Q4_1 bf16 tiles`, the dequantize-then-GEMM path alone
 (`q_linear_tiles`: per tile of output rows, as the engine sizes them, the Q4_1 layout
 dequantized into a bf16 scratch, then oneDNN's GEMM), each also as its time over the bf16
 GEMM's in the same run (`x bf16`).

@@ -17,16 +17,20 @@ None): the preparers build nothing for other dtypes (a float32 model never runs 
 
 Rounding: gguf_linear and wq_linear quantize the activations to int8 per block of 32 (16
 for Q6_K) before the integer dot products (llama.cpp's scheme), in the panel kernel
-(csrc/quant_cpu.cpp). Where the CPU has AMX (amx_bf16, tiles granted), a product of at
-least `WIDE_MIN_ROWS` activation rows (a prefill step) instead dequantizes the weight to
-bf16 a tile at a time and runs ATen's bf16 GEMM on the bf16 activations (`q_linear_tiles`:
-oneDNN's AMX kernel, about 4x the panel kernel's rate at 2,048 rows on an AMX Xeon);
-without AMX the panel kernel wins at every row count measured (AMD EPYC, AVX-512 BF16),
-so it runs everywhere else. The two round differently (int8 activations against bf16
-activations and weights), so on an AMX CPU a bf16 row's result depends on whether its
-step had WIDE_MIN_ROWS rows: exact batch invariance stays with float32 models, which run
-the reference. `PAGODA_QUANT_WIDE=int8` keeps every product on the panel kernel, `=bf16`
-takes the tiled path from WIDE_MIN_ROWS rows on any CPU; `auto` (the default) decides by AMX.
+(csrc/quant_cpu.cpp). Where the CPU has AMX (amx_bf16, tiles granted), wider products
+run bf16 activations against the weight dequantized to bf16 instead: from `AMX_MIN_ROWS`
+(32) rows `q_linear_amx` (each panel of 16 output rows dequantized into a per-thread
+buffer in AMX's B-tile layout, then TDPBF16PS per 16 rows x 32 columns: the codes read once
+a call, no dequantized copy in memory; a row's result does not depend on the other rows),
+from `AMX_WIDE_MIN_ROWS` (384) the whole weight dequantized a tile at a time through ATen's
+bf16 GEMM (`q_linear_tiles`: oneDNN's AMX kernel; from `WIDE_MIN_ROWS` = 128 where the AMX
+kernel is not built). Without AMX the panel kernel wins at every row count measured (AMD
+EPYC, AVX-512 BF16), so it runs everywhere else. The paths round differently (int8
+activations against bf16 activations and weights, and float32 sums in other orders), so on
+an AMX CPU a bf16 row's result depends on the row count of its step: exact batch invariance
+stays with float32 models, which run the reference. `PAGODA_QUANT_WIDE=int8` keeps every
+product on the panel kernel, `=bf16` takes only the tiled path (from WIDE_MIN_ROWS rows, on
+any CPU), `=amx` requires the AMX kernel; `auto` (the default) decides by AMX.
 
 The extension is a second module beside cpu_kernels' (whose sources belong to other ops),
 built by the same loader (`cpu_kernels.load_built`: named by CPU flags, sources and
@@ -67,6 +71,7 @@ _module: ModuleType | None = None
 _load_failed = False
 _allowed: bool | None = None
 _wide_rows: int | None = None
+_amx_rows: int | None = None
 
 
 def extension_name() -> str:
@@ -170,52 +175,117 @@ def _prepare_fp8(w: wquant.Fp8Weight, dtype: torch.dtype | None) -> None:
             w.kernel_data[NAME] = layout
 
 
-# ---- wide products: the panel kernel or dequantized tiles through oneDNN ----------------
-# NOTE: rows from which the tiled path runs on an AMX CPU: at 128 rows it is ahead of the
-# panel kernel on every SmolLM2 layer shape (576 -> 576 ... 3072), at 64 behind.
+# ---- wide products: the panel kernel, AMX tiles, or dequantized weights through oneDNN ---
+# NOTE: on an AMX Xeon, over all of SmolLM2's layer products in a row (their codes read from
+# memory, as in a step), q_linear_amx is ahead of the panel kernel from 32 rows (16: even),
+# and of the dequantized weight through oneDNN up to 256 rows (at 512 behind); without
+# q_linear_amx the dequantized weight is ahead from 128 rows (docs/quantization.md).
+AMX_MIN_ROWS = 32
+AMX_WIDE_MIN_ROWS = 384
 WIDE_MIN_ROWS = 128
+
+
+@dataclass(frozen=True, slots=True)
+class WidePaths:
+    """Which bf16 gguf/wq products leave the int8 panel kernel: q_linear_amx for rows in
+    [amx_min_rows, wide_min_rows), the dequantized tiles through oneDNN from wide_min_rows
+    (None: never)."""
+
+    amx_min_rows: int | None
+    wide_min_rows: int | None
 
 
 def wide_mode() -> str:
     value = os.environ.get("PAGODA_QUANT_WIDE", "auto").strip().lower() or "auto"
-    if value not in ("auto", "int8", "bf16"):
-        raise ValueError(f"PAGODA_QUANT_WIDE={value!r}: expected auto, int8 or bf16")
+    if value not in ("auto", "int8", "bf16", "amx"):
+        raise ValueError(f"PAGODA_QUANT_WIDE={value!r}: expected auto, int8, bf16 or amx")
     return value
+
+
+def decide_wide_paths(mode: str, flags: frozenset[str], amx_usable: bool,
+                      amx_compiled: bool) -> WidePaths:
+    """auto: on a CPU with usable bf16 AMX, q_linear_amx (where built) and the tiles; else
+    the panel kernel alone. bf16: the tiles alone (any CPU); amx: auto's choice, refused
+    where the AMX kernel cannot run; int8: the panel kernel alone."""
+    can_amx = "amx_bf16" in flags and amx_usable and amx_compiled
+    if mode == "amx" and not can_amx:
+        raise ValueError("PAGODA_QUANT_WIDE=amx: this CPU or build has no usable bf16 AMX "
+                         f"(amx_bf16 listed: {'amx_bf16' in flags}, tiles granted: "
+                         f"{amx_usable}, kernel built: {amx_compiled})")
+    if mode == "int8" or (mode == "auto" and not ("amx_bf16" in flags and amx_usable)):
+        return WidePaths(None, None)
+    if mode == "bf16" or not can_amx:
+        return WidePaths(None, WIDE_MIN_ROWS)
+    return WidePaths(AMX_MIN_ROWS, AMX_WIDE_MIN_ROWS)
 
 
 def decide_wide_min_rows(mode: str, flags: frozenset[str], amx_usable: bool) -> int | None:
     """Rows from which a bf16 gguf/wq product runs dequantized bf16 tiles through oneDNN's
-    GEMM, or None (the int8 panel kernel at every row count): under auto, AMX decides."""
-    if mode == "auto":
-        mode = "bf16" if "amx_bf16" in flags and amx_usable else "int8"
-    return WIDE_MIN_ROWS if mode == "bf16" else None
+    GEMM when the AMX kernel is not built, or None (the int8 panel kernel at every row
+    count): under auto, AMX decides."""
+    return decide_wide_paths(mode, flags, amx_usable, False).wide_min_rows
 
 
 def wide_min_rows() -> int | None:
-    """This process's choice (`decide_wide_min_rows`), once the extension resolved."""
+    """This process's choice (`decide_wide_paths`), once the extension resolved."""
     return _wide_rows
+
+
+def amx_min_rows() -> int | None:
+    """Rows from which this process's bf16 products run q_linear_amx (None: never)."""
+    return _amx_rows
 
 
 def set_wide_min_rows(ext: ModuleType, rows: int | None) -> None:
     """Sets the rows from which bf16 products take the tiled path (None: never), in this
-    process; tests and `bench kernels` pin one path with it."""
+    process; tests and `bench kernels` pin one path with it (with `set_amx_min_rows`)."""
     global _wide_rows
     _wide_rows = rows
     ext.set_wide_min_rows(sys.maxsize if rows is None else rows)
+    _push_amx_rows(ext)
+
+
+def set_amx_min_rows(ext: ModuleType, rows: int | None) -> None:
+    """Sets the rows from which bf16 products take q_linear_amx (None: never), up to the
+    tiled path's first row; only where `amx_kernel_runs()`."""
+    global _amx_rows
+    if rows is not None and not amx_kernel_runs(ext):
+        raise ValueError("q_linear_amx does not run here")
+    _amx_rows = rows
+    _push_amx_rows(ext)
+
+
+def _push_amx_rows(ext: ModuleType) -> None:
+    if _amx_rows is None:
+        ext.set_amx_rows(sys.maxsize, 0)
+    else:
+        ext.set_amx_rows(_amx_rows, sys.maxsize if _wide_rows is None else _wide_rows - 1)
+
+
+def amx_kernel_runs(ext: ModuleType) -> bool:
+    """Whether q_linear_amx was built and this process was granted AMX tiles."""
+    return bool(ext.amx_compiled()) and "amx_bf16" in cpu_kernels.cpu_flags() \
+        and request_amx_tiles().usable
 
 
 def _configure_wide(ext: ModuleType) -> None:
-    set_wide_min_rows(ext, decide_wide_min_rows(wide_mode(), cpu_kernels.cpu_flags(),
-                                                request_amx_tiles().usable))
-    logger.info("quantized bf16 products: %s", "the int8 panel kernel at every row count"
-                if _wide_rows is None else f"dequantized bf16 tiles from {_wide_rows} rows")
+    flags, amx = cpu_kernels.cpu_flags(), request_amx_tiles().usable
+    paths = decide_wide_paths(wide_mode(), flags, amx, bool(ext.amx_compiled()))
+    global _amx_rows
+    _amx_rows = paths.amx_min_rows
+    set_wide_min_rows(ext, paths.wide_min_rows)
+    logger.info("quantized bf16 products: %s%s",
+                "" if _amx_rows is None else f"AMX tiles from {_amx_rows} rows, ",
+                "the int8 panel kernel at every row count" if _wide_rows is None
+                else f"dequantized bf16 weights through oneDNN from {_wide_rows} rows")
 
 
 # ---- kernels -------------------------------------------------------------------------------
 def block_linear(ext: ModuleType, x: torch.Tensor, lay: BlockLayout,
                  bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., K] @ w.T (+ bias) for a panel layout: activations quantized to int8 per block,
-    or, bf16 from `wide_min_rows()` rows, the weight dequantized to bf16 tiles."""
+    or, bf16 from `amx_min_rows()` / `wide_min_rows()` rows, the weight dequantized to bf16
+    (q_linear decides)."""
     n, k = lay.shape
     x2 = x.reshape(-1, k)
     if not x2.is_contiguous():

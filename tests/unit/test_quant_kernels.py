@@ -26,15 +26,17 @@ gguf_quants = pytest.importorskip("gguf.quants")
 @pytest.fixture(autouse=True)
 def panel_kernel():
     """The int8 panel kernel at every row count (on an AMX CPU wide bf16 products would take
-    the tiled path); this process's choice is put back after each test."""
+    the AMX kernel or the tiled path); this process's choice is put back after each test."""
     ext = quant_cpu.resolve()
     if ext is None:
         yield
         return
-    chosen = quant_cpu.wide_min_rows()
+    chosen, amx = quant_cpu.wide_min_rows(), quant_cpu.amx_min_rows()
+    quant_cpu.set_amx_min_rows(ext, None)
     quant_cpu.set_wide_min_rows(ext, None)
     yield
     quant_cpu.set_wide_min_rows(ext, chosen)
+    quant_cpu.set_amx_min_rows(ext, amx)
 
 MS = [1, 2, 3, 4, 17, 64, 300]
 QUANTIZABLE = {quant_layouts.Q4_0: "Q4_0", quant_layouts.Q4_1: "Q4_1", quant_layouts.Q8_0: "Q8_0"}
@@ -309,7 +311,7 @@ def test_wide_products_take_the_tiles_only_with_amx(monkeypatch) -> None:
     assert quant_cpu.decide_wide_min_rows("auto", no_amx, True) is None
     assert quant_cpu.decide_wide_min_rows("int8", amx, True) is None
     assert quant_cpu.decide_wide_min_rows("bf16", no_amx, False) == rows
-    monkeypatch.setenv("PAGODA_QUANT_WIDE", "amx")
+    monkeypatch.setenv("PAGODA_QUANT_WIDE", "fp4")
     with pytest.raises(ValueError, match="PAGODA_QUANT_WIDE"):
         quant_cpu.wide_mode()
 
@@ -473,3 +475,94 @@ def test_preparers_skip_the_dtypes_their_kernels_refuse(qext) -> None:
     i8 = wquant.Int8Weight(torch.zeros(8, 64, dtype=torch.int8), torch.ones(8))
     wquant.prepare("int8_linear", i8, "cpu", torch.float32)  # exact: it runs in float32 too
     assert "cpp" in i8.kernel_data
+
+
+@pytest.fixture
+def amx_qext(qext):
+    if not quant_cpu.amx_kernel_runs(qext):
+        pytest.skip("q_linear_amx does not run here (no amx_bf16, AMX tiles refused, or a "
+                    "build without AMX-TILE / AMX-BF16 / AVX512-BF16)")
+    return qext
+
+
+def _gptq_weight(n: int, k: int, group: int, seed: int) -> wquant.GroupQuantWeight:
+    g = torch.Generator().manual_seed(seed)
+    w = wquant.GroupQuantWeight(torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8),
+                                torch.rand(n, k // group, generator=g) * 0.02 + 0.001,
+                                torch.randint(0, 16, (n, k // group), generator=g).float(), 4,
+                                group)
+    wquant.prepare("wq_linear", w, "cpu")
+    return w
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "Q6_K", "gptq_g64", "gptq_all_k"])
+@pytest.mark.parametrize("n", [48, 37])
+def test_amx_product_matches_reference_and_is_row_invariant(amx_qext, kind: str,
+                                                            n: int) -> None:
+    """q_linear_amx (each panel dequantized to bf16 in the B-tile layout, TDPBF16PS) against
+    x times the bf16-rounded dequantized weight in float64: float32 sums and the output's
+    rounding to bf16 are what is left (2**-8 relative). Any row's result is the same bits
+    in any call: alone, among fewer rows, reordered (70 rows: two groups of four tiles)."""
+    if kind.startswith("gptq"):
+        w = _gptq_weight(n, 256, 64 if kind == "gptq_g64" else 256, seed=31)
+    else:
+        qtype = {**{v: q for q, v in QUANTIZABLE.items()}, **{v: q for q, v in KQUANTS.items()}}
+        w = _gguf_weight(qtype[kind], n, 256, seed=31)
+    lay = w.kernel_data["cpp"]
+    args = (lay.codes, lay.scales, lay.offsets, lay.bits, lay.block, lay.group, lay.zero_form,
+            lay.shape[0])
+    g = torch.Generator().manual_seed(32)
+    x = torch.randn(70, lay.shape[1], generator=g).to(torch.bfloat16)
+    bias = torch.randn(n, generator=g)
+    y = amx_qext.q_linear_amx(x, *args, bias)
+    ref = (x.double() @ lay.dequantize().to(torch.bfloat16).double().T + bias.double())
+    torch.testing.assert_close(y.double(), ref, rtol=2**-8, atol=1e-4 * ref.abs().max().item())
+    assert torch.equal(amx_qext.q_linear_amx(x[:17], *args, bias), y[:17])
+    assert torch.equal(amx_qext.q_linear_amx(x[5:6], *args, bias), y[5:6])
+    perm = torch.randperm(70, generator=g)
+    assert torch.equal(amx_qext.q_linear_amx(x[perm], *args, bias), y[perm])
+    assert amx_qext.q_linear_amx(x[:0], *args, bias).shape == (0, n)
+
+
+def test_q_linear_takes_the_amx_kernel_for_its_rows(amx_qext) -> None:
+    """q_linear dispatches bf16 products by rows: the panel kernel below amx_min_rows,
+    q_linear_amx up to the tiled path's first row, the tiles from there; float32 x stays on
+    the panel kernel."""
+    w = _gguf_weight(quant_layouts.Q4_1, 48, 256, seed=33)
+    lay = w.kernel_data["cpp"]
+    n = lay.shape[0]
+    args = (lay.codes, lay.scales, lay.offsets, lay.bits, lay.block, lay.group, lay.zero_form, n)
+    x = torch.randn(24, 256, generator=torch.Generator().manual_seed(34)).to(torch.bfloat16)
+    panel = amx_qext.q_linear(x, *args, None)
+    amx = amx_qext.q_linear_amx(x, *args, None)
+    tiles = amx_qext.q_linear_tiles(x, *args, None, amx_qext.tile_rows(256, n))
+    assert not torch.equal(panel, amx)
+    quant_cpu.set_wide_min_rows(amx_qext, 20)
+    quant_cpu.set_amx_min_rows(amx_qext, 10)
+    assert quant_cpu.amx_min_rows() == 10
+    assert torch.equal(amx_qext.q_linear(x[:9], *args, None), panel[:9])
+    assert torch.equal(amx_qext.q_linear(x[:10], *args, None), amx[:10])
+    assert torch.equal(wquant.gguf_linear(x[:19], w), amx[:19])
+    assert torch.equal(amx_qext.q_linear(x[:20], *args, None), tiles[:20])
+    y32 = amx_qext.q_linear(x.float(), *args, None)
+    quant_cpu.set_amx_min_rows(amx_qext, None)
+    assert torch.equal(y32, amx_qext.q_linear(x.float(), *args, None))
+    assert torch.equal(amx_qext.q_linear(x[:19], *args, None), panel[:19])
+
+
+def test_wide_paths_by_cpu_and_mode() -> None:
+    amx = frozenset({"avx512f", "avx512_bf16", "amx_bf16", "amx_tile"})
+    no_amx = frozenset({"avx512f", "avx512_bf16"})
+    both = quant_cpu.WidePaths(quant_cpu.AMX_MIN_ROWS, quant_cpu.AMX_WIDE_MIN_ROWS)
+    tiles = quant_cpu.WidePaths(None, quant_cpu.WIDE_MIN_ROWS)
+    none = quant_cpu.WidePaths(None, None)
+    assert quant_cpu.decide_wide_paths("auto", amx, True, True) == both
+    assert quant_cpu.decide_wide_paths("auto", amx, True, False) == tiles  # kernel not built
+    assert quant_cpu.decide_wide_paths("auto", amx, False, True) == none  # tiles refused
+    assert quant_cpu.decide_wide_paths("auto", no_amx, True, True) == none
+    assert quant_cpu.decide_wide_paths("amx", amx, True, True) == both
+    assert quant_cpu.decide_wide_paths("bf16", no_amx, False, False) == tiles
+    assert quant_cpu.decide_wide_paths("bf16", amx, True, True) == tiles
+    assert quant_cpu.decide_wide_paths("int8", amx, True, True) == none
+    with pytest.raises(ValueError, match="no usable bf16 AMX"):
+        quant_cpu.decide_wide_paths("amx", no_amx, True, True)

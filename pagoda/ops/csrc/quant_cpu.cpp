@@ -41,6 +41,10 @@
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define PAGODA_Q_AVX2 1
 #endif
+#if defined(PAGODA_Q_AVX512) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && \
+    defined(__AVX512BF16__)
+#define PAGODA_Q_AMX 1
+#endif
 #if defined(PAGODA_Q_AVX512) || defined(PAGODA_Q_AVX2)
 #define PAGODA_Q_VEC 1
 #include <immintrin.h>
@@ -894,6 +898,185 @@ at::Tensor q_linear_tiles(const at::Tensor& x, const at::Tensor& codes, const at
   return out;
 }
 
+// The same product on AMX tiles without a dequantized copy in memory: per panel (16 output
+// rows), its codes dequantized (w = s * q + m in float32, one rounding to bf16, as
+// dequant_t) into a per-thread buffer in the B-tile layout of TDPBF16PS (a tile row holds
+// input columns 2i and 2i + 1 of the 16 output rows, interleaved), then for every 16
+// activation rows and 32 input columns one TDPBF16PS into a 16 x 16 float32 tile. The codes
+// are read once per call whatever the row count, so a decode step's 16-256 rows cost about
+// the weight's dequantization, not the int8 panel kernel's per-row work. Each output sums
+// its 32-column blocks in one order, whatever M is: a row's result does not depend on the
+// other rows of the call. The bias is added in float32 before the rounding to bf16.
+// Tiles: 0-3 accumulators (four row tiles), 4 and 6 activations, 5 and 7 weights.
+#if defined(PAGODA_Q_AMX)
+struct alignas(64) AmxConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// 32 bf16: e[0], o[0], e[1], o[1], ... (each rounded to nearest even, as to_bf16).
+inline __m512i interleave_bf16(__m512 e, __m512 o) {
+  const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                       24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
+                                       16, 0);
+  return _mm512_permutexvar_epi16(idx, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(o, e)));
+}
+
+// The dequantized panel p, input columns [0, kp), into buf [kp / 32][16][32] bf16 in the
+// B-tile layout: buf[b][i][2 * r + t] = w[row r, column 32 * b + 2 * i + t].
+template <int BITS>
+void dequant_panel_vnni(const Weights& w, int64_t group, int64_t kp, int64_t p, uint16_t* buf) {
+  const __m512i lo8 = _mm512_set1_epi32(0xFF);
+  const uint8_t* cp = w.codes + p * w.panel_bytes;
+  __m512 s = _mm512_setzero_ps(), m = _mm512_setzero_ps();
+  for (int64_t c = 0; c < kp; c += 8) {
+    if (c % group == 0 && (w.groups > 1 || c == 0)) {
+      const int64_t idx = sc_at(w, w.groups == 1 ? 0 : std::min(c / group, w.groups - 1),
+                                p * kPanel);
+      s = load16(w.sc, w.sc_kind, idx);
+      const __m512 o = load16(w.off, w.off_kind, idx);
+      m = w.zero_form ? _mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), s), o) : o;
+    }
+    __m512i v[2];
+    // NOTE: the panels of a thread's share are one stream; reads ahead keep it flowing.
+    _mm_prefetch(reinterpret_cast<const char*>(cp + c * 2 * BITS) + kPrefetch4, _MM_HINT_T0);
+    if constexpr (BITS == 8) {
+      _mm_prefetch(reinterpret_cast<const char*>(cp + c * 2 * BITS) + kPrefetch4 + 64,
+                   _MM_HINT_T0);
+    }
+    decode8<BITS>(cp + c * 2 * BITS, v[0], v[1]);
+    for (int h = 0; h < 2; ++h) {
+      // Columns c + 4h + {0, 1} and {2, 3}: bytes 0-3 of each lane, one pair a store.
+      const __m512 y0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v[h], lo8)), s, m);
+      const __m512 y1 = _mm512_fmadd_ps(
+          _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(v[h], 8), lo8)), s, m);
+      const __m512 y2 = _mm512_fmadd_ps(
+          _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(v[h], 16), lo8)), s, m);
+      const __m512 y3 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v[h], 24)), s, m);
+      const int64_t col = c + 4 * h;
+      uint16_t* dst = buf + (col / 32) * 512 + ((col % 32) / 2) * 32;
+      _mm512_storeu_si512(dst, interleave_bf16(y0, y1));
+      _mm512_storeu_si512(dst + 32, interleave_bf16(y2, y3));
+    }
+  }
+}
+
+// One 32-column block: the weights' tile TB (loaded by the caller) times up to four row
+// tiles of activations. NOTE: tile numbers are immediates; the activations alternate
+// between tiles 4 and 6 (and the weights between 5 and 7, per block) so that a load need
+// not wait for the product still reading the tile it would overwrite.
+// (The tile intrinsics take literal tile numbers, hence a macro for the two versions.)
+#define PAGODA_AMX_BLOCK(NAME, TB)                                                    \
+  inline void NAME(int nt, const uint16_t* a, int64_t a_stride, int64_t tile_step) { \
+    _tile_loadd(4, a, a_stride);                                                    \
+    if (nt > 1) _tile_loadd(6, a + tile_step, a_stride);                            \
+    _tile_dpbf16ps(0, 4, TB);                                                       \
+    if (nt > 1) _tile_dpbf16ps(1, 6, TB);                                           \
+    if (nt > 2) {                                                                   \
+      _tile_loadd(4, a + 2 * tile_step, a_stride);                                  \
+      if (nt > 3) _tile_loadd(6, a + 3 * tile_step, a_stride);                      \
+      _tile_dpbf16ps(2, 4, TB);                                                     \
+      if (nt > 3) _tile_dpbf16ps(3, 6, TB);                                         \
+    }                                                                               \
+  }
+PAGODA_AMX_BLOCK(amx_block5, 5)
+PAGODA_AMX_BLOCK(amx_block7, 7)
+#undef PAGODA_AMX_BLOCK
+
+inline void amx_store(int t, float* c) {
+  switch (t) {
+    case 0: _tile_stored(0, c, 64); break;
+    case 1: _tile_stored(1, c, 64); break;
+    case 2: _tile_stored(2, c, 64); break;
+    default: _tile_stored(3, c, 64); break;
+  }
+}
+#endif
+
+// Whether q_linear_amx runs in this build (AMX-TILE and AMX-BF16 compiled in).
+bool amx_compiled() {
+#if defined(PAGODA_Q_AMX)
+  return true;
+#else
+  return false;
+#endif
+}
+
+at::Tensor q_linear_amx(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sc,
+                        const at::Tensor& off, int64_t bits, int64_t block, int64_t group,
+                        bool zero_form, int64_t n, const c10::optional<at::Tensor>& bias) {
+  const Weights w = checked_weights(x, codes, sc, off, bits, block, group, zero_form, n);
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "the AMX path takes bf16 x");
+  const at::Tensor b = float_bias(bias, n);
+  const int64_t m = x.size(0), k = x.size(1), kp = codes.size(1) / (2 * bits);
+  at::Tensor out = at::empty({m, n}, x.options());
+#if defined(PAGODA_Q_AMX)
+  if (m == 0) return out;
+  // The activations padded to whole tiles: rows to a multiple of 16, columns to kp (zeros).
+  const int64_t mp = (m + 15) / 16 * 16, row_tiles = mp / 16;
+  at::Tensor xs = at::zeros({mp, kp}, x.options());
+  xs.narrow(0, 0, m).narrow(1, 0, k).copy_(x);
+  const auto* xa = reinterpret_cast<const uint16_t*>(xs.data_ptr<at::BFloat16>());
+  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  const int64_t panels = w.np / kPanel, kb_n = kp / 32;
+#pragma omp parallel
+  {
+    AmxConfig cfg;
+    for (int t = 0; t < 8; ++t) {
+      cfg.colsb[t] = 64;
+      cfg.rows[t] = 16;
+    }
+    _tile_loadconfig(&cfg);
+    std::vector<uint16_t> wbuf(static_cast<size_t>(kp) * kPanel);
+    alignas(64) float acc[16 * 16];
+#pragma omp for schedule(static)
+    for (int64_t p = 0; p < panels; ++p) {
+      if (bits == 4) dequant_panel_vnni<4>(w, group, kp, p, wbuf.data());
+      else dequant_panel_vnni<8>(w, group, kp, p, wbuf.data());
+      const int64_t col0 = p * kPanel;
+      const __mmask16 mask = first_lanes(n - col0);
+      const __m512 bv = bp != nullptr ? _mm512_maskz_loadu_ps(mask, bp + col0) : _mm512_setzero_ps();
+      for (int64_t t0 = 0; t0 < row_tiles; t0 += 4) {
+        const int nt = static_cast<int>(std::min<int64_t>(4, row_tiles - t0));
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t kb = 0; kb < kb_n; kb += 2) {  // NOTE: kp is a multiple of 64
+          const uint16_t* a = xa + t0 * 16 * kp + kb * 32;
+          _tile_loadd(5, wbuf.data() + kb * 512, 64);
+          _tile_loadd(7, wbuf.data() + (kb + 1) * 512, 64);
+          amx_block5(nt, a, kp * 2, 16 * kp);
+          amx_block7(nt, a + 32, kp * 2, 16 * kp);
+        }
+        for (int t = 0; t < nt; ++t) {
+          amx_store(t, acc);
+          const int64_t r0 = (t0 + t) * 16;
+          for (int64_t r = 0; r < 16 && r0 + r < m; ++r) {
+            const __m512 y = _mm512_add_ps(_mm512_load_ps(acc + r * 16), bv);
+            _mm256_mask_storeu_epi16(op + (r0 + r) * n + col0, mask, to_bf16(y));
+          }
+        }
+      }
+    }
+    _tile_release();
+  }
+#else
+  TORCH_CHECK(false, "pagoda quant kernels were built without AMX-TILE and AMX-BF16");
+#endif
+  return out;
+}
+
+// Activation rows for which q_linear's bf16 products run q_linear_amx: [amx_min_rows,
+// amx_max_rows] (set once per process by quant_cpu.py where AMX tiles were granted;
+// INT64_MAX: never).
+std::atomic<int64_t> amx_min_rows{std::numeric_limits<int64_t>::max()};
+std::atomic<int64_t> amx_max_rows{0};
+
 // Rows from which q_linear's bf16 products run q_linear_tiles (set once per process by
 // quant_cpu.py: on a CPU with AMX the dequantized tiles through oneDNN are the faster path
 // for wide products; INT64_MAX: never).
@@ -912,6 +1095,10 @@ int64_t tile_rows(int64_t k, int64_t n) {
 at::Tensor q_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sc,
                     const at::Tensor& off, int64_t bits, int64_t block, int64_t group,
                     bool zero_form, int64_t n, const c10::optional<at::Tensor>& bias) {
+  if (x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(0) >= amx_min_rows.load() &&
+      x.size(0) <= amx_max_rows.load()) {
+    return q_linear_amx(x, codes, sc, off, bits, block, group, zero_form, n, bias);
+  }
   if (x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(0) >= wide_min_rows.load()) {
     return q_linear_tiles(x, codes, sc, off, bits, block, group, zero_form, n, bias,
                           tile_rows(x.size(1), n));
@@ -1071,6 +1258,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "q_linear through per-tile bf16 dequantization and a bf16 GEMM");
   m.def("set_wide_min_rows", [](int64_t rows) { pagoda_quant::wide_min_rows.store(rows); },
         "rows from which q_linear's bf16 products take q_linear_tiles");
+  m.def("q_linear_amx", &pagoda_quant::q_linear_amx,
+        "q_linear on AMX tiles: each panel dequantized to bf16 in the B-tile layout, TDPBF16PS");
+  m.def("amx_compiled", &pagoda_quant::amx_compiled, "whether q_linear_amx was built");
+  m.def("set_amx_rows", [](int64_t lo, int64_t hi) {
+          pagoda_quant::amx_min_rows.store(lo);
+          pagoda_quant::amx_max_rows.store(hi);
+        }, "the activation rows [lo, hi] for which q_linear's bf16 products take q_linear_amx");
   m.def("tile_rows", &pagoda_quant::tile_rows, "output rows per tile of q_linear's wide products");
   m.def("dequant_rows", &pagoda_quant::dequant_rows,
         "rows of a panel layout's weight, dequantized into out (float32 or bf16)");
