@@ -202,12 +202,18 @@ def wide_mode() -> str:
     return value
 
 
+def amx_allowed(flags: frozenset[str], amx_usable: bool, amx_compiled: bool) -> bool:
+    """Whether q_linear_amx can run: the CPU lists amx_bf16, this process was granted the
+    tiles, and the extension was built with the kernel."""
+    return "amx_bf16" in flags and amx_usable and amx_compiled
+
+
 def decide_wide_paths(mode: str, flags: frozenset[str], amx_usable: bool,
                       amx_compiled: bool) -> WidePaths:
     """auto: on a CPU with usable bf16 AMX, q_linear_amx (where built) and the tiles; else
     the panel kernel alone. bf16: the tiles alone (any CPU); amx: auto's choice, refused
     where the AMX kernel cannot run; int8: the panel kernel alone."""
-    can_amx = "amx_bf16" in flags and amx_usable and amx_compiled
+    can_amx = amx_allowed(flags, amx_usable, amx_compiled)
     if mode == "amx" and not can_amx:
         raise ValueError("PAGODA_QUANT_WIDE=amx: this CPU or build has no usable bf16 AMX "
                          f"(amx_bf16 listed: {'amx_bf16' in flags}, tiles granted: "
@@ -217,13 +223,6 @@ def decide_wide_paths(mode: str, flags: frozenset[str], amx_usable: bool,
     if mode == "bf16" or not can_amx:
         return WidePaths(None, WIDE_MIN_ROWS)
     return WidePaths(AMX_MIN_ROWS, AMX_WIDE_MIN_ROWS)
-
-
-def decide_wide_min_rows(mode: str, flags: frozenset[str], amx_usable: bool) -> int | None:
-    """Rows from which a bf16 gguf/wq product runs dequantized bf16 tiles through oneDNN's
-    GEMM when the AMX kernel is not built, or None (the int8 panel kernel at every row
-    count): under auto, AMX decides."""
-    return decide_wide_paths(mode, flags, amx_usable, False).wide_min_rows
 
 
 def wide_min_rows() -> int | None:
@@ -264,8 +263,8 @@ def _push_amx_rows(ext: ModuleType) -> None:
 
 def amx_kernel_runs(ext: ModuleType) -> bool:
     """Whether q_linear_amx was built and this process was granted AMX tiles."""
-    return bool(ext.amx_compiled()) and "amx_bf16" in cpu_kernels.cpu_flags() \
-        and request_amx_tiles().usable
+    return amx_allowed(cpu_kernels.cpu_flags(), request_amx_tiles().usable,
+                       bool(ext.amx_compiled()))
 
 
 def _configure_wide(ext: ModuleType) -> None:

@@ -306,11 +306,16 @@ def test_wide_products_take_the_tiles_only_with_amx(monkeypatch) -> None:
     amx = frozenset({"avx512f", "avx512_bf16", "amx_bf16", "amx_tile"})
     no_amx = frozenset({"avx512f", "avx512_bf16"})
     rows = quant_cpu.WIDE_MIN_ROWS
-    assert quant_cpu.decide_wide_min_rows("auto", amx, True) == rows
-    assert quant_cpu.decide_wide_min_rows("auto", amx, False) is None  # tiles refused
-    assert quant_cpu.decide_wide_min_rows("auto", no_amx, True) is None
-    assert quant_cpu.decide_wide_min_rows("int8", amx, True) is None
-    assert quant_cpu.decide_wide_min_rows("bf16", no_amx, False) == rows
+
+    def wide_min_rows(mode: str, flags: frozenset[str], usable: bool) -> int | None:
+        # NOTE: a build without the AMX kernel: the tiles are the one wide path.
+        return quant_cpu.decide_wide_paths(mode, flags, usable, False).wide_min_rows
+
+    assert wide_min_rows("auto", amx, True) == rows
+    assert wide_min_rows("auto", amx, False) is None  # tiles refused
+    assert wide_min_rows("auto", no_amx, True) is None
+    assert wide_min_rows("int8", amx, True) is None
+    assert wide_min_rows("bf16", no_amx, False) == rows
     monkeypatch.setenv("PAGODA_QUANT_WIDE", "fp4")
     with pytest.raises(ValueError, match="PAGODA_QUANT_WIDE"):
         quant_cpu.wide_mode()
@@ -485,26 +490,19 @@ def amx_qext(qext):
     return qext
 
 
-def _gptq_weight(n: int, k: int, group: int, seed: int) -> wquant.GroupQuantWeight:
-    g = torch.Generator().manual_seed(seed)
-    w = wquant.GroupQuantWeight(torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8),
-                                torch.rand(n, k // group, generator=g) * 0.02 + 0.001,
-                                torch.randint(0, 16, (n, k // group), generator=g).float(), 4,
-                                group)
-    wquant.prepare("wq_linear", w, "cpu")
-    return w
-
-
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "Q6_K", "gptq_g64", "gptq_all_k"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "Q6_K", "gptq_g64", "gptq_all_k",
+                                  "gptq_k200"])
 @pytest.mark.parametrize("n", [48, 37])
 def test_amx_product_matches_reference_and_is_row_invariant(amx_qext, kind: str,
                                                             n: int) -> None:
     """q_linear_amx (each panel dequantized to bf16 in the B-tile layout, TDPBF16PS) against
     x times the bf16-rounded dequantized weight in float64: float32 sums and the output's
     rounding to bf16 are what is left (2**-8 relative). Any row's result is the same bits
-    in any call: alone, among fewer rows, reordered (70 rows: two groups of four tiles)."""
-    if kind.startswith("gptq"):
-        w = _gptq_weight(n, 256, 64 if kind == "gptq_g64" else 256, seed=31)
+    in any call: alone, among fewer rows, reordered (70 rows: two groups of four tiles).
+    K = 200: the columns past K are padding in both x and the weight buffer."""
+    if kind.startswith("gptq"):  # k200: K short of the codes' 256 padded columns
+        k = 200 if kind == "gptq_k200" else 256
+        w = _group_weight(4, n, k, 64 if kind == "gptq_g64" else k, False, seed=31)
     else:
         qtype = {**{v: q for q, v in QUANTIZABLE.items()}, **{v: q for q, v in KQUANTS.items()}}
         w = _gguf_weight(qtype[kind], n, 256, seed=31)

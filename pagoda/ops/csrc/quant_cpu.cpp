@@ -248,6 +248,15 @@ inline __m512 load16(const void* base, int kind, int64_t idx) {
 }
 
 
+// Group g's scales s and offsets m (w = s * q + m; m = -s * z in the zero form) of the 16
+// rows of the panel that starts at output row `row`.
+inline void panel_scale_offset(const Weights& w, int64_t g, int64_t row, __m512& s, __m512& m) {
+  const int64_t idx = sc_at(w, g, row);
+  s = load16(w.sc, w.sc_kind, idx);
+  const __m512 o = load16(w.off, w.off_kind, idx);
+  m = w.zero_form ? _mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), s), o) : o;
+}
+
 // The two code registers of 8 columns of one panel: columns c..c+3 and c+4..c+7.
 template <int BITS>
 inline void decode8(const uint8_t* p, __m512i& w0, __m512i& w1) {
@@ -277,12 +286,7 @@ inline void tile(const Weights& w, int64_t panel0, const QuantActs& a, int64_t r
   const int64_t nb = a.nb, kp = a.kp;
   for (int64_t g = 0; g < w.groups; ++g) {
     __m512 s[P], m[P];
-    for (int p = 0; p < P; ++p) {
-      const int64_t idx = sc_at(w, g, (panel0 + p) * kPanel);
-      s[p] = load16(w.sc, w.sc_kind, idx);
-      const __m512 o = load16(w.off, w.off_kind, idx);
-      m[p] = w.zero_form ? _mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), s[p]), o) : o;
-    }
+    for (int p = 0; p < P; ++p) panel_scale_offset(w, g, (panel0 + p) * kPanel, s[p], m[p]);
     const int64_t b1 = g + 1 == w.groups ? nb : std::min(nb, (g + 1) * w.bpg);
     if constexpr (R == 1) {
       // NOTE: a single row streams its codes faster than [G, N] scales' rows arrive on
@@ -389,12 +393,7 @@ void dequant_t(const Weights& w, int64_t group, int64_t k, int64_t t0, int64_t t
     const __mmask16 mask = first_lanes(tn - col0);
     __m512 s = _mm512_setzero_ps(), m = _mm512_setzero_ps();
     for (int64_t c = 0; c < k; c += 8) {
-      if (c % group == 0) {
-        const int64_t idx = sc_at(w, w.groups == 1 ? 0 : c / group, p * kPanel);
-        s = load16(w.sc, w.sc_kind, idx);
-        const __m512 o = load16(w.off, w.off_kind, idx);
-        m = w.zero_form ? _mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), s), o) : o;
-      }
+      if (c % group == 0) panel_scale_offset(w, w.groups == 1 ? 0 : c / group, p * kPanel, s, m);
       __m512i v[2];
       decode8<BITS>(cp + c * 2 * BITS, v[0], v[1]);
       for (int j = 0; j < 8 && c + j < k; ++j) {
@@ -925,21 +924,16 @@ inline __m512i interleave_bf16(__m512 e, __m512 o) {
   return _mm512_permutexvar_epi16(idx, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(o, e)));
 }
 
-// The dequantized panel p, input columns [0, kp), into buf [kp / 32][16][32] bf16 in the
-// B-tile layout: buf[b][i][2 * r + t] = w[row r, column 32 * b + 2 * i + t].
+// The dequantized panel p, input columns [0, k) (to a multiple of 8), into buf [kp / 32][16]
+// [32] bf16 in the B-tile layout: buf[b][i][2 * r + t] = w[row r, column 32 * b + 2 * i + t].
+// Columns past that are never written: the caller's zeros stay there (x is zero there too).
 template <int BITS>
-void dequant_panel_vnni(const Weights& w, int64_t group, int64_t kp, int64_t p, uint16_t* buf) {
+void dequant_panel_vnni(const Weights& w, int64_t group, int64_t k, int64_t p, uint16_t* buf) {
   const __m512i lo8 = _mm512_set1_epi32(0xFF);
   const uint8_t* cp = w.codes + p * w.panel_bytes;
   __m512 s = _mm512_setzero_ps(), m = _mm512_setzero_ps();
-  for (int64_t c = 0; c < kp; c += 8) {
-    if (c % group == 0 && (w.groups > 1 || c == 0)) {
-      const int64_t idx = sc_at(w, w.groups == 1 ? 0 : std::min(c / group, w.groups - 1),
-                                p * kPanel);
-      s = load16(w.sc, w.sc_kind, idx);
-      const __m512 o = load16(w.off, w.off_kind, idx);
-      m = w.zero_form ? _mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), s), o) : o;
-    }
+  for (int64_t c = 0; c < k; c += 8) {
+    if (c % group == 0) panel_scale_offset(w, w.groups == 1 ? 0 : c / group, p * kPanel, s, m);
     __m512i v[2];
     // NOTE: the panels of a thread's share are one stream; reads ahead keep it flowing.
     _mm_prefetch(reinterpret_cast<const char*>(cp + c * 2 * BITS) + kPrefetch4, _MM_HINT_T0);
@@ -1035,8 +1029,8 @@ at::Tensor q_linear_amx(const at::Tensor& x, const at::Tensor& codes, const at::
     alignas(64) float acc[16 * 16];
 #pragma omp for schedule(static)
     for (int64_t p = 0; p < panels; ++p) {
-      if (bits == 4) dequant_panel_vnni<4>(w, group, kp, p, wbuf.data());
-      else dequant_panel_vnni<8>(w, group, kp, p, wbuf.data());
+      if (bits == 4) dequant_panel_vnni<4>(w, group, k, p, wbuf.data());
+      else dequant_panel_vnni<8>(w, group, k, p, wbuf.data());
       const int64_t col0 = p * kPanel;
       const __mmask16 mask = first_lanes(n - col0);
       const __m512 bv = bp != nullptr ? _mm512_maskz_loadu_ps(mask, bp + col0) : _mm512_setzero_ps();
