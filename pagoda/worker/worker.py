@@ -38,6 +38,7 @@ from pagoda.ops.cpu_kernels import load_extension
 from pagoda.quant.gguf import prefers_bf16
 from pagoda.spec_decode.proposer import ProposerContext, create_proposer
 from pagoda.worker.block_copies import LayerCaches, swap_blocks
+from pagoda.worker.host_alloc import huge_page_zeros
 from pagoda.worker.kv_compress import host_layer_tensors, pool_format
 from pagoda.worker.model_runner import ModelRunner, ModelRunnerOutput
 from pagoda.worker.omp_team import omp_team_for
@@ -181,12 +182,19 @@ def allocate_kv_caches(
     """Per layer (in layer order) its group's tensors (`spec.layer_tensors()`, each with
     num_blocks in front: K, V and, quantized, their scales; a host pool's in its
     `compression` format: kv_compress.py); on `device` (None: the host)."""
-    make = torch.zeros if zero else torch.empty
+    on_host = device is None or device.type == "cpu"
+
+    def make(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        if zero and on_host and not pin:
+            return huge_page_zeros(shape, dtype)  # read at random: host_alloc.py
+        alloc = torch.zeros if zero else torch.empty
+        return alloc(shape, dtype=dtype, device=device, pin_memory=pin)
+
     by_layer: dict[int, tuple[torch.Tensor, ...]] = {}
     for spec in specs:
         for layer in spec.layer_ids:
             by_layer[layer] = tuple(
-                make((num_blocks, *shape), dtype=dtype, device=device, pin_memory=pin)
+                make((num_blocks, *shape), dtype)
                 for shape, dtype in host_layer_tensors(spec, compression)
             )
     return [by_layer[i] for i in range(len(by_layer))]
