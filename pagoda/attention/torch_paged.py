@@ -48,14 +48,16 @@ _sdpa_prefill: bool | None = None
 def sdpa_prefill_enabled() -> bool:
     """Whether long fresh bf16 prefills take SDPA (decided once per process):
     `PAGODA_PREFILL_SDPA` on / off, or auto (the default): where the CPU lists amx_bf16 and
-    AMX tiles were granted."""
+    AMX tiles were granted, unless the tiled kernel runs on them itself."""
     global _sdpa_prefill
     if _sdpa_prefill is None:
         mode = os.environ.get("PAGODA_PREFILL_SDPA", "auto").strip().lower() or "auto"
         if mode not in ("auto", "on", "off"):
             raise ValueError(f"PAGODA_PREFILL_SDPA={mode!r}: expected auto, on or off")
         if mode == "auto":
-            mode = "on" if amx_bf16_usable() else "off"
+            # NOTE: the tiled kernel's AMX path, where it runs, is as fast as SDPA on long
+            # prompts and faster on short ones (ops/cpu_kernels.py), and reads the cache.
+            mode = "on" if amx_bf16_usable() and not ops.prefill_attention_on_amx() else "off"
         _sdpa_prefill = mode == "on"
     return _sdpa_prefill
 

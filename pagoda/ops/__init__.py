@@ -65,6 +65,14 @@ def decoder_layers_for(x: torch.Tensor) -> ModuleType | None:
     return cpu.decoder_layers(x) if x.device.type == "cpu" else None
 
 
+def prefill_attention_on_amx() -> bool:
+    """Whether bf16 prefill attention's CPU kernel runs on AMX tiles in this process
+    (cpu_kernels.configure_prefill_amx)."""
+    from pagoda.ops import cpu_kernels
+
+    return cpu_kernels.prefill_amx_enabled()
+
+
 __all__ = [
     "OPS",
     "Kernel",
@@ -78,6 +86,7 @@ __all__ = [
     "gather_kv",
     "paged_attention",
     "paged_prefill_attention",
+    "prefill_attention_on_amx",
     "rms_norm",
     "rotary_and_cache",
     "silu_and_mul",

@@ -291,6 +291,8 @@ def _run(ext, qext, kernel: str, args: tuple) -> tuple[torch.Tensor, ...]:
     if kernel in ("prefill_fp32_fma", "decode_fp32_fma"):
         out = torch.zeros_like(args[0])
         ext.set_bf16_dot(False)
+        amx = ext.prefill_amx_enabled()
+        ext.set_prefill_amx(False)  # NOTE: the vector path's fp32 fallback, not AMX tiles
         try:
             if kernel == "prefill_fp32_fma":
                 ext.paged_prefill_attention(out, *args)
@@ -298,6 +300,7 @@ def _run(ext, qext, kernel: str, args: tuple) -> tuple[torch.Tensor, ...]:
                 ext.paged_decode_attention(out, *args)
         finally:
             ext.set_bf16_dot(True)
+            ext.set_prefill_amx(amx)
         return (out,)
     if kernel == "decode_dot":
         out = torch.zeros_like(args[0])

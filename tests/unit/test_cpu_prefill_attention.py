@@ -105,6 +105,22 @@ def no_sdpa(monkeypatch):
     monkeypatch.setattr(torch_paged, "_sdpa_prefill", False)
 
 
+@pytest.fixture(autouse=True)
+def vector_path():
+    """The vector path's tests: the AMX path (on by default where it runs) is off; its own
+    tests (`amx`) turn it on."""
+    ext = None if cpu_kernels.kernels_disabled() else cpu_kernels.load_extension()
+    if ext is None:
+        yield
+        return
+    was = ext.prefill_amx_enabled()
+    ext.set_prefill_amx(False)
+    try:
+        yield
+    finally:
+        ext.set_prefill_amx(was)
+
+
 @pytest.fixture
 def tiled(ext):
     """The tests of the tiled kernel itself: skipped, saying why, where it cannot run (it needs
@@ -376,12 +392,16 @@ def test_sdpa_prefill_stays_off_for_quantized_caches_windows_and_float32(monkeyp
     assert not TorchPagedAttention(9, 3, 64)._sdpa_takes(q.float(), cache.float(), [])
 
 
-@pytest.mark.parametrize(("mode", "amx", "want"), [
-    ("auto", True, True), ("auto", False, False), ("on", False, True), ("off", True, False)])
-def test_sdpa_prefill_mode(monkeypatch, mode: str, amx: bool, want: bool) -> None:
+@pytest.mark.parametrize(("mode", "amx", "kernel_amx", "want"), [
+    ("auto", True, False, True), ("auto", True, True, False), ("auto", False, False, False),
+    ("on", False, False, True), ("on", True, True, True), ("off", True, False, False)])
+def test_sdpa_prefill_mode(monkeypatch, mode: str, amx: bool, kernel_amx: bool,
+                           want: bool) -> None:
+    """auto: SDPA where AMX runs, unless the tiled kernel runs on AMX itself."""
     flags = frozenset({"avx512f", "amx_bf16", "amx_tile"} if amx else {"avx512f"})
     monkeypatch.setattr(cpu_features, "cpu_info", lambda: ("cpu", flags))
     monkeypatch.setattr(cpu_features, "request_amx_tiles", lambda: AmxStatus(amx, "mocked"))
+    monkeypatch.setattr(ops, "prefill_attention_on_amx", lambda: kernel_amx)
     monkeypatch.setattr(torch_paged, "_sdpa_prefill", None)
     monkeypatch.setenv("PAGODA_PREFILL_SDPA", mode)
     assert torch_paged.sdpa_prefill_enabled() is want
@@ -389,3 +409,114 @@ def test_sdpa_prefill_mode(monkeypatch, mode: str, amx: bool, want: bool) -> Non
     monkeypatch.setenv("PAGODA_PREFILL_SDPA", "amx")
     with pytest.raises(ValueError, match="PAGODA_PREFILL_SDPA"):
         torch_paged.sdpa_prefill_enabled()
+
+
+# ---------------------------------------------------------------------------------------
+# The AMX path (paged_prefill_amx_cpu.cpp): bf16 q and cache, head dims multiple of 64.
+
+LONG_REQUESTS = [(150, 700), (64, 64), (65, 600), (0, 20), (3, 3), (200, 200)]
+
+
+@pytest.fixture
+def amx(ext, tiled):
+    """The AMX path on; skipped, saying why, where it cannot run."""
+    if not ext.prefill_amx_compiled():
+        pytest.skip("this build has no AMX prefill path (it needs AMX-TILE, AMX-BF16 and "
+                    "AVX512-BF16 at compile time: an Intel CPU with AMX)")
+    if not cpu_features.amx_bf16_usable():
+        pytest.skip("this process may not use bf16 AMX (no amx_bf16, or tiles refused)")
+    ext.set_prefill_amx(True)
+    yield ext
+    ext.set_prefill_amx(False)
+
+
+@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("window", [None, 33, 200])
+def test_amx_matches_oracle(amx, group: int, window: int | None) -> None:
+    """Short and long requests: cached prefixes, items of 64 rows, several 512-key chunks,
+    empty queries; causal and window masks."""
+    _check(_case(REQUESTS + LONG_REQUESTS, 2, group, torch.bfloat16, seed=40 + group,
+                 num_decodes=2), window, 1e-2, num_decodes=2)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("block_size", [1, 8, 24, 32])
+def test_amx_head_dims_and_block_sizes(amx, head_dim: int, block_size: int) -> None:
+    _check(_case(REQUESTS, 2, 2, torch.bfloat16, d=head_dim, block_size=block_size,
+                 seed=head_dim + block_size), None, 1e-2)
+
+
+def test_amx_runs_and_agrees_with_the_vector_path(amx, monkeypatch) -> None:
+    """The AMX path is what runs (its results differ from the vector path's in the last
+    bits: another summation order), and the two agree to bf16 rounding."""
+    case = _case(REQUESTS + LONG_REQUESTS, 3, 3, torch.bfloat16, seed=5)
+    args = (*case, 0.125, None)
+    got = _tiled(*args)
+    amx.set_prefill_amx(False)
+    vec = _tiled(*args)
+    amx.set_prefill_amx(True)
+    assert not torch.equal(got, vec)
+    torch.testing.assert_close(got.float(), vec.float(), atol=1.6e-2, rtol=1.6e-2)
+
+
+@pytest.mark.parametrize(("dtype", "head_dim"), [
+    (torch.float32, 64), (torch.bfloat16, 32), (torch.bfloat16, 96)])
+def test_amx_leaves_float32_and_other_head_dims_to_the_vector_path(amx, dtype, head_dim) -> None:
+    """Bit for bit the vector path's results with the AMX path on: it does not take them."""
+    case = _case(REQUESTS, 2, 3, dtype, d=head_dim, seed=11)
+    args = (*case, head_dim**-0.5, None)
+    got = _tiled(*args)
+    amx.set_prefill_amx(False)
+    assert torch.equal(got, _tiled(*args))
+    amx.set_prefill_amx(True)
+
+
+def test_amx_leaves_quantized_caches_to_the_vector_path(amx) -> None:
+    case = _case(REQUESTS, 2, 3, torch.float32, seed=13)
+    q, k_cache, v_cache = case[:3]
+    k_codes, k_scale = quantize(k_cache, torch.int8)
+    v_codes, v_scale = quantize(v_cache, torch.int8)
+    args = (q.bfloat16(), k_codes, v_codes, *case[3:], 0.125, None, k_scale, v_scale)
+    got = _tiled(*args)
+    amx.set_prefill_amx(False)
+    assert torch.equal(got, _tiled(*args))
+    amx.set_prefill_amx(True)
+
+
+def test_amx_refuses_bad_block_ids_before_running(amx) -> None:
+    case = list(_case(REQUESTS, 2, 3, torch.bfloat16, seed=17))
+    case[3] = case[3].clone()
+    case[3][2, 0] = 10**6
+    with pytest.raises(RuntimeError, match="out of range"):
+        _tiled(*case, 0.125, None)
+
+
+@pytest.mark.parametrize(("mode", "usable", "compiled", "want"), [
+    ("auto", True, True, True), ("auto", False, True, False), ("auto", True, False, False),
+    ("off", True, True, False)])
+def test_prefill_amx_mode(mode: str, usable: bool, compiled: bool, want: bool) -> None:
+    assert cpu_kernels.prefill_amx_allowed(mode, usable, compiled) is want
+
+
+def test_prefill_amx_mode_is_checked() -> None:
+    with pytest.raises(ValueError, match="PAGODA_PREFILL_AMX"):
+        cpu_kernels.prefill_amx_allowed("on", True, True)
+
+
+def test_configure_prefill_amx_follows_the_cpu_and_environment(ext, monkeypatch) -> None:
+    monkeypatch.setattr(cpu_features, "cpu_info", lambda: ("cpu", frozenset({"avx512f"})))
+    assert cpu_kernels.configure_prefill_amx(ext) is False and not ext.prefill_amx_enabled()
+    monkeypatch.setenv("PAGODA_PREFILL_AMX", "off")
+    monkeypatch.setattr(cpu_features, "cpu_info", lambda: ("cpu", frozenset({"amx_bf16"})))
+    monkeypatch.setattr(cpu_features, "request_amx_tiles", lambda: AmxStatus(True, "mocked"))
+    assert cpu_kernels.configure_prefill_amx(ext) is False and not ext.prefill_amx_enabled()
+    monkeypatch.setenv("PAGODA_PREFILL_AMX", "auto")
+    assert cpu_kernels.configure_prefill_amx(ext) is ext.prefill_amx_compiled()
+    ext.set_prefill_amx(False)
+
+
+def test_set_prefill_amx_refuses_a_build_without_it(ext) -> None:
+    if ext.prefill_amx_compiled():
+        pytest.skip("this build has the AMX path (the refusal is for builds without it)")
+    with pytest.raises(RuntimeError, match="not in this build"):
+        ext.set_prefill_amx(True)

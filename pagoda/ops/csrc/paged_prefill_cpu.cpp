@@ -69,6 +69,17 @@
 #define PAGODA_PREFILL_DOT 1
 #endif
 
+// The AMX path (paged_prefill_amx_cpu.cpp).
+namespace pagoda_prefill_amx {
+extern std::atomic<bool> g_enabled;
+bool compiled();
+bool takes(bool bf16, bool quantized, int head_dim);
+void run(const uint16_t* q, uint16_t* out, const uint16_t* k, const uint16_t* v,
+         const int64_t* bt, int64_t bt_stride, const int64_t* qs, const int64_t* ql,
+         const int64_t* sl, int64_t num_reqs, int H, int Hk, int D, int bs, float scale,
+         int64_t window);
+}  // namespace pagoda_prefill_amx
+
 namespace {
 
 using namespace pagoda_attn;
@@ -605,6 +616,19 @@ void paged_prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k
   if (sliding_window > bt.size(1) * block_size) sliding_window = -1;
   check_requests(q, bt, qs.data_ptr<int64_t>(), ql.data_ptr<int64_t>(), sl.data_ptr<int64_t>(),
                  num_reqs, block_size, k_cache.size(0), sliding_window);
+  if (pagoda_prefill_amx::takes(
+          q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16,
+          shape.quantized, shape.head_dim)) {
+    pagoda_prefill_amx::run(
+        reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()),
+        reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()),
+        reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>()),
+        reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>()),
+        bt.data_ptr<int64_t>(), bt.size(1), qs.data_ptr<int64_t>(), ql.data_ptr<int64_t>(),
+        sl.data_ptr<int64_t>(), num_reqs, shape.num_heads, shape.num_kv_heads,
+        shape.head_dim, block_size, static_cast<float>(scale), sliding_window);
+    return;
+  }
 #if defined(PAGODA_PREFILL_AVX512) || defined(PAGODA_PREFILL_AVX2)
   PrefillProblem p{q.data_ptr(), out.data_ptr(), q.scalar_type() == at::kBFloat16,
                    bt.data_ptr<int64_t>(), bt.size(1), qs.data_ptr<int64_t>(),
@@ -650,4 +674,15 @@ void register_prefill_attention(pybind11::module& m) {
         pybind11::arg("query_lens"), pybind11::arg("seq_lens"), pybind11::arg("scale"),
         pybind11::arg("sliding_window"), pybind11::arg("k_scale") = pybind11::none(),
         pybind11::arg("v_scale") = pybind11::none());
+  m.def("prefill_amx_compiled", &pagoda_prefill_amx::compiled,
+        "whether paged_prefill_attention's AMX path is in this build");
+  m.def(
+      "set_prefill_amx",
+      [](bool on) {
+        TORCH_CHECK(!on || pagoda_prefill_amx::compiled(),
+                    "the AMX prefill path is not in this build");
+        pagoda_prefill_amx::g_enabled.store(on);
+      },
+      "bf16 prefills on AMX tiles (only once the process was granted AMX's tile state)");
+  m.def("prefill_amx_enabled", [] { return pagoda_prefill_amx::g_enabled.load(); });
 }
