@@ -40,6 +40,8 @@ PHASES = (
     "step: other",
 )
 _ATTENTION_OPS = frozenset({"paged_attention", "paged_prefill_attention"})
+# The quantized linears' ops: GEMM time wherever a layer calls them (not "fused ops").
+_GEMM_OPS = frozenset({"gguf_linear", "wq_linear", "int8_linear", "fp8_linear"})
 
 
 class PhaseClock:
@@ -151,6 +153,7 @@ class StepInstrumentation:
         clock, original_call, original_select = self.clock, Op.__call__, Op.select
         fused = clock.wrap("forward: fused ops", original_call)
         attention = clock.wrap("forward: attention", original_call)
+        gemm = clock.wrap("forward: GEMMs", original_call)
 
         def note(op: Op, args: tuple) -> None:
             if self.record_dispatch:
@@ -162,6 +165,8 @@ class StepInstrumentation:
             note(op, args)
             if self._in_head:
                 return original_call(op, *args)
+            if op.name in _GEMM_OPS:
+                return gemm(op, *args)
             return (attention if op.name in _ATTENTION_OPS else fused)(op, *args)
 
         def select(op: Op, *args: Any) -> Any:

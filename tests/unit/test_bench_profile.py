@@ -184,3 +184,16 @@ def test_a_quantized_heads_op_is_lm_head_time():
         engine.executor.worker.runner.model.compute_logits()
     seconds = inst.clock.seconds
     assert seconds["lm_head"] > 0 and seconds["forward: fused ops"] == 0
+
+
+def test_a_quantized_linears_op_is_gemm_time():
+    """A quantized linear's op (gguf_linear) called by the layers is GEMM time, not "fused
+    ops" (it was, with the fused decoder layers off)."""
+    x = torch.randn(256, 256)
+    gemm_op = Op("gguf_linear", lambda t: [t @ t for _ in range(20)])
+    engine = _fake_engine(Op("test_head", lambda t: t), x)
+    engine.executor.worker.runner.model.forward = lambda: gemm_op(x)
+    with StepInstrumentation(engine) as inst:
+        engine.executor.worker.runner.model.forward()
+    seconds = inst.clock.seconds
+    assert seconds["forward: GEMMs"] > 0 and seconds["forward: fused ops"] == 0
