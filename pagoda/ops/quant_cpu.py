@@ -66,7 +66,7 @@ EXACT_DTYPES = frozenset({torch.float32, torch.bfloat16})
 REQUIRED_ISA = (("avx512f", "avx512bw", "avx512vl"), ("avx2", "fma", "f16c"))
 _SOURCES = [Path(__file__).parent / "csrc" / name for name in ("quant_cpu.cpp", "fp8_cpu.cpp")]
 # NOTE: part of the build name (not compiled on their own): a change to them rebuilds.
-_HEADERS = [Path(__file__).parent / "csrc" / h for h in ("vec_lanes_cpu.h", "q_gemv_abi.h")]
+_HEADERS = [Path(__file__).parent / "csrc" / h for h in ("vec_lanes_cpu.h", "q_gemv_abi.h", "amx_tiles_cpu.h")]
 _module: ModuleType | None = None
 _load_failed = False
 _allowed: bool | None = None

@@ -23,10 +23,7 @@ def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zero tensor of `shape` on the host, in its own mapping advised MADV_HUGEPAGE (a
     plain torch.zeros where it is too small, or where the platform lacks madvise). The
     tensor keeps the mapping alive; it is freed with the tensor's last reference."""
-    numel = 1
-    for n in shape:
-        numel *= n
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = torch.Size(shape).numel() * dtype.itemsize
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
     if nbytes < HUGE_PAGE_BYTES or advice is None:
         return torch.zeros(shape, dtype=dtype)

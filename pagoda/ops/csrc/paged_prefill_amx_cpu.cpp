@@ -41,7 +41,7 @@
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__) && \
     defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define PAGODA_PREFILL_AMX 1
-#include <immintrin.h>
+#include "amx_tiles_cpu.h"
 #endif
 
 namespace pagoda_prefill_amx {
@@ -70,14 +70,6 @@ using pagoda_attn::tile_rows;
 constexpr int kKeys = 32;         // positions per block: one row of P is one A-tile row
 constexpr int kChunkKeys = 512;   // positions staged at once for an item
 constexpr int kItemRows = 64;     // query rows per item (four row tiles per query head)
-
-struct alignas(64) TileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
 
 struct Problem {
   const uint16_t* q;
@@ -386,12 +378,7 @@ void run(const uint16_t* q, uint16_t* out, const uint16_t* k, const uint16_t* v,
   const int64_t n_items = static_cast<int64_t>(items.size());
 #pragma omp parallel
   {
-    TileConfig cfg;
-    for (int t = 0; t < 8; ++t) {
-      cfg.colsb[t] = 64;
-      cfg.rows[t] = 16;
-    }
-    _tile_loadconfig(&cfg);
+    pagoda_amx::load_full_tiles();
     Scratch sc;
     sc.kt.resize(static_cast<size_t>(kChunkKeys) * D);
     sc.vp.resize(static_cast<size_t>(kChunkKeys) * D);

@@ -44,6 +44,7 @@
 #if defined(PAGODA_Q_AVX512) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && \
     defined(__AVX512BF16__)
 #define PAGODA_Q_AMX 1
+#include "amx_tiles_cpu.h"
 #endif
 #if defined(PAGODA_Q_AVX512) || defined(PAGODA_Q_AVX2)
 #define PAGODA_Q_VEC 1
@@ -908,14 +909,6 @@ at::Tensor q_linear_tiles(const at::Tensor& x, const at::Tensor& codes, const at
 // other rows of the call. The bias is added in float32 before the rounding to bf16.
 // Tiles: 0-3 accumulators (four row tiles), 4 and 6 activations, 5 and 7 weights.
 #if defined(PAGODA_Q_AMX)
-struct alignas(64) AmxConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // 32 bf16: e[0], o[0], e[1], o[1], ... (each rounded to nearest even, as to_bf16).
 inline __m512i interleave_bf16(__m512 e, __m512 o) {
   const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
@@ -1019,12 +1012,7 @@ at::Tensor q_linear_amx(const at::Tensor& x, const at::Tensor& codes, const at::
   const int64_t panels = w.np / kPanel, kb_n = kp / 32;
 #pragma omp parallel
   {
-    AmxConfig cfg;
-    for (int t = 0; t < 8; ++t) {
-      cfg.colsb[t] = 64;
-      cfg.rows[t] = 16;
-    }
-    _tile_loadconfig(&cfg);
+    pagoda_amx::load_full_tiles();
     std::vector<uint16_t> wbuf(static_cast<size_t>(kp) * kPanel);
     alignas(64) float acc[16 * 16];
 #pragma omp for schedule(static)
