@@ -20,9 +20,9 @@ for Q6_K) before the integer dot products (llama.cpp's scheme), in the panel ker
 (csrc/quant_cpu.cpp). Where the CPU has AMX (amx_bf16, tiles granted), wider products
 run bf16 activations against the weight dequantized to bf16 instead: from `AMX_MIN_ROWS`
 (32) rows `q_linear_amx` (each panel of 16 output rows dequantized into a per-thread
-buffer in AMX's B-tile layout, then TDPBF16PS per 16 rows x 32 columns: the codes read once
-a call, no dequantized copy in memory; a row's result does not depend on the other rows),
-from `AMX_WIDE_MIN_ROWS` (384) the whole weight dequantized a tile at a time through ATen's
+buffer in AMX's B-tile layout, then TDPBF16PS per 16 rows x 32 columns: no dequantized
+copy in memory; a row's result does not depend on the other rows), from
+`AMX_WIDE_MIN_ROWS` (1,408) the whole weight dequantized a tile at a time through ATen's
 bf16 GEMM (`q_linear_tiles`: oneDNN's AMX kernel; from `WIDE_MIN_ROWS` = 128 where the AMX
 kernel is not built). Without AMX the panel kernel wins at every row count measured (AMD
 EPYC, AVX-512 BF16), so it runs everywhere else. The paths round differently (int8
@@ -176,12 +176,12 @@ def _prepare_fp8(w: wquant.Fp8Weight, dtype: torch.dtype | None) -> None:
 
 
 # ---- wide products: the panel kernel, AMX tiles, or dequantized weights through oneDNN ---
-# NOTE: on an AMX Xeon, over all of SmolLM2's layer products in a row (their codes read from
-# memory, as in a step), q_linear_amx is ahead of the panel kernel from 32 rows (16: even),
-# and of the dequantized weight through oneDNN up to 256 rows (at 512 behind); without
-# q_linear_amx the dequantized weight is ahead from 128 rows (docs/quantization.md).
+# NOTE: on an AMX Xeon, over all of SmolLM2's layer products in a row, q_linear_amx is
+# ahead of the panel kernel from 32 rows (24: even), and of the dequantized weight through
+# oneDNN up to 1,280 rows (even at 1,408, behind from 1,536); without q_linear_amx the
+# dequantized weight is ahead from 128 rows (docs/quantization.md).
 AMX_MIN_ROWS = 32
-AMX_WIDE_MIN_ROWS = 384
+AMX_WIDE_MIN_ROWS = 1408
 WIDE_MIN_ROWS = 128
 
 

@@ -522,6 +522,29 @@ def test_amx_product_matches_reference_and_is_row_invariant(amx_qext, kind: str,
     assert amx_qext.q_linear_amx(x[:0], *args, bias).shape == (0, n)
 
 
+@pytest.mark.parametrize("k", [576, 1536, 200])
+def test_amx_product_over_several_row_chunks(amx_qext, k: int) -> None:
+    """Past about 1 MiB of activations (896 rows at K = 576, 320 at 1,536) q_linear_amx
+    runs its rows in chunks, each a pass over every panel pair with the weights dequantized
+    again: 2,100 rows (three to seven chunks, the last one partial, with a partial row
+    tile) give each row the bits of the same rows in calls of 100. Five panels: two pairs
+    and a single one, so each thread moves between pairs and chunks. K = 200: the padded
+    copy of x instead of x read in place."""
+    w = _group_weight(4, 80, k, 32 if k % 32 == 0 else k, False, seed=35)
+    lay = w.kernel_data["cpp"]
+    args = (lay.codes, lay.scales, lay.offsets, lay.bits, lay.block, lay.group, lay.zero_form,
+            lay.shape[0])
+    g = torch.Generator().manual_seed(36)
+    x = torch.randn(2100, k, generator=g).to(torch.bfloat16)
+    bias = torch.randn(80, generator=g)
+    y = amx_qext.q_linear_amx(x, *args, bias)
+    parts = [amx_qext.q_linear_amx(x[i:i + 100], *args, bias) for i in range(0, 2100, 100)]
+    assert torch.equal(y, torch.cat(parts))
+    ref = x[:64].double() @ lay.dequantize().to(torch.bfloat16).double().T + bias.double()
+    torch.testing.assert_close(y[:64].double(), ref, rtol=2**-8,
+                               atol=1e-4 * ref.abs().max().item())
+
+
 def test_q_linear_takes_the_amx_kernel_for_its_rows(amx_qext) -> None:
     """q_linear dispatches bf16 products by rows: the panel kernel below amx_min_rows,
     q_linear_amx up to the tiled path's first row, the tiles from there; float32 x stays on

@@ -907,8 +907,13 @@ at::Tensor q_linear_tiles(const at::Tensor& x, const at::Tensor& codes, const at
 // the weight's dequantization, not the int8 panel kernel's per-row work. Each output sums
 // its 32-column blocks in one order, whatever M is: a row's result does not depend on the
 // other rows of the call. The bias is added in float32 before the rounding to bf16.
-// Tiles: 0-3 accumulators (four row tiles), 4 and 6 activations, 5 and 7 weights.
+// Blocking: two row tiles x two panels (tiles 0-3 accumulators, 2 * row tile + panel; 4-5
+// activations; 6-7 weights); the next panel pair is dequantized between the current pair's
+// row tiles; rows run in chunks that stay in L2 (kAmxChunkBytes); x is read in place where
+// its rows are whole tiles already (K a multiple of 64).
 #if defined(PAGODA_Q_AMX)
+constexpr int64_t kAmxChunkBytes = int64_t{1} << 20;
+
 // 32 bf16: e[0], o[0], e[1], o[1], ... (each rounded to nearest even, as to_bf16).
 inline __m512i interleave_bf16(__m512 e, __m512 o) {
   const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
@@ -917,16 +922,20 @@ inline __m512i interleave_bf16(__m512 e, __m512 o) {
   return _mm512_permutexvar_epi16(idx, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(o, e)));
 }
 
-// The dequantized panel p, input columns [0, k) (to a multiple of 8), into buf [kp / 32][16]
-// [32] bf16 in the B-tile layout: buf[b][i][2 * r + t] = w[row r, column 32 * b + 2 * i + t].
-// Columns past that are never written: the caller's zeros stay there (x is zero there too).
+// Input columns [c0, c1) (c0 a multiple of 8; c1 rounded up to one) of the dequantized
+// panel p into buf [kp / 32][16][32] bf16 in the B-tile layout: buf[b][i][2 * r + t] =
+// w[row r, column 32 * b + 2 * i + t]. Columns from K on are never written: the caller's
+// zeros stay there (x is zero there too).
 template <int BITS>
-void dequant_panel_vnni(const Weights& w, int64_t group, int64_t k, int64_t p, uint16_t* buf) {
+void dequant_panel_vnni(const Weights& w, int64_t group, int64_t c0, int64_t c1, int64_t p,
+                        uint16_t* buf) {
   const __m512i lo8 = _mm512_set1_epi32(0xFF);
   const uint8_t* cp = w.codes + p * w.panel_bytes;
   __m512 s = _mm512_setzero_ps(), m = _mm512_setzero_ps();
-  for (int64_t c = 0; c < k; c += 8) {
-    if (c % group == 0) panel_scale_offset(w, w.groups == 1 ? 0 : c / group, p * kPanel, s, m);
+  for (int64_t c = c0; c < c1; c += 8) {
+    if (c == c0 || c % group == 0) {
+      panel_scale_offset(w, w.groups == 1 ? 0 : c / group, p * kPanel, s, m);
+    }
     __m512i v[2];
     // NOTE: the panels of a thread's share are one stream; reads ahead keep it flowing.
     _mm_prefetch(reinterpret_cast<const char*>(cp + c * 2 * BITS) + kPrefetch4, _MM_HINT_T0);
@@ -951,27 +960,28 @@ void dequant_panel_vnni(const Weights& w, int64_t group, int64_t k, int64_t p, u
   }
 }
 
-// One 32-column block: the weights' tile TB (loaded by the caller) times up to four row
-// tiles of activations. NOTE: tile numbers are immediates; the activations alternate
-// between tiles 4 and 6 (and the weights between 5 and 7, per block) so that a load need
-// not wait for the product still reading the tile it would overwrite.
-// (The tile intrinsics take literal tile numbers, hence a macro for the two versions.)
-#define PAGODA_AMX_BLOCK(NAME, TB)                                                    \
-  inline void NAME(int nt, const uint16_t* a, int64_t a_stride, int64_t tile_step) { \
-    _tile_loadd(4, a, a_stride);                                                    \
-    if (nt > 1) _tile_loadd(6, a + tile_step, a_stride);                            \
-    _tile_dpbf16ps(0, 4, TB);                                                       \
-    if (nt > 1) _tile_dpbf16ps(1, 6, TB);                                           \
-    if (nt > 2) {                                                                   \
-      _tile_loadd(4, a + 2 * tile_step, a_stride);                                  \
-      if (nt > 3) _tile_loadd(6, a + 3 * tile_step, a_stride);                      \
-      _tile_dpbf16ps(2, 4, TB);                                                     \
-      if (nt > 3) _tile_dpbf16ps(3, 6, TB);                                         \
-    }                                                                               \
+// All 32-column blocks of up to two row tiles (activations at a0 and a1, rows a_stride
+// elements apart) times up to two panels' weight buffers (b0, b1:
+// the B-tile layout above) into the accumulators 2 * tile + panel. Per block, NT + NP
+// loads feed NT * NP products: each activation tile serves both panels, each weight tile
+// both row tiles. Tiles 4-5 activations, 6-7 weights. (The tile intrinsics take literal
+// tile numbers: hence the template, instantiated per shape.)
+template <int NT, int NP>
+inline void amx_block_2x2(const uint16_t* a0, const uint16_t* a1, int64_t a_stride,
+                          const uint16_t* b0, const uint16_t* b1, int64_t kb_n) {
+  for (int64_t kb = 0; kb < kb_n; ++kb) {
+    _tile_loadd(6, b0 + kb * 512, 64);
+    if constexpr (NP == 2) _tile_loadd(7, b1 + kb * 512, 64);
+    _tile_loadd(4, a0 + kb * 32, a_stride * 2);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (NP == 2) _tile_dpbf16ps(1, 4, 7);
+    if constexpr (NT == 2) {
+      _tile_loadd(5, a1 + kb * 32, a_stride * 2);
+      _tile_dpbf16ps(2, 5, 6);
+      if constexpr (NP == 2) _tile_dpbf16ps(3, 5, 7);
+    }
   }
-PAGODA_AMX_BLOCK(amx_block5, 5)
-PAGODA_AMX_BLOCK(amx_block7, 7)
-#undef PAGODA_AMX_BLOCK
+}
 
 inline void amx_store(int t, float* c) {
   switch (t) {
@@ -1002,48 +1012,108 @@ at::Tensor q_linear_amx(const at::Tensor& x, const at::Tensor& codes, const at::
   at::Tensor out = at::empty({m, n}, x.options());
 #if defined(PAGODA_Q_AMX)
   if (m == 0) return out;
-  // The activations padded to whole tiles: rows to a multiple of 16, columns to kp (zeros).
-  const int64_t mp = (m + 15) / 16 * 16, row_tiles = mp / 16;
-  at::Tensor xs = at::zeros({mp, kp}, x.options());
-  xs.narrow(0, 0, m).narrow(1, 0, k).copy_(x);
-  const auto* xa = reinterpret_cast<const uint16_t*>(xs.data_ptr<at::BFloat16>());
+  // The activations as whole tiles: rows to a multiple of 16, columns to kp (zeros). Where
+  // K is kp already, x's whole tiles are read in place and only the last, partial one is
+  // copied (a copy of all of x took a tenth of a 256-row product's time).
+  const int64_t row_tiles = (m + 15) / 16;
+  const bool in_place = k == kp && x.is_contiguous();
+  const int64_t copied_from = in_place ? m / 16 * 16 : 0;
+  at::Tensor xs = at::zeros({row_tiles * 16 - copied_from, kp}, x.options());
+  xs.narrow(0, 0, m - copied_from).narrow(1, 0, k).copy_(x.narrow(0, copied_from, m - copied_from));
+  const auto* x_in = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const auto* x_pad = reinterpret_cast<const uint16_t*>(xs.data_ptr<at::BFloat16>());
+  auto row_tile = [&](int64_t t) {
+    const int64_t r = t * 16;
+    return r < copied_from ? x_in + r * kp : x_pad + (r - copied_from) * kp;
+  };
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   const int64_t panels = w.np / kPanel, kb_n = kp / 32;
 #pragma omp parallel
   {
     pagoda_amx::load_full_tiles();
-    std::vector<uint16_t> wbuf(static_cast<size_t>(kp) * kPanel);
-    alignas(64) float acc[16 * 16];
-#pragma omp for schedule(static)
-    for (int64_t p = 0; p < panels; ++p) {
-      if (bits == 4) dequant_panel_vnni<4>(w, group, k, p, wbuf.data());
-      else dequant_panel_vnni<8>(w, group, k, p, wbuf.data());
-      const int64_t col0 = p * kPanel;
-      const __mmask16 mask = first_lanes(n - col0);
-      const __m512 bv = bp != nullptr ? _mm512_maskz_loadu_ps(mask, bp + col0) : _mm512_setzero_ps();
-      for (int64_t t0 = 0; t0 < row_tiles; t0 += 4) {
-        const int nt = static_cast<int>(std::min<int64_t>(4, row_tiles - t0));
+    // NOTE: two panels (32 output columns) at a time: each activation tile loaded feeds two
+    // products (one tile load per product halves the L2 reads of x), and each output row's
+    // 64 bytes are one store, a whole cache line, instead of two halves written apart.
+    // The next pair's dequantization is interleaved with this pair's products, a slice
+    // after each pair of row tiles: the vector work runs while the tile unit computes
+    // (double-buffered weights: slots 0 and 1, two panels each).
+    const int64_t panel_elems = kp * kPanel;
+    std::vector<uint16_t> wbuf(static_cast<size_t>(4 * panel_elems));
+    auto slot_buf = [&](int slot, int q) { return wbuf.data() + (2 * slot + q) * panel_elems; };
+    auto dequant_pair = [&](int64_t pair, int slot, int64_t c0, int64_t c1) {
+      for (int64_t q = 0; q < 2 && 2 * pair + q < panels; ++q) {
+        if (bits == 4) dequant_panel_vnni<4>(w, group, c0, c1, 2 * pair + q, slot_buf(slot, q));
+        else dequant_panel_vnni<8>(w, group, c0, c1, 2 * pair + q, slot_buf(slot, q));
+      }
+    };
+    alignas(64) float acc[2][16 * 16];
+    const int64_t pairs = (panels + 1) / 2;
+    const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num();
+    const int64_t lo = pairs * tid / nth, hi = pairs * (tid + 1) / nth, own = hi - lo;
+    // Rows in chunks of about kAmxChunkBytes of x (whole row pairs), each chunk a pass over
+    // the thread's panel pairs: the chunk's rows stay in L2 while every pair reads them.
+    const int64_t chunk_tiles = std::max<int64_t>(2, kAmxChunkBytes / (kp * 2 * 16) / 2 * 2);
+    const int64_t chunks = (row_tiles + chunk_tiles - 1) / chunk_tiles;
+    const int64_t row_pairs = (std::min(chunk_tiles, row_tiles) + 1) / 2;
+    // Columns of the next pair dequantized after each row pair (a multiple of 8).
+    const int64_t slice = ((k + 7) / 8 + row_pairs - 1) / row_pairs * 8;
+    if (own > 0) dequant_pair(lo, 0, 0, k);
+    for (int64_t u = 0; u < chunks * own; ++u) {
+      const int64_t pp = lo + u % own, t_lo = u / own * chunk_tiles;
+      const int64_t t_hi = std::min(row_tiles, t_lo + chunk_tiles);
+      // NOTE: one pair per thread: it stays in slot 0 across the chunks, dequantized once.
+      const int slot = own == 1 ? 0 : static_cast<int>(u & 1);
+      const uint16_t* b0 = slot_buf(slot, 0);
+      const uint16_t* b1 = slot_buf(slot, 1);
+      const bool ahead = own > 1 && u + 1 < chunks * own;
+      const int64_t next = lo + (u + 1) % own;
+      int64_t done = 0;  // columns of the next pair dequantized so far
+      const int64_t p0 = 2 * pp;
+      const int np = static_cast<int>(std::min<int64_t>(2, panels - p0));
+      const int64_t col0 = p0 * kPanel;
+      __mmask16 mask[2];
+      __m512 bv[2];
+      for (int q = 0; q < 2; ++q) {
+        mask[q] = q < np ? first_lanes(n - col0 - q * kPanel) : 0;
+        bv[q] = bp != nullptr ? _mm512_maskz_loadu_ps(mask[q], bp + col0 + q * kPanel)
+                              : _mm512_setzero_ps();
+      }
+      for (int64_t t0 = t_lo; t0 < t_hi; t0 += 2) {
+        const int nt = static_cast<int>(std::min<int64_t>(2, t_hi - t0));
         _tile_zero(0);
         _tile_zero(1);
         _tile_zero(2);
         _tile_zero(3);
-        for (int64_t kb = 0; kb < kb_n; kb += 2) {  // NOTE: kp is a multiple of 64
-          const uint16_t* a = xa + t0 * 16 * kp + kb * 32;
-          _tile_loadd(5, wbuf.data() + kb * 512, 64);
-          _tile_loadd(7, wbuf.data() + (kb + 1) * 512, 64);
-          amx_block5(nt, a, kp * 2, 16 * kp);
-          amx_block7(nt, a + 32, kp * 2, 16 * kp);
+        const uint16_t* a0 = row_tile(t0);
+        const uint16_t* a1 = nt == 2 ? row_tile(t0 + 1) : a0;
+        if (nt == 2 && np == 2) amx_block_2x2<2, 2>(a0, a1, kp, b0, b1, kb_n);
+        else if (nt == 2) amx_block_2x2<2, 1>(a0, a1, kp, b0, b1, kb_n);
+        else if (np == 2) amx_block_2x2<1, 2>(a0, a1, kp, b0, b1, kb_n);
+        else amx_block_2x2<1, 1>(a0, a1, kp, b0, b1, kb_n);
+        if (ahead && done < k) {
+          const int64_t end = std::min(k, done + slice);
+          dequant_pair(next, slot ^ 1, done, end);
+          done = end;
         }
         for (int t = 0; t < nt; ++t) {
-          amx_store(t, acc);
+          for (int q = 0; q < np; ++q) amx_store(2 * t + q, acc[q]);
           const int64_t r0 = (t0 + t) * 16;
           for (int64_t r = 0; r < 16 && r0 + r < m; ++r) {
-            const __m512 y = _mm512_add_ps(_mm512_load_ps(acc + r * 16), bv);
-            _mm256_mask_storeu_epi16(op + (r0 + r) * n + col0, mask, to_bf16(y));
+            const __m256i y0 = to_bf16(_mm512_add_ps(_mm512_load_ps(acc[0] + r * 16), bv[0]));
+            uint16_t* dst = op + (r0 + r) * n + col0;
+            if (np == 2) {
+              const __m256i y1 = to_bf16(_mm512_add_ps(_mm512_load_ps(acc[1] + r * 16), bv[1]));
+              const __m512i y = _mm512_inserti64x4(_mm512_castsi256_si512(y0), y1, 1);
+              _mm512_mask_storeu_epi16(dst, static_cast<__mmask32>(mask[0]) |
+                                                (static_cast<__mmask32>(mask[1]) << 16), y);
+            } else {
+              _mm256_mask_storeu_epi16(dst, mask[0], y0);
+            }
           }
         }
       }
+      if (ahead && done < k) dequant_pair(next, slot ^ 1, done, k);
     }
     _tile_release();
   }
