@@ -128,6 +128,10 @@ class CacheConfig:
     # How the host pools (swap, host tier) keep blocks: "none" (as on the device), "int8" or
     # "int4" codes with a scale per token and kv head (worker/kv_compress.py).
     kv_host_compression: str = "none"
+    # Free blocks held for each running request's growth, after its last block, so that its
+    # table is a few runs of consecutive blocks (core/kv_cache_manager.py; 0: off). 8
+    # measured best on the long workload (docs/architecture.md, Block placement).
+    kv_growth_reserve_blocks: int = 8
 
 
 @dataclass
@@ -227,6 +231,9 @@ class EngineConfig:
             raise ValueError(
                 f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {c.kv_cache_dtype!r}"
             )
+        if c.kv_growth_reserve_blocks < 0:
+            raise ValueError(
+                f"kv_growth_reserve_blocks must be >= 0, got {c.kv_growth_reserve_blocks}")
         if c.kv_host_compression not in HOST_COMPRESSIONS:
             raise ValueError(f"kv_host_compression must be one of {list(HOST_COMPRESSIONS)}, "
                              f"got {c.kv_host_compression!r}")
@@ -295,6 +302,8 @@ class EngineArgs:
     streaming_window: int | None = None
     # kvquant: compressed KV blocks in the host pools (swap, host tier).
     kv_host_compression: str = "none"
+    # Block placement: free blocks held after each running request's last one (0: off).
+    kv_growth_reserve_blocks: int = 8
     # Speculative decoding, vLLM's form: a dict or its JSON text, e.g. {"method": "ngram",
     # "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}.
     speculative_config: dict | str | None = None
@@ -319,6 +328,12 @@ class EngineArgs:
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
                      "kv_cache_memory_bytes", "num_gpu_blocks_override", "seed"):
             p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(d, name))
+        p.add_argument("--kv-growth-reserve-blocks", type=int,
+                       default=d.kv_growth_reserve_blocks,
+                       help="free KV blocks held after each running request's last block for "
+                       "its growth, so that its blocks stay consecutive in memory and decode "
+                       "attention streams them faster (0: off; reservations count as free "
+                       "and are given up when nothing else is free)")
         p.add_argument("--gpu-memory-utilization", type=float,
                        default=d.gpu_memory_utilization)
         p.add_argument("--enable-prefix-caching", action=bool_flag,
@@ -407,6 +422,7 @@ class EngineArgs:
                 attention_sinks=self.attention_sinks,
                 streaming_window=self.streaming_window,
                 kv_host_compression=self.kv_host_compression,
+                kv_growth_reserve_blocks=self.kv_growth_reserve_blocks,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,

@@ -9,14 +9,22 @@ left). The pool serves `num_blocks - 1` blocks. Every other block is in one of t
 | used          | >= 1    | no              | set once full and its step committed        |
 | free          | 0       | uncached queue  | None                                        |
 | free, cached  | 0       | cached queue    | set: reusable on a prefix hit until evicted |
+| reserved      | 0       | reserved queue  | either (a cached one stays reusable)        |
+
+A reserved block is free, held back for one running request's growth (`reserved_for`
+names it): the KV manager places a request's new blocks after its last one where it can,
+so that its table is a run of consecutive blocks, which decode attention streams from
+memory at up to 1.4x the speed of scattered ones (docs/architecture.md, "Block placement").
+Reservations are soft: they count as free, a prefix hit may still take a reserved cached
+block, and allocation takes them (stealing) only once no other free block is left.
 
 A block only gets a hash once the step that computed its K/V has committed
 (`cache_full_blocks` is called from the scheduler's `update_from_output`), so a hash never
 names a block whose K/V was not written.
 
 Allocation takes uncached free blocks first (they hold nothing anyone can reuse), then
-evicts cached ones least recently freed first; both queues take freed blocks at the tail,
-in the order given. A prefix hit takes a free cached block out of the middle of its queue
+evicts cached ones least recently freed first, then steals reserved ones, oldest
+reservation first; the queues take blocks at the tail, in the order given. A prefix hit takes a free cached block out of the middle of its queue
 in O(1) (intrusive doubly linked lists).
 
 With a host tier (core/host_tier.py), evicting a cached block offloads it: its hash and KV
@@ -38,7 +46,7 @@ if TYPE_CHECKING:
 class KVCacheBlock:
     """One block of KV cache: `block_size` token slots in every layer's K and V tensors."""
 
-    __slots__ = ("block_hash", "block_id", "next_free", "prev_free", "ref_cnt")
+    __slots__ = ("block_hash", "block_id", "next_free", "prev_free", "ref_cnt", "reserved_for")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
@@ -48,10 +56,13 @@ class KVCacheBlock:
         # Links of the free queue; both None while the block is not in it.
         self.prev_free: KVCacheBlock | None = None
         self.next_free: KVCacheBlock | None = None
+        # The id of the request whose growth this free block is held for, or None.
+        self.reserved_for: str | None = None
 
     def __repr__(self) -> str:
         cached = "" if self.block_hash is None else f", hash={self.block_hash.hex()[:8]}"
-        return f"KVCacheBlock(id={self.block_id}, ref={self.ref_cnt}{cached})"
+        reserved = "" if self.reserved_for is None else f", reserved_for={self.reserved_for!r}"
+        return f"KVCacheBlock(id={self.block_id}, ref={self.ref_cnt}{cached}{reserved})"
 
 
 class FreeKVCacheBlockQueue:
@@ -79,6 +90,14 @@ class FreeKVCacheBlockQueue:
         self.remove(block)
         return block
 
+    def pop(self) -> KVCacheBlock:
+        """Remove and return the tail (the block appended last); IndexError if empty."""
+        block = self._tail.prev_free
+        if block is self._head:
+            raise IndexError("no free blocks")
+        self.remove(block)
+        return block
+
     def remove(self, block: KVCacheBlock) -> None:
         """Unlink `block`, which must be in this queue."""
         prev_block, next_block = block.prev_free, block.next_free
@@ -97,6 +116,15 @@ class FreeKVCacheBlockQueue:
         block.next_free = self._tail
         self._tail.prev_free = block
         self.num_free_blocks += 1
+
+    def peek(self, n: int) -> list[KVCacheBlock]:
+        """The first `n` blocks (fewer if the queue is shorter), left in place."""
+        blocks = []
+        block = self._head.next_free
+        while len(blocks) < n and block is not self._tail:
+            blocks.append(block)
+            block = block.next_free
+        return blocks
 
     def get_all_free_blocks(self) -> list[KVCacheBlock]:
         """The free blocks from head to tail. Checks the links both ways as it walks
@@ -143,6 +171,7 @@ class BlockPool:
         # NOTE: uncached free blocks are handed out before cached ones are evicted.
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks[1:])
         self.cached_free_queue = FreeKVCacheBlockQueue([])
+        self.reserved_queue = FreeKVCacheBlockQueue([])
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
 
     @property
@@ -152,8 +181,8 @@ class BlockPool:
 
     def get_new_blocks(self, n: int) -> list[KVCacheBlock]:
         """Take `n` free blocks, uncached ones first, then cached ones least recently freed
-        first (evicting their hashes); return them with ref_cnt 1. ValueError (and no
-        change) if fewer are free.
+        first (evicting their hashes), then reserved ones (their reservations lost); return
+        them with ref_cnt 1. ValueError (and no change) if fewer are free.
         """
         num_free = self.get_num_free_blocks()
         if n > num_free:
@@ -163,12 +192,71 @@ class BlockPool:
         for _ in range(n):
             if uncached.num_free_blocks:
                 block = uncached.popleft()
-            else:
+            elif cached.num_free_blocks:
                 block = cached.popleft()
                 self._evict(block)
+            else:
+                # NOTE: the newest reservation's last block: its owner needs it last.
+                block = self.reserved_queue.pop()
+                block.reserved_for = None
+                if block.block_hash is not None:
+                    self._evict(block)
             block.ref_cnt = 1
             blocks.append(block)
         return blocks
+
+    def peek_run(self, n: int, room: int) -> tuple[list[KVCacheBlock], list[KVCacheBlock]]:
+        """Free blocks for a run of `n` (fewer if fewer unreserved ones are free) and up to
+        `room` to reserve after it, each list in ascending id order, left in place. They
+        come from one queue: the next `n + room` uncached blocks (only those there are), or
+        where none is uncached the next `n + room` cached ones, of which the run is the
+        lowest ids. (So a run may evict an old prefix's head before its tail; all of them
+        are among the oldest `n + room` free blocks, which LRU evicts next anyway.) Where
+        the uncached blocks alone are too few, the run is exactly what `get_new_blocks`
+        would take, and nothing is reserved: no cached block is evicted while an uncached
+        one would be reserved.
+        """
+        uncached, cached = self.free_block_queue, self.cached_free_queue
+        num_uncached = uncached.num_free_blocks
+        if num_uncached >= n or num_uncached == 0:
+            queue = uncached if num_uncached else cached
+            blocks = sorted(queue.peek(n + room), key=_block_id)
+            return blocks[:n], blocks[n:]
+        run = uncached.peek(num_uncached) + cached.peek(n - num_uncached)
+        return sorted(run, key=_block_id), []
+
+    def take(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Allocate these particular free blocks (ref_cnt 1): out of their queue, a
+        reservation or a hash they carry dropped (the hash evicted)."""
+        for block in blocks:
+            if block.ref_cnt != 0:
+                raise ValueError(f"{block} is not free")
+            self._queue_of(block).remove(block)
+            block.reserved_for = None
+            if block.block_hash is not None:
+                self._evict(block)
+            block.ref_cnt = 1
+
+    def reserve(self, blocks: Iterable[KVCacheBlock], owner: str) -> None:
+        """Hold these free, unreserved blocks for `owner`'s growth (a cached one keeps its
+        hash, and a prefix hit can still take it)."""
+        reserved = self.reserved_queue
+        for block in blocks:
+            if block.ref_cnt != 0 or block.reserved_for is not None:
+                raise ValueError(f"{block} is not free and unreserved")
+            self._queue_of(block).remove(block)
+            block.reserved_for = owner
+            reserved.append(block)
+
+    def unreserve(self, blocks: Iterable[KVCacheBlock], owner: str) -> None:
+        """Return those of these blocks still reserved for `owner` to their free queue's
+        tail, in the order given (others are skipped: already taken or stolen)."""
+        for block in blocks:
+            if block.reserved_for != owner or block.ref_cnt != 0:
+                continue
+            self.reserved_queue.remove(block)
+            block.reserved_for = None
+            self._queue_of(block).append(block)
 
     def _evict(self, block: KVCacheBlock) -> None:
         """Drop `block` from the prefix cache: its contents are about to be overwritten.
@@ -190,6 +278,8 @@ class BlockPool:
         for block in blocks:
             if block.ref_cnt == 0:
                 self._queue_of(block).remove(block)
+                # NOTE: a prefix hit on a reserved block wins; its owner grows elsewhere.
+                block.reserved_for = None
             block.ref_cnt += 1
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
@@ -207,6 +297,8 @@ class BlockPool:
     def _queue_of(self, block: KVCacheBlock) -> FreeKVCacheBlockQueue:
         if block is self.null_block:
             raise ValueError("the null block is never allocated or freed")
+        if block.reserved_for is not None:
+            return self.reserved_queue
         return self.free_block_queue if block.block_hash is None else self.cached_free_queue
 
     def cache_full_blocks(
@@ -244,18 +336,21 @@ class BlockPool:
                 host_tier.discard(block_hash)
 
     def get_num_free_blocks(self) -> int:
-        """Blocks that can be allocated now: free ones, cached (evictable) ones included."""
-        return self.free_block_queue.num_free_blocks + self.cached_free_queue.num_free_blocks
+        """Blocks that can be allocated now: free ones, cached (evictable) and reserved
+        ones included."""
+        return (self.free_block_queue.num_free_blocks + self.cached_free_queue.num_free_blocks
+                + self.reserved_queue.num_free_blocks)
 
     def get_num_used_blocks(self) -> int:
         """Blocks held by requests (ref_cnt > 0)."""
         return self.num_usable_blocks - self.get_num_free_blocks()
 
     def get_free_blocks(self) -> list[KVCacheBlock]:
-        """The free blocks in eviction order: uncached ones, then cached ones LRU first.
-        O(n), for tests and checks."""
+        """The free blocks in eviction order: uncached ones, then cached ones LRU first,
+        then reserved ones. O(n), for tests and checks."""
         return [*self.free_block_queue.get_all_free_blocks(),
-                *self.cached_free_queue.get_all_free_blocks()]
+                *self.cached_free_queue.get_all_free_blocks(),
+                *self.reserved_queue.get_all_free_blocks()]
 
     def get_usage(self) -> float:
         """Fraction of the usable blocks in use (ref_cnt > 0), in [0, 1]."""
@@ -268,6 +363,12 @@ class BlockPool:
         """
         if self.get_num_used_blocks():
             return False
+        while self.reserved_queue.num_free_blocks:
+            # NOTE: no block is in use, so no request is left to grow into these.
+            block = self.reserved_queue.popleft()
+            block.reserved_for = None
+            (self.free_block_queue if block.block_hash is None
+             else self.cached_free_queue).append(block)
         while self.cached_free_queue.num_free_blocks:
             block = self.cached_free_queue.popleft()
             block.block_hash = None
@@ -284,16 +385,22 @@ class BlockPool:
         tier's own invariants, and no hash in both tiers. Between steps only.
         """
         null = self.null_block
-        assert_that(null.ref_cnt == 0 and null.block_hash is None and null.prev_free is None,
+        assert_that(null.ref_cnt == 0 and null.block_hash is None and null.prev_free is None
+                    and null.reserved_for is None,
                     f"the null block {null} was allocated, cached or freed")
         uncached = self.free_block_queue.get_all_free_blocks()
         cached = self.cached_free_queue.get_all_free_blocks()
+        reserved = self.reserved_queue.get_all_free_blocks()
         assert_that(all(b.block_hash is None for b in uncached),
                     "a cached block is uncached-free")
         assert_that(all(b.block_hash is not None for b in cached),
                     "an uncached block is cached-free")
-        free_ids = {block.block_id for block in [*uncached, *cached]}
-        assert_that(len(free_ids) == len(uncached) + len(cached),
+        assert_that(all(b.reserved_for is None for b in [*uncached, *cached]),
+                    "a reserved block is in the uncached or cached queue")
+        assert_that(all(b.reserved_for is not None for b in reserved),
+                    "an unreserved block is in the reserved queue")
+        free_ids = {block.block_id for block in [*uncached, *cached, *reserved]}
+        assert_that(len(free_ids) == len(uncached) + len(cached) + len(reserved),
                     "a block is twice in the free queues")
         num_used = 0
         for block_id, block in enumerate(self.blocks):
@@ -303,6 +410,7 @@ class BlockPool:
             assert_that(block.ref_cnt >= 0, f"{block} has a negative ref count")
             in_queue = block_id in free_ids
             assert_that(in_queue == (block.ref_cnt == 0), f"{block}: in free queue={in_queue}")
+            assert_that(in_queue or block.reserved_for is None, f"{block} is used and reserved")
             num_used += block.ref_cnt > 0
             if block.block_hash is not None:
                 registered = self.cached_block_hash_to_block.get(block.block_hash)
@@ -316,6 +424,10 @@ class BlockPool:
         )
         if self.host_tier is not None:
             self.host_tier.check_integrity(self.cached_block_hash_to_block)
+
+
+def _block_id(block: KVCacheBlock) -> int:
+    return block.block_id
 
 
 def assert_that(condition: bool, message: str) -> None:

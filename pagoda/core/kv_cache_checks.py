@@ -55,13 +55,13 @@ def kv_occupancy(kv: KVCacheManager, requests: Iterable[CacheRequest]) -> KVOccu
 def check_manager_integrity(kv: KVCacheManager, requests: Iterable[CacheRequest]) -> None:
     """Assert the pool's invariants plus, over every group's tables: each block's
     ref_cnt equals its number of appearances, no block is twice in one table, the null
-    block only in windowed groups, all tables of a request equally long, and the id
-    tables match the block tables. For each of `requests` (those that hold blocks):
-    every registered block in its tables was computed, i.e. lies within its computed
-    tokens and carries the (group's) hash of its own tokens there, and a windowed group
-    has every block that queries from its computed tokens on read (null only before
-    its window, past its sinks). Raises
-    AssertionError with a message.
+    block only in windowed groups, all tables of a request equally long, the id tables
+    match the block tables, and every reservation belongs to a request that holds
+    blocks. For each of `requests` (those that hold blocks): every registered block in
+    its tables was computed, i.e. lies within its computed tokens and carries the
+    (group's) hash of its own tokens there, and a windowed group has every block that
+    queries from its computed tokens on read (null only before its window, past its
+    sinks). Raises AssertionError with a message.
     """
     kv.block_pool.check_integrity()
     null_id = kv.null_block.block_id
@@ -86,6 +86,10 @@ def check_manager_integrity(kv: KVCacheManager, requests: Iterable[CacheRequest]
             block.ref_cnt == num_refs[block.block_id],
             f"{block}: ref_cnt != {num_refs[block.block_id]} table appearances",
         )
+        assert_that(block.reserved_for is None or block.reserved_for in kv.req_to_blocks,
+                    f"{block} is reserved for a request that holds no blocks")
+    assert_that(kv.req_to_reserved.keys() <= kv.req_to_blocks.keys(),
+                "a reservation list outlived its request's tables")
     for request in requests:
         _check_registered_were_computed(kv, request)
 

@@ -23,6 +23,16 @@ Prefix-cache lookups and the registration at commit (`get_computed_blocks`,
 `cache_blocks`) are core/prefix_cache.py's `PrefixCache`; the integrity check and the
 occupancy view are core/kv_cache_checks.py's.
 
+Block placement (`growth_reserve_blocks` > 0, plain managers): a request's new blocks are
+taken from its reservation first (the free blocks that follow its last one, held for it),
+and otherwise as a run in ascending id order from the next free blocks in eviction order,
+with up to `growth_reserve_blocks` of the next ones reserved for its growth (fewer where
+its max_tokens ends sooner, or the free blocks run out; BlockPool.peek_run). A table is then a few
+runs of consecutive blocks rather than one block per run, which decode attention streams at
+up to 1.4x the speed (docs/architecture.md, "Block placement"). Reservations count as free
+and are stolen only once no unreserved block is free, so admission and capacity are as
+without them; `free` returns a request's unused reservation ahead of its table.
+
 With a host tier (`num_host_tier_blocks` > 0, core/host_tier.py), admission gives each host
 hit a new device block and queues the host -> device copy (performed before the step's
 forward); the request skips those tokens as computed, and the block is registered at
@@ -33,6 +43,7 @@ offloads of a failed step.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable, Sequence
 
 from pagoda.core.block_pool import BlockPool, KVCacheBlock
@@ -65,6 +76,7 @@ class KVCacheManager(PrefixCache):
         enable_caching: bool = True,
         num_host_tier_blocks: int = 0,
         retentions: Sequence[KVRetention] = (KVRetention(),),
+        growth_reserve_blocks: int = 0,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
@@ -72,6 +84,8 @@ class KVCacheManager(PrefixCache):
             raise ValueError(f"num_host_tier_blocks must be >= 0, got {num_host_tier_blocks}")
         if num_host_tier_blocks and not enable_caching:
             raise ValueError("a host tier (num_host_tier_blocks > 0) needs prefix caching")
+        if growth_reserve_blocks < 0:
+            raise ValueError(f"growth_reserve_blocks must be >= 0, got {growth_reserve_blocks}")
         if not retentions or len(retentions) > 255:
             raise ValueError(f"between 1 and 255 KV cache groups, got {len(retentions)}")
         self.num_blocks = num_blocks
@@ -83,6 +97,11 @@ class KVCacheManager(PrefixCache):
         # continue lookups and n > 1 samples fork (all of them assume nothing is freed early).
         self.plain = self.num_groups == 1 and self.retentions[0].keeps_all
         self.host_tier = HostPrefixTier(num_host_tier_blocks) if num_host_tier_blocks else None
+        # NOTE: placement needs tables that only grow at the end: plain managers only.
+        self.growth_reserve_blocks = growth_reserve_blocks if self.plain else 0
+        # Per request: the blocks reserved for its growth, lowest id first (entries a
+        # prefix hit or a steal has taken since are skipped when reached).
+        self.req_to_reserved: dict[str, deque[KVCacheBlock]] = {}
         self.block_pool = BlockPool(num_blocks, enable_caching, self.host_tier)
         self.null_block = self.block_pool.null_block
         self.req_to_blocks: dict[str, list[list[KVCacheBlock]]] = {}
@@ -146,7 +165,10 @@ class KVCacheManager(PrefixCache):
                 return []
             if num_new_blocks * self.num_groups > self.block_pool.get_num_free_blocks():
                 return None
-            new_blocks = self.block_pool.get_new_blocks(num_new_blocks * self.num_groups)
+            if self.growth_reserve_blocks:
+                new_blocks = self._place(request, num_new_blocks, len(tables[0]))
+            else:
+                new_blocks = self.block_pool.get_new_blocks(num_new_blocks * self.num_groups)
             id_tables = self.req_to_block_ids[request.req_id]
             for g, (table, id_table) in enumerate(zip(tables, id_tables, strict=True)):
                 part = new_blocks[g * num_new_blocks : (g + 1) * num_new_blocks]
@@ -188,7 +210,10 @@ class KVCacheManager(PrefixCache):
         # now could evict them there.
         self.block_pool.touch(computed_blocks)
         host_slots = self.host_tier.take(host_hashes) if host_hashes else []
-        new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
+        if self.growth_reserve_blocks:
+            new_blocks = self._place(request, num_new_blocks, len(computed_blocks))
+        else:
+            new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
         if host_slots:
             self.host_tier.load(host_slots, [b.block_id for b in new_blocks[: len(host_slots)]])
             if request.num_preemptions == 0:
@@ -196,6 +221,41 @@ class KVCacheManager(PrefixCache):
         self._set_tables(request.req_id, [computed_blocks + new_blocks], len(computed_blocks))
         self._count_query(request, num_hit_tokens)
         return new_blocks
+
+    def _place(self, request: CacheRequest, n: int, num_held: int) -> list[KVCacheBlock]:
+        """`n` new blocks for the table of `request` (which holds `num_held`), in the order
+        they extend it: its reserved blocks first, then a run of the next free blocks
+        in eviction order, sorted by id, with the following ones reserved for its growth
+        (`BlockPool.peek_run`). The caller has checked that `n` blocks are free.
+        """
+        pool, req_id = self.block_pool, request.req_id
+        blocks: list[KVCacheBlock] = []
+        reserved = self.req_to_reserved.get(req_id)
+        while reserved and len(blocks) < n:
+            block = reserved.popleft()
+            if block.reserved_for == req_id:
+                blocks.append(block)
+        pool.take(blocks)
+        rest = n - len(blocks)
+        if rest == 0:
+            return blocks
+        room = self.growth_reserve_blocks
+        max_tokens = request.max_num_tokens
+        if max_tokens is not None:
+            room = min(room, max(0, -(-max_tokens // self.block_size) - num_held - n))
+        run, spare = pool.peek_run(rest, room)
+        pool.take(run)
+        if len(run) < rest:
+            # NOTE: only reserved blocks are left: steal them (the newest reservation's
+            # far end first).
+            run = sorted(run + pool.get_new_blocks(rest - len(run)), key=lambda b: b.block_id)
+        blocks += run
+        if spare:
+            pool.reserve(spare, req_id)
+            self.req_to_reserved[req_id] = deque(spare)
+        else:
+            self.req_to_reserved.pop(req_id, None)
+        return blocks
 
     def _allocate_first_groups(
         self,
@@ -271,6 +331,11 @@ class KVCacheManager(PrefixCache):
             del table[num_kept:]
             del id_table[num_kept:]
         self.block_pool.free_blocks(reversed(tail))
+        if self.growth_reserve_blocks:
+            # NOTE: the freed blocks are where the table grows next: hold them for it again.
+            back = [b for b in tail if b.ref_cnt == 0 and b.reserved_for is None]
+            self.block_pool.reserve(back, request.req_id)
+            self.req_to_reserved.setdefault(request.req_id, deque()).extendleft(reversed(back))
 
     def fork(
         self, parent: CacheRequest, child: CacheRequest, num_tokens: int
@@ -314,6 +379,10 @@ class KVCacheManager(PrefixCache):
         tables = self.req_to_blocks.pop(req_id, None)
         self.req_to_block_ids.pop(req_id, None)
         self.num_cached_blocks.pop(req_id, None)
+        reserved = self.req_to_reserved.pop(req_id, None)
+        if reserved:
+            # NOTE: they lie past the table's last block: like its tail, evicted first.
+            self.block_pool.unreserve(reversed(reserved), req_id)
         null = self.null_block
         for blocks in tables or ():
             self.block_pool.free_blocks(b for b in reversed(blocks) if b is not null)

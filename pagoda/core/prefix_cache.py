@@ -47,6 +47,9 @@ class CacheRequest(Protocol):
     @property
     def num_tokens(self) -> int: ...
 
+    @property
+    def max_num_tokens(self) -> int | None: ...
+
 
 class PrefixCache:
     """The prefix-cache methods of `KVCacheManager` (see the module docstring)."""

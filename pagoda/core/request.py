@@ -121,6 +121,13 @@ class Request:
         return len(self.all_token_ids)
 
     @property
+    def max_num_tokens(self) -> int | None:
+        """The most tokens (prompt + outputs) this request can reach, None if unbounded
+        here (max_tokens None: the engine's length limit applies)."""
+        max_tokens = self.sampling_params.max_tokens
+        return None if max_tokens is None else self.num_prompt_tokens + max_tokens
+
+    @property
     def is_finished(self) -> bool:
         return self.status.is_finished
 

@@ -95,6 +95,7 @@ class LLMEngine:
             enable_caching=config.cache.enable_prefix_caching,
             num_host_tier_blocks=self._num_host_tier_blocks(),
             retentions=self.kv_retentions,
+            growth_reserve_blocks=config.cache.kv_growth_reserve_blocks,
         )
         self.scheduler = Scheduler(
             self.kv_cache_manager,
