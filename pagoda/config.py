@@ -310,8 +310,9 @@ class EngineArgs:
     # async: schedule the next step (and detokenize the last) while a step's forward runs.
     async_scheduling: bool = False
     # split (issue 10): `pagoda serve` runs the engine in a child process (the API server
-    # keeps HTTP and tokenization); the server's only (LLM(...) runs in-process).
-    engine_process: bool = False
+    # keeps HTTP and tokenization); the server's only (LLM(...) runs in-process). On by
+    # default since session 22 (docs/architecture.md, "Engine-core process").
+    engine_process: bool = True
 
     @classmethod
     def add_cli_args(cls, p: argparse.ArgumentParser) -> None:
@@ -393,7 +394,8 @@ class EngineArgs:
                        "step N's forward runs (the forward on a worker thread)")
         p.add_argument("--engine-process", action=bool_flag, default=d.engine_process,
                        help="serve: run the engine (model, scheduler, detokenization) in a "
-                       "child process of its own, apart from the HTTP server's")
+                       "child process of its own, apart from the HTTP server's (the default; "
+                       "--no-engine-process: on a thread of the server's process)")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:

@@ -24,9 +24,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 # pagoda's variants and their extra flags: "pagoda-async" with --async-scheduling,
-# "pagoda-core" with --engine-process (the engine in a process apart from the HTTP server).
+# "pagoda-thread" with --no-engine-process (the engine on a thread of the HTTP server's
+# process, the default before session 22), "pagoda-core" with --engine-process (the default
+# now, named for runs that must not depend on it).
 PAGODA_VARIANTS = {"pagoda": (), "pagoda-async": ("--async-scheduling",),
-                   "pagoda-core": ("--engine-process",)}
+                   "pagoda-core": ("--engine-process",),
+                   "pagoda-thread": ("--no-engine-process",)}
 LAUNCHABLE = (*PAGODA_VARIANTS, "vllm")
 
 

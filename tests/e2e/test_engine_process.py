@@ -1,5 +1,6 @@
-"""The server with --engine-process (the engine in a child process of its own): the same
-answers as the in-thread server token for token, an abort on disconnect frees the core's
+"""The server with --engine-process (the engine in a child process of its own, the default;
+the shared server of the other e2e tests runs so too): the same answers as the in-thread
+server (--no-engine-process) token for token, an abort on disconnect frees the core's
 blocks, a step fault fails only its request, /metrics counts what the core did, and the
 core's death fails every waiter and /health (503) without hanging. That shutdown stops
 and reaps a live core: tests/unit/test_core_client.py."""
@@ -45,6 +46,16 @@ def core_server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> I
     assert srv.stop() == 0, srv.log_tail()
 
 
+@pytest.fixture(scope="module")
+def thread_server(tiny_llama: Path,
+                  tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    log = tmp_path_factory.mktemp("thread_server") / "server.log"
+    srv = start_server(tiny_llama, log, "--no-engine-process", "--max-num-seqs", "16",
+                       "--max-logprobs", str(MAX_LOGPROBS))
+    yield srv
+    assert srv.stop() == 0, srv.log_tail()
+
+
 @pytest.fixture
 def core(core_server: Server) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=core_server.base_url, timeout=60.0) as c:
@@ -74,9 +85,12 @@ def _answers(client: httpx.Client) -> list[Any]:
     return out
 
 
-def test_answers_equal_the_in_thread_server(core: httpx.Client, client: httpx.Client,
-                                            core_server: Server) -> None:
-    assert _answers(core) == _answers(client)
+def test_answers_equal_the_in_thread_server(core: httpx.Client, core_server: Server,
+                                            thread_server: Server) -> None:
+    with httpx.Client(base_url=thread_server.base_url, timeout=60.0) as thread:
+        assert _answers(core) == _answers(thread)
+        # The in-thread server steps the model in its own process.
+        assert wait_idle(thread)["pid"] == thread_server.proc.pid
     report = wait_idle(core)
     assert report["ok"] and report["kv_cache_usage"] == 0.0
     # The engine runs in a child, which got the OpenMP setting of the server's environment.

@@ -127,10 +127,12 @@ def test_serve_workload_preset_and_launch_flags():
     with pytest.raises(ValueError, match="--launch"):
         parse_launch("pagoda,llama")
     # Alternating variants against drift: repeats are kept, and labelled by their turn.
-    args = _serve_args("--launch", "pagoda,pagoda-core,pagoda,pagoda-core")
+    args = _serve_args("--launch", "pagoda-thread,pagoda-core,pagoda-thread,pagoda-core")
     specs = serve_launch.launch_specs(args)
-    assert [s.label for s in specs] == ["pagoda", "pagoda-core", "pagoda #2", "pagoda-core #2"]
+    assert [s.label for s in specs] == ["pagoda-thread", "pagoda-core", "pagoda-thread #2",
+                                        "pagoda-core #2"]
     assert [s.argv.count("--engine-process") for s in specs] == [0, 1, 0, 1]
+    assert [s.argv.count("--no-engine-process") for s in specs] == [1, 0, 1, 0]
 
 
 def test_launch_specs_pagoda_then_vllm_per_mode(tmp_path, monkeypatch):

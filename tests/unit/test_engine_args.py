@@ -39,12 +39,24 @@ class CapturedEngine:
 
 
 def _server_config(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> EngineConfig:
+    """The config `pagoda serve argv` builds its engine from, in whichever mode the flags
+    choose (both front ends replaced: one builds on a thread, the other in a child)."""
+    started: list[str] = []
+
     def build(factory, max_queued_requests=None):
+        started.append("thread")
         return SimpleNamespace(engine=factory(), metrics=None)
 
+    def spawn(factory, policy, max_queued_requests=None, setup=None):
+        started.append("process")
+        return SimpleNamespace(engine=factory(), metrics=None,
+                               process=SimpleNamespace(pid=os.getpid()))
+
     monkeypatch.setattr(server, "AsyncLLMEngine", SimpleNamespace(build=build))
+    monkeypatch.setattr(server, "EngineCoreClient", SimpleNamespace(spawn=spawn))
     monkeypatch.setattr("pagoda.engine.llm_engine.LLMEngine", CapturedEngine)
     server.build_state(cli.build_parser().parse_args(["serve", *argv]))
+    assert started == ["thread" if "--no-engine-process" in argv else "process"]
     return CapturedEngine.configs[-1]
 
 
@@ -57,6 +69,7 @@ def test_cli_llm_and_server_defaults_are_engine_args(monkeypatch: pytest.MonkeyP
     llm_module.LLM()
     assert CapturedEngine.configs[-1] == expected
     assert _server_config([], monkeypatch) == expected
+    assert _server_config(["--no-engine-process"], monkeypatch) == expected
 
 
 def test_every_engine_arg_has_a_flag_and_round_trips(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -350,8 +350,9 @@ def build_state(args: argparse.Namespace) -> ServerState:
 
 
 def _start_engine(args: argparse.Namespace, config: Any, policy: TimeoutPolicy) -> Any:
-    """The engine's front end, its model loaded: in a child process with --engine-process
-    (this process keeps HTTP and tokenization), else on an engine thread of this one."""
+    """The engine's front end, its model loaded: in a child process with --engine-process,
+    the default (this process keeps HTTP and tokenization), else on an engine thread of
+    this one."""
     from pagoda.engine.llm_engine import LLMEngine
 
     if args.engine_process:
