@@ -216,8 +216,8 @@ def test_wq_linear_matches_reference(qext, bits: int, group: int, k: int, dtype)
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_single_row_products_split_over_threads(qext, threads: int) -> None:
-    """M = 1 runs the single-row path: each thread an equal share of the panels, 4 at a
-    time, then a pair and one: 13 panels (N = 200) over 1, 2 and 3 threads reach every tail."""
+    """M = 1 runs the single-row path: each thread an equal share of whole panels, one at a
+    time: 13 panels (N = 200) over 1, 2 and 3 threads give shares of unequal sizes."""
     ws = [_gguf_weight(q, 200, 96, seed=q) for q in (quant_layouts.Q4_1, quant_layouts.Q8_0)]
     ws.append(_group_weight(4, 200, 128, 64, perm=False, seed=11))
     before = torch.get_num_threads()

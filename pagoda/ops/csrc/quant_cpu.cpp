@@ -452,10 +452,11 @@ inline int32_t i8_dot(const uint8_t* w, const int8_t* x, int64_t kp) {
 
 constexpr int kUnit = 8;  // output rows per unit: one int32 lane each
 // The drivers' tiling below: a task of a many-row product is one panel (2 units); a
-// single-row tile is 4 units.
+// single-row tile is one panel too (2 units: one sequential stream of codes, as on AVX-512,
+// and few enough live registers for AVX2's 16; 4 units spilled its accumulators).
 constexpr int64_t kTileRows = kUnit;
 constexpr int kTaskTiles = 2;
-constexpr int kGemvTiles = 4;
+constexpr int kGemvTiles = 2;
 
 inline __m256 load_x8(const float* p, int64_t count) {
   if (count >= 8) return _mm256_loadu_ps(p);
@@ -754,21 +755,16 @@ void run_rows(int rows, const Weights& w, const QuantActs& a, int64_t row0, int6
 }
 
 // One activation row (decode): each thread takes an equal contiguous share of the tiles,
-// kGemvTiles at a time (more independent loads and chains than a pair gives one row).
+// kGemvTiles at a time (one panel on either path: one sequential stream of codes).
 template <int BITS, int BLOCK>
 void q_gemv_share(const Weights& w, const QuantActs& a, const Output& o, int64_t tid,
                   int64_t nth) {
-  const int64_t tiles = w.np / kTileRows;
-  const int64_t end = tiles * (tid + 1) / nth;
-  int64_t p = tiles * tid / nth;
-  for (; p + kGemvTiles <= end; p += kGemvTiles) {
-    run_tile<BITS, BLOCK, 1, kGemvTiles>(w, a, 0, p, o);
-  }
-  if (p + 2 <= end) {
-    run_tile<BITS, BLOCK, 1, 2>(w, a, 0, p, o);
-    p += 2;
-  }
-  if (p < end) run_tile<BITS, BLOCK, 1, 1>(w, a, 0, p, o);
+  // NOTE: shares start and end on panel boundaries, so a thread's tiles are whole panels.
+  const int64_t per_panel = kPanel / kTileRows, panels = w.np / kPanel;
+  const int64_t end = panels * (tid + 1) / nth * per_panel;
+  int64_t p = panels * tid / nth * per_panel;
+  static_assert(kPanel / kTileRows == kGemvTiles, "a single-row tile is one panel");
+  for (; p < end; p += kGemvTiles) run_tile<BITS, BLOCK, 1, kGemvTiles>(w, a, 0, p, o);
 }
 
 template <int BITS, int BLOCK>
