@@ -37,23 +37,25 @@ REQUESTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def core_server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    log = tmp_path_factory.mktemp("core_server") / "server.log"
-    srv = start_server(tiny_llama, log, "--engine-process", "--max-num-seqs", "16",
+def _server_in_mode(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory,
+                    mode_flag: str) -> Iterator[Server]:
+    """A server with the same limits either way, the engine where `mode_flag` puts it."""
+    log = tmp_path_factory.mktemp(mode_flag.strip("-")) / "server.log"
+    srv = start_server(tiny_llama, log, mode_flag, "--max-num-seqs", "16",
                        "--max-logprobs", str(MAX_LOGPROBS))
     yield srv
     assert srv.stop() == 0, srv.log_tail()
+
+
+@pytest.fixture(scope="module")
+def core_server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    yield from _server_in_mode(tiny_llama, tmp_path_factory, "--engine-process")
 
 
 @pytest.fixture(scope="module")
 def thread_server(tiny_llama: Path,
                   tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    log = tmp_path_factory.mktemp("thread_server") / "server.log"
-    srv = start_server(tiny_llama, log, "--no-engine-process", "--max-num-seqs", "16",
-                       "--max-logprobs", str(MAX_LOGPROBS))
-    yield srv
-    assert srv.stop() == 0, srv.log_tail()
+    yield from _server_in_mode(tiny_llama, tmp_path_factory, "--no-engine-process")
 
 
 @pytest.fixture

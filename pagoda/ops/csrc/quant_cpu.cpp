@@ -759,12 +759,13 @@ void run_rows(int rows, const Weights& w, const QuantActs& a, int64_t row0, int6
 template <int BITS, int BLOCK>
 void q_gemv_share(const Weights& w, const QuantActs& a, const Output& o, int64_t tid,
                   int64_t nth) {
-  // NOTE: shares start and end on panel boundaries, so a thread's tiles are whole panels.
-  const int64_t per_panel = kPanel / kTileRows, panels = w.np / kPanel;
-  const int64_t end = panels * (tid + 1) / nth * per_panel;
-  int64_t p = panels * tid / nth * per_panel;
+  // NOTE: shares are whole panels (a panel is kGemvTiles tiles), counted in panels.
   static_assert(kPanel / kTileRows == kGemvTiles, "a single-row tile is one panel");
-  for (; p < end; p += kGemvTiles) run_tile<BITS, BLOCK, 1, kGemvTiles>(w, a, 0, p, o);
+  const int64_t panels = w.np / kPanel;
+  const int64_t end = panels * (tid + 1) / nth * kGemvTiles;
+  for (int64_t p = panels * tid / nth * kGemvTiles; p < end; p += kGemvTiles) {
+    run_tile<BITS, BLOCK, 1, kGemvTiles>(w, a, 0, p, o);
+  }
 }
 
 template <int BITS, int BLOCK>
