@@ -22,6 +22,7 @@ import asyncio
 import atexit
 import logging
 import multiprocessing
+import os
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -103,7 +104,14 @@ class EngineCoreClient(EngineClient):
     def start(self) -> None:
         """Starts reading the core's messages on the running event loop."""
         self._loop = asyncio.get_running_loop()
-        self._loop.add_reader(self._conn.fileno(), self._on_readable)
+        fd = self._conn.fileno()
+        self._loop.add_reader(fd, self._on_readable)
+        # NOTE: uvloop's add_reader (libuv's uv_poll_init) makes the fd non-blocking, and
+        # Connection assumes a blocking one: a message that arrives in parts (larger than
+        # the socket's buffer) then reads EAGAIN halfway, and a large command's send fails
+        # halfway, either of which read as the core's death. Blocking, a readable pipe's
+        # recv waits only for the rest of a message the core is writing.
+        os.set_blocking(fd, True)
         self._reading = True
 
     async def shutdown(self) -> None:
@@ -165,6 +173,10 @@ class EngineCoreClient(EngineClient):
         if self._dead is None:
             logger.error("%s", message)
             self._dead = EngineDeadError(message)
+        if self.process.is_alive():
+            # NOTE: a core this end can no longer reach (a broken pipe, a garbled message)
+            # would step on unwatched, and shutdown() would wait its whole stop timeout.
+            self.process.kill()
         self._stop_reading()
         self._fail_everything(self._dead)
 

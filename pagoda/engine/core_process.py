@@ -33,6 +33,7 @@ gone before the grace ends, decides what happens to running requests.
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import pickle
 import signal
@@ -122,6 +123,8 @@ def run_engine_core(conn: Connection, factory: Callable[[], Any],
     stopped. `setup()` runs first (the server's logging)."""
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
+    # NOTE: a crash in a kernel then leaves the threads' Python stacks in the server's log.
+    faulthandler.enable()
     if setup is not None:
         setup()
     try:

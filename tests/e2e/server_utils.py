@@ -34,7 +34,13 @@ class Server:
         return self.base_url + path
 
     def log_tail(self, num_chars: int = 3000) -> str:
-        return self.log_path.read_text(errors="replace")[-num_chars:]
+        """The log's end, after its first error where that came earlier (the cause: the
+        end is often only its consequences)."""
+        text = self.log_path.read_text(errors="replace")
+        first = text.find("ERROR")
+        head = (text[first:first + 1500] + "\n[...]\n"
+                if 0 <= first < len(text) - num_chars else "")
+        return head + text[-num_chars:]
 
     def stop(self, timeout_s: float = 30.0) -> int:
         """SIGTERM, then the exit code (SIGKILL and pytest.fail if it does not exit)."""

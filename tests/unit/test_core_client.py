@@ -13,6 +13,7 @@ import signal
 from types import SimpleNamespace
 
 import pytest
+import uvloop
 
 from pagoda.engine.async_engine import EngineDeadError, EngineFaultError
 from pagoda.engine.core_client import EngineCoreClient
@@ -144,3 +145,60 @@ def test_a_prompt_crosses_the_pipe_once() -> None:
 
 def _output(rid: str, finished: bool) -> RequestOutput:
     return RequestOutput(rid, f"p{rid}", [7, 8], [CompletionOutput(0, "t", [5])], finished)
+
+
+
+class EchoFakeEngine(CoreFakeEngine):
+    """The fake engine whose outputs carry the request's prompt, as LLMEngine's do, and
+    whose tokens are 8 MiB of text each for the prompt "big"."""
+
+    def add_request(self, request_id, prompt, params, **kwargs) -> None:
+        super().add_request(request_id, prompt, params, **kwargs)
+        self.prompts = {**getattr(self, "prompts", {}), request_id: prompt}
+
+    def _output(self, rid: str, num: int, reason: str | None) -> RequestOutput:
+        out = super()._output(rid, num, reason)
+        out.prompt = self.prompts[rid]
+        if out.prompt == "big":
+            out.outputs[0].text *= 8 << 20
+        return out
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+@pytest.mark.parametrize("big", ["command", "output"])
+def test_a_message_larger_than_the_pipe_s_buffer_crosses_whole(big: str, loop: str) -> None:
+    # NOTE: 8 MiB, far past a socket's buffer, so the message reaches the other end in
+    # parts: an add's prompt (and the first output, which carries it back), or a step's
+    # output. uvloop, which uvicorn runs on, made the pipe non-blocking, and a message
+    # half-read or half-sent read as the core's death.
+    prompt = "x" * (8 << 20) if big == "command" else "big"
+
+    async def main() -> tuple[list[str | None], list[int], bool]:
+        client = EngineCoreClient.spawn(EchoFakeEngine, start_method="fork")
+        client.start()
+        try:
+            outs = [out async for out in await client.generate([req("a", 3, prompt=prompt)])]
+            return ([o.prompt for o in outs], [len(o.outputs[0].text) for o in outs],
+                    client.is_alive)
+        finally:
+            await asyncio.wait_for(client.shutdown(), 30)
+
+    run = uvloop.run if loop == "uvloop" else asyncio.run
+    prompts, lengths, alive = run(asyncio.wait_for(main(), 60))
+    assert alive and prompts == [prompt] * 3
+    assert lengths == [1 if big == "command" else 8 << 20] * 3
+
+
+def test_a_core_that_cannot_be_reached_is_killed() -> None:
+    # NOTE: e.g. a garbled message: the child still runs, and nothing would stop it.
+    async def main() -> int | None:
+        client = EngineCoreClient.spawn(CoreFakeEngine, start_method="fork")
+        client.start()
+        try:
+            client._core_died("the engine core cannot be reached: test")
+            await asyncio.to_thread(client.process.join, 10)
+            return client.process.exitcode
+        finally:
+            await asyncio.wait_for(client.shutdown(), 30)
+
+    assert asyncio.run(asyncio.wait_for(main(), 60)) == -signal.SIGKILL
