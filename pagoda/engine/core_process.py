@@ -93,7 +93,13 @@ class PipeSink:
     def flush(self) -> None:
         if self.events:
             events, self.events = self.events, []
-            self.conn.send(events)
+            try:
+                self.conn.send(events)
+            except (BrokenPipeError, ConnectionResetError):
+                # NOTE: the API process is gone (killed mid-step): nobody is left to tell,
+                # and the reader thread, seeing the pipe's EOF, stops the loop. Not a bug
+                # of the loop, which an exception here would have logged it as.
+                pass
 
     def died(self, exc: BaseException) -> None:
         self.events.append(("died", f"{type(exc).__name__}: {exc}"))

@@ -2,14 +2,20 @@
 test_async_engine.py (forked, not spawned: no interpreter start-up; the server's spawn
 is tests/e2e/test_engine_process.py's): streams, metrics replayed in this process, an abort, a step fault,
 refusals, the orphan check, shutdown reaping the child, a factory's error, the
-child's death failing every waiter with EngineDeadError, and prompts crossing once."""
+child's death failing every waiter with EngineDeadError, prompts crossing once, messages
+larger than the pipe's buffer on asyncio's and uvloop's loops, a core that cannot be
+reached killed, and a core whose server is gone stopping quietly."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import multiprocessing
 import os
 import pickle
 import signal
+import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -17,7 +23,8 @@ import uvloop
 
 from pagoda.engine.async_engine import EngineDeadError, EngineFaultError
 from pagoda.engine.core_client import EngineCoreClient
-from pagoda.engine.core_process import elide_prompts, restore_prompts
+from pagoda.engine.core_process import PipeSink, _read_commands, elide_prompts, restore_prompts
+from pagoda.engine.engine_core import AddCommand, EngineCore
 from pagoda.engine.metrics import EngineMetrics
 from pagoda.outputs import CompletionOutput, RequestOutput
 from tests.unit.test_async_engine import FakeEngine, req
@@ -202,3 +209,20 @@ def test_a_core_that_cannot_be_reached_is_killed() -> None:
             await asyncio.wait_for(client.shutdown(), 30)
 
     assert asyncio.run(asyncio.wait_for(main(), 60)) == -signal.SIGKILL
+
+
+def test_a_core_whose_server_is_gone_stops_quietly(caplog: pytest.LogCaptureFixture) -> None:
+    # NOTE: the server killed mid-step: the core's next send breaks the pipe; that is no
+    # bug of its loop (it once logged "engine loop died" with a traceback).
+    ours, theirs = multiprocessing.Pipe()
+    core = EngineCore(CoreFakeEngine(), PipeSink(theirs))
+    threading.Thread(target=_read_commands, args=(theirs, core), daemon=True).start()
+    loop = threading.Thread(target=core.run, daemon=True)
+    with caplog.at_level(logging.WARNING):
+        loop.start()
+        ours.send(AddCommand([req("a", 10**6)], time.monotonic(), 0))
+        ours.recv()  # NOTE: the add's reply: the request is stepping
+        ours.close()
+        loop.join(30)
+    assert not loop.is_alive()
+    assert "the engine core stops" in caplog.text and "died" not in caplog.text
