@@ -154,14 +154,17 @@ def _output(rid: str, finished: bool) -> RequestOutput:
     return RequestOutput(rid, f"p{rid}", [7, 8], [CompletionOutput(0, "t", [5])], finished)
 
 
-
 class EchoFakeEngine(CoreFakeEngine):
     """The fake engine whose outputs carry the request's prompt, as LLMEngine's do, and
     whose tokens are 8 MiB of text each for the prompt "big"."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.prompts: dict[str, str] = {}
+
     def add_request(self, request_id, prompt, params, **kwargs) -> None:
         super().add_request(request_id, prompt, params, **kwargs)
-        self.prompts = {**getattr(self, "prompts", {}), request_id: prompt}
+        self.prompts[request_id] = prompt
 
     def _output(self, rid: str, num: int, reason: str | None) -> RequestOutput:
         out = super()._output(rid, num, reason)
