@@ -78,6 +78,12 @@ class FakeEngine:
                               prefix_cache_hits=0)
 
 
+# NOTE: a request that outlives any test. A fake step takes microseconds, so one of
+# 10,000 tokens finished in 0.3 s, within a test's pauses on a fast or busy machine: the
+# queue-limit test then saw one request waiting where it held two (a Zen 5 full-suite run).
+FOREVER = 10**9
+
+
 def run(coro_fn, fake: FakeEngine | None = None, **kwargs):
     async def main():
         engine = AsyncLLMEngine(fake or FakeEngine(), **kwargs)
@@ -110,7 +116,7 @@ def test_streams_until_finished_and_rejects_invalid() -> None:
 
 def test_abort_ends_the_stream_and_frees_the_request() -> None:
     async def body(engine: AsyncLLMEngine):
-        stream = await engine.generate([req("a", 10_000)])
+        stream = await engine.generate([req("a", FOREVER)])
         first = await stream.__anext__()
         engine.abort(["a"])
         rest = [out async for out in stream]
@@ -139,7 +145,7 @@ def test_a_dead_engine_thread_fails_waiters_and_refuses_new_work() -> None:
     fake = FakeEngine()
 
     async def body(engine: AsyncLLMEngine):
-        stream = await engine.generate([req("a", 10_000)])
+        stream = await engine.generate([req("a", FOREVER)])
         await stream.__anext__()
 
         def broken() -> SchedulerStats:
@@ -158,7 +164,7 @@ def test_a_dead_engine_thread_fails_waiters_and_refuses_new_work() -> None:
 
 def test_waiting_queue_limit() -> None:
     async def body(engine: AsyncLLMEngine):
-        first = await engine.generate([req("a", 10_000)])
+        first = await engine.generate([req("a", FOREVER)])
         with pytest.raises(QueueFullError):
             await engine.generate([req("b", 1)])
         engine.abort(first.request_ids)
@@ -188,10 +194,10 @@ def test_an_added_request_counts_once_against_the_queue_limit() -> None:
     """The engine thread publishes stats holding B before B's add reply reaches the loop;
     a request in that window must still fit a queue of 2 (B counted once, not twice)."""
     async def body(engine: AsyncLLMEngine):
-        b = asyncio.create_task(engine.generate([req("b", 10_000)]))
+        b = asyncio.create_task(engine.generate([req("b", FOREVER)]))
         await asyncio.sleep(0)  # NOTE: B's add is sent
         hold_the_loop_until(lambda: engine.stats.num_waiting == 1)
-        c = await engine.generate([req("c", 10_000)])
+        c = await engine.generate([req("c", FOREVER)])
         with pytest.raises(QueueFullError):
             await engine.generate([req("d", 1)])
         engine.abort(["b", "c"])
@@ -279,7 +285,7 @@ def test_a_refused_add_leaves_nothing_and_orphans_are_found() -> None:
 
 def test_a_request_id_in_use_is_refused() -> None:
     async def body(engine: AsyncLLMEngine):
-        first = await engine.generate([req("a", 10_000)])
+        first = await engine.generate([req("a", FOREVER)])
         with pytest.raises(ValueError, match="in use"):
             await engine.generate([req("a", 1)])
         with pytest.raises(ValueError, match="in use"):
@@ -294,7 +300,7 @@ def test_end_grace_fails_every_request_and_refuses_new_ones() -> None:
     from pagoda.engine.async_engine import EngineShutdownError
 
     async def body(engine: AsyncLLMEngine):
-        running = await engine.generate([req("a", 10_000), req("b", 10_000)])
+        running = await engine.generate([req("a", FOREVER), req("b", FOREVER)])
         await running.__anext__()
         engine.end_grace("grace over")
         with pytest.raises(EngineShutdownError, match="grace over"):
