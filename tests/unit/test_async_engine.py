@@ -276,7 +276,7 @@ def test_a_refused_add_leaves_nothing_and_orphans_are_found() -> None:
         left_after_refusal = dict(fake.left)
         clean = await engine.orphan_request_ids()
         # A request the engine holds that no stream waits for: the leak the check finds.
-        await engine.call(lambda e: e.add_request("stray", "p", SamplingParams(max_tokens=10**6)))
+        await engine.call(lambda e: e.add_request("stray", "p", SamplingParams(max_tokens=FOREVER)))
         return left_after_refusal, clean, await engine.orphan_request_ids()
 
     left, clean, orphans = run(body, fake)

@@ -27,7 +27,7 @@ from pagoda.engine.core_process import PipeSink, _read_commands, elide_prompts, 
 from pagoda.engine.engine_core import AddCommand, EngineCore
 from pagoda.engine.metrics import EngineMetrics
 from pagoda.outputs import CompletionOutput, RequestOutput
-from tests.unit.test_async_engine import FakeEngine, req
+from tests.unit.test_async_engine import FOREVER, FakeEngine, req
 
 
 class CoreFakeEngine(FakeEngine):
@@ -76,7 +76,7 @@ def test_serves_over_the_pipe_and_shutdown_reaps_the_child() -> None:
                 texts[out.request_id] = texts.get(out.request_id, "") + out.outputs[0].text
             tokens = metrics.registry.get_sample_value("pagoda:generation_tokens_total",
                                                        {"model_name": "fake"})
-            long = await client.generate([req("c", 10**6)])
+            long = await client.generate([req("c", FOREVER)])
             await long.__anext__()
             client.abort(["c"])
             reason = [out async for out in long][-1].outputs[0].finish_reason
@@ -112,7 +112,7 @@ def test_the_child_s_death_fails_every_waiter() -> None:
         client = EngineCoreClient.spawn(CoreFakeEngine, start_method="fork")
         client.start()
         try:
-            stream = await client.generate([req("a", 10**6)])
+            stream = await client.generate([req("a", FOREVER)])
             await stream.__anext__()
             os.kill(client.process.pid, signal.SIGKILL)
             with pytest.raises(EngineDeadError):
@@ -223,7 +223,7 @@ def test_a_core_whose_server_is_gone_stops_quietly(caplog: pytest.LogCaptureFixt
     loop = threading.Thread(target=core.run, daemon=True)
     with caplog.at_level(logging.WARNING):
         loop.start()
-        ours.send(AddCommand([req("a", 10**6)], time.monotonic(), 0))
+        ours.send(AddCommand([req("a", FOREVER)], time.monotonic(), 0))
         ours.recv()  # NOTE: the add's reply: the request is stepping
         ours.close()
         loop.join(30)
