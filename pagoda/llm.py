@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 
 from pagoda.config import EngineArgs
 from pagoda.core.request import DEFAULT_SLA_CLASS
+from pagoda.engine.gc_heap import frozen_heap
 from pagoda.engine.llm_engine import LLMEngine, PromptType
 from pagoda.engine.output_processor import OutputKind
 from pagoda.entrypoints.chat_template import Message, apply_chat_template
@@ -110,11 +111,12 @@ class LLM:
         results: list[RequestOutput | None] = [None] * len(prompts)
         bar = tqdm(total=len(prompts), desc="Processed prompts", disable=not use_tqdm)
         try:
-            while engine.has_unfinished_requests():
-                for out in engine.step():
-                    if out.finished:
-                        results[order[out.request_id]] = out
-                        bar.update(1)
+            with frozen_heap():
+                while engine.has_unfinished_requests():
+                    for out in engine.step():
+                        if out.finished:
+                            results[order[out.request_id]] = out
+                            bar.update(1)
         except BaseException:
             # NOTE: an error or Ctrl-C (KeyboardInterrupt) mid-step leaves the step rolled
             # back (LLMEngine.step); aborting frees every block of this call's requests, so

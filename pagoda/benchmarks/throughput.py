@@ -36,6 +36,7 @@ from pagoda.benchmarks.kv_waste import sample as sample_kv
 from pagoda.benchmarks.throughput_report import print_setup, print_table
 from pagoda.benchmarks.vllm_peer import VLLM_MODES, parse_vllm_modes
 from pagoda.benchmarks.workload import Workload, make_workload, workload_stats
+from pagoda.engine.gc_heap import frozen_heap
 
 SYSTEMS = ("pagoda", "transformers", "vllm")
 DEFAULT_HF_BATCH_SIZES = [8, 16, 32]
@@ -165,15 +166,16 @@ def _generate_measuring_kv(llm: Any, workload: Workload) -> tuple[list[int], flo
         engine.add_request(f"w{i}", {"prompt_token_ids": prompt}, params,
                            output_kind=OutputKind.FINAL_ONLY)
     overhead = 0.0
-    step_start = time.perf_counter()
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                counts[int(out.request_id[1:])] = len(out.outputs[0].token_ids)
-        step_end = time.perf_counter()
-        meter.add(sample_kv(engine), step_end - step_start)
+    with frozen_heap():
         step_start = time.perf_counter()
-        overhead += step_start - step_end
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    counts[int(out.request_id[1:])] = len(out.outputs[0].token_ids)
+            step_end = time.perf_counter()
+            meter.add(sample_kv(engine), step_end - step_start)
+            step_start = time.perf_counter()
+            overhead += step_start - step_end
     return counts, time.perf_counter() - start - overhead, meter
 
 

@@ -25,6 +25,7 @@ from pagoda.core.request import DEFAULT_SLA_CLASS
 from pagoda.core.scheduler import SchedulerStats
 from pagoda.engine.core_rpcs import RPCS, all_request_ids
 from pagoda.engine.deadlines import DeadlineTracker, request_stage
+from pagoda.engine.gc_heap import frozen_heap
 from pagoda.engine.metrics import queue_snapshot
 from pagoda.engine.output_processor import OutputKind
 from pagoda.outputs import RequestOutput
@@ -150,6 +151,10 @@ class EngineCore:
 
     def run(self) -> None:
         """The loop; returns after `stop()`, or after `sink.died` on a bug outside a step."""
+        with frozen_heap():
+            self._run()
+
+    def _run(self) -> None:
         try:
             while True:
                 commands, stopping = self._wait_for_work()
