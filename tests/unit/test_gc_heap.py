@@ -23,7 +23,6 @@ class Node:
 
 def test_nested_loops_freeze_once_and_the_last_one_out_unfreezes() -> None:
     assert gc.get_freeze_count() == 0
-    before = Node()
     with frozen_heap():
         frozen = gc.get_freeze_count()
         assert frozen > 0
@@ -31,7 +30,6 @@ def test_nested_loops_freeze_once_and_the_last_one_out_unfreezes() -> None:
             assert gc.get_freeze_count() == frozen
         assert gc.get_freeze_count() == frozen, "the inner exit must not unfreeze"
     assert gc.get_freeze_count() == 0
-    del before
 
 
 def test_garbage_made_inside_is_collected_inside() -> None:
