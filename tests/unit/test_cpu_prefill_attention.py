@@ -446,6 +446,22 @@ def test_amx_head_dims_and_block_sizes(amx, head_dim: int, block_size: int) -> N
                  seed=head_dim + block_size), None, 1e-2)
 
 
+@pytest.mark.parametrize("window", [None, 300])
+def test_amx_rescales_when_a_later_key_outscores_the_running_max(amx, window) -> None:
+    """Keys grow with their position, so a row's max keeps rising by more than the slack the
+    kernel lets its running max lag by: the P V of the blocks before is brought up and O
+    rescaled, mid-chunk and across chunks, many times per row."""
+    requests = [(600, 700), (64, 64), (100, 1100)]
+    case = list(_case(requests, 1, 3, torch.float32, seed=21))
+    k_cache, tables, block_size = case[1].clone(), case[3], case[1].shape[1]
+    for r, (_, s) in enumerate(requests):
+        pos = torch.arange(s)
+        k_cache[tables[r, pos // block_size], pos % block_size] *= (1 + pos / 16.0)[:, None, None]
+    case[1] = k_cache
+    case = [x.bfloat16() if x.is_floating_point() else x for x in case]
+    _check(tuple(case), window, 1e-2)
+
+
 def test_amx_runs_and_agrees_with_the_vector_path(amx, monkeypatch) -> None:
     """The AMX path is what runs (its results differ from the vector path's in the last
     bits: another summation order), and the two agree to bf16 rounding."""

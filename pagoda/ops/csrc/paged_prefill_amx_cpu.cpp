@@ -9,20 +9,26 @@
 //         holds dims 2j, 2j + 1 of each of the 16 positions (a 32-bit transpose of the rows);
 //   V     per 32 positions and 16 head dims, one B tile: row j holds positions 2j and 2j + 1
 //         of each of the 16 dims, interleaved.
-// Positions outside the item's range are staged as zeros. Then for each row tile and each
-// block of 32 positions it needs:
-//   S  = Q K^T        two 16 x 16 float32 tiles (tiles 0, 1), summed over D / 32 chunks
-//   P  = exp(S * scale - m) per row, masked (causal, window), rounded to bf16: one A tile
-//   O  = O * alpha + P V   per 64 head dims, four tiles (2-5), added to O in float32
-// with m the row's running max and alpha = exp(m_old - m_new) (the online softmax).
+// Positions outside the item's range are staged as zeros. Then for each row tile, the blocks
+// of a chunk it needs in two passes:
+//   1. per block, S = Q K^T (two 16 x 16 float32 tiles, summed over D / 32 chunks), stored;
+//      then P = 2^(S * scale * log2(e) - m) per row, masked (causal, window), rounded to bf16,
+//      kept per block (16 x 32 bf16: one A tile); the next block's products are issued before
+//      this block's softmax, so the tile unit and the vector units overlap;
+//   2. O += P V over those blocks, O (16 x 64 head dims: tiles 0-3) held in tiles meanwhile.
+// m is the row's running max, but it only moves when a score exceeds it by more than
+// kSlack2 (base 2): then the blocks before are run through pass 2, and O and the row sum l
+// are scaled by alpha = 2^(m_old - m_new) (the online softmax, with its rescale made rare).
 //
 // Numerics: q . k as bf16 products exact in float32, summed in float32 (in TDPBF16PS's order,
-// not the vector path's); the softmax in float32 with the vector path's exp; P rounded to bf16
-// before P V (2^-9 relative each, as the vector path's vdpbf16ps does), its row sums taken
-// before that rounding; the output rounded once. AMX flushes bf16 denormal inputs to zero.
+// not the vector path's); the softmax in float32 with a base-2 exp (its own polynomial,
+// relative error about 1e-7); P at most 2^kSlack2, rounded to bf16 before P V (2^-9 relative
+// each, as the vector path's vdpbf16ps does), its row sums taken before that rounding; O
+// summed in float32 in tile order; the output rounded once. O and l share m, so a lagging m
+// changes only rounding. AMX flushes bf16 denormal inputs to zero.
 //
-// Tiles: 16 rows x 64 bytes each. The S phase loads Q chunks into tiles 6 and 7 and K^T
-// into 2-5 (free until the P V phase); the P V phase loads P into 6 and V into 0, 1 and 7.
+// Tiles: 16 rows x 64 bytes each. Pass 1: S in 0-1 or 2-3 (alternate blocks), K^T in 4-5, Q in
+// 6-7 (kept from block to block where D is 64); pass 2: O in 0-3, P in 4, V in 5-7.
 
 #include <torch/extension.h>
 
@@ -70,6 +76,7 @@ using pagoda_attn::tile_rows;
 constexpr int kKeys = 32;         // positions per block: one row of P is one A-tile row
 constexpr int kChunkKeys = 512;   // positions staged at once for an item
 constexpr int kItemRows = 64;     // query rows per item (four row tiles per query head)
+constexpr float kSlack2 = 8.0f;   // how far (base 2) a score may exceed the running max
 
 struct Problem {
   const uint16_t* q;
@@ -95,10 +102,9 @@ struct Item {
 // Per thread: the staged chunk, the item's queries and its row tiles' softmax state.
 struct Scratch {
   std::vector<uint16_t> kt, vp, q;  // staged K^T / V pairs (per block), Q rows per row tile
+  std::vector<uint16_t> p;          // one row tile's P per block of a chunk, before P V
   std::vector<float> o, m, l;       // per row tile: O [16][D], running max [16], sum [16][16]
-  alignas(64) float s[16 * kKeys];
-  alignas(64) float t[16 * 64];
-  alignas(64) uint16_t p[16 * kKeys];
+  alignas(64) float s[2][16 * kKeys];  // S of two blocks in flight (scores' s0 / 2)
   alignas(64) float alpha[16];
 };
 
@@ -186,46 +192,170 @@ void stage_block(const Problem& pr, const int64_t* table, int kvh, int64_t p0, i
   }
 }
 
-// S = Q K^T for one row tile and one staged block: tiles 0 (positions 0-15) and 1 (16-31).
-inline void scores(const uint16_t* q, const uint16_t* kt, int D, float* s) {
-  _tile_zero(0);
-  _tile_zero(1);
-  for (int c = 0; c < D / 32; c += 2) {
-    _tile_loadd(6, q + 32 * c, D * 2);
-    _tile_loadd(7, q + 32 * (c + 1), D * 2);
-    _tile_loadd(2, kt + (c * 2) * 512, 64);
-    _tile_loadd(3, kt + (c * 2 + 1) * 512, 64);
-    _tile_loadd(4, kt + (c * 2 + 2) * 512, 64);
-    _tile_loadd(5, kt + (c * 2 + 3) * 512, 64);
-    _tile_dpbf16ps(0, 6, 2);
-    _tile_dpbf16ps(1, 6, 3);
-    _tile_dpbf16ps(0, 7, 4);
-    _tile_dpbf16ps(1, 7, 5);
+// S = Q K^T for one row tile and one staged block into tiles s0 (positions 0-15) and s0 + 1
+// (16-31), stored to s [16][32]; Q chunks in tiles 6 and 7, K^T in 4 and 5.
+// NOTE: the caller alternates s0 between 0 and 2, so that the next block's products can run
+// on the tile unit while the vector softmax of this one runs (no tile is renamed: a product
+// into the tiles just stored would wait for that store).
+// NOTE: a macro, since the tile intrinsics take their tile numbers as literals.
+#define PAGODA_SCORES(S0, S1)                          \
+  _tile_zero(S0);                                      \
+  _tile_zero(S1);                                      \
+  for (int c = 0; c < D / 32; c += 2) {                \
+    if (load_q) {                                      \
+      _tile_loadd(6, q + 32 * c, D * 2);               \
+      _tile_loadd(7, q + 32 * (c + 1), D * 2);         \
+    }                                                  \
+    _tile_loadd(4, kt + (c * 2) * 512, 64);            \
+    _tile_loadd(5, kt + (c * 2 + 1) * 512, 64);        \
+    _tile_dpbf16ps(S0, 6, 4);                          \
+    _tile_dpbf16ps(S1, 6, 5);                          \
+    _tile_loadd(4, kt + (c * 2 + 2) * 512, 64);        \
+    _tile_loadd(5, kt + (c * 2 + 3) * 512, 64);        \
+    _tile_dpbf16ps(S0, 7, 4);                          \
+    _tile_dpbf16ps(S1, 7, 5);                          \
+  }                                                    \
+  _tile_stored(S0, s, kKeys * 4);                      \
+  _tile_stored(S1, s + 16, kKeys * 4)
+
+inline void scores(int s0, bool load_q, const uint16_t* q, const uint16_t* kt, int D,
+                   float* s) {
+  if (s0 == 0) {
+    PAGODA_SCORES(0, 1);
+  } else {
+    PAGODA_SCORES(2, 3);
   }
-  _tile_stored(0, s, kKeys * 4);
-  _tile_stored(1, s + 16, kKeys * 4);
+}
+#undef PAGODA_SCORES
+
+// 2^y for y <= kSlack2 (y = -inf gives 0): the exp of the softmax in base 2, so that the
+// scale's log2(e) folds into the scores' one multiply. Its polynomial is e^(f ln 2)'s Taylor
+// series to degree 6 on f in [-1/2, 1/2] (relative error about 1e-7, below bf16's 2^-9 that P
+// is rounded to); scalef gives 0 for the large negative n of masked or far-below-max lanes.
+__attribute__((always_inline)) inline __m512 vexp2(__m512 y) {
+  y = _mm512_max_ps(y, _mm512_set1_ps(-150.0f));
+  const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(y, n);
+  __m512 p = _mm512_set1_ps(1.5403530393381609e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
 }
 
-// T = P V for 64 head dims [64 g4, 64 g4 + 64) of one staged block: tiles 2-5 into t [16][64].
-inline void values(const uint16_t* p, const uint16_t* vp, int g4, float* t) {
-  const uint16_t* v = vp + g4 * 4 * 512;
-  _tile_zero(2);
-  _tile_zero(3);
-  _tile_zero(4);
-  _tile_zero(5);
-  _tile_loadd(6, p, kKeys * 2);
-  _tile_loadd(0, v, 64);
-  _tile_loadd(1, v + 512, 64);
-  _tile_loadd(7, v + 1024, 64);
-  _tile_dpbf16ps(2, 6, 0);
-  _tile_dpbf16ps(3, 6, 1);
-  _tile_dpbf16ps(4, 6, 7);
-  _tile_loadd(0, v + 1536, 64);
-  _tile_dpbf16ps(5, 6, 0);
-  _tile_stored(2, t, 256);
-  _tile_stored(3, t + 16, 256);
-  _tile_stored(4, t + 32, 256);
-  _tile_stored(5, t + 48, 256);
+// One row tile's P for one key block: 16 rows of 32 bf16, the A tile of P V.
+constexpr int kPBlock = 16 * kKeys;
+
+// The softmax of one row tile over one staged block, its S in s (unscaled): P into p,
+// the row sums into l, the running maxima m moved where a row's scores rose more than kSlack2
+// above it (those rows' factors alpha[r] < 1 for the O accumulated so far; 1 elsewhere).
+// Returns whether any row's max moved so (O must then be brought up to the previous block
+// and rescaled before this block's P V).
+//
+// NOTE: the max m is the largest score seen, but held back until a score exceeds it by more
+// than kSlack2 (in base 2): P's values are then at most 2^kSlack2, and the common block needs
+// no horizontal max and no rescaling of O, which stays in tiles across blocks. O and l share
+// m, so O / l is the same softmax; only rounding differs.
+bool softmax_block(const Problem& pr, Scratch& sc, const float* s, int rows, int64_t qp0,
+                   int64_t p0, float* m, float* l, uint16_t* p) {
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  const float sl2 = pr.scale * 1.44269504088896341f;
+  const __m512 vsl2 = _mm512_set1_ps(sl2);
+  const int64_t qp_last = qp0 + rows - 1;
+  // Every row sees every key of the block: no masks.
+  const bool full = p0 + kKeys - 1 <= qp0 && (pr.window < 0 || p0 >= qp_last - pr.window + 1);
+  const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512i pa = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(p0)), iota);
+  const __m512i pb = _mm512_add_epi32(pa, _mm512_set1_epi32(16));
+  bool moved = false;
+  for (int r = 0; r < 16; ++r) {
+    uint16_t* prow = p + r * kKeys;
+    sc.alpha[r] = 1.0f;
+    __mmask16 ka = 0xFFFF, kb = 0xFFFF;
+    if (r >= rows) {
+      ka = kb = 0;
+    } else if (!full) {
+      const int64_t qp = qp0 + r;
+      const int64_t lo = pr.window >= 0 ? std::max<int64_t>(0, qp - pr.window + 1) : 0;
+      const __m512i vqp = _mm512_set1_epi32(static_cast<int>(qp));
+      const __m512i vlo = _mm512_set1_epi32(static_cast<int>(lo));
+      ka = _mm512_cmple_epi32_mask(pa, vqp) & _mm512_cmpge_epi32_mask(pa, vlo);
+      kb = _mm512_cmple_epi32_mask(pb, vqp) & _mm512_cmpge_epi32_mask(pb, vlo);
+    }
+    if ((ka | kb) == 0) {
+      _mm512_storeu_si512(prow, _mm512_setzero_si512());
+      continue;
+    }
+    const __m512 sa = _mm512_load_ps(s + r * kKeys);
+    const __m512 sb = _mm512_load_ps(s + r * kKeys + 16);
+    float mr = m[r];
+    __m512 ya, yb;
+    bool over = mr == neg_inf;
+    if (!over) {
+      const __m512 mv = _mm512_set1_ps(mr);
+      ya = _mm512_fmsub_ps(sa, vsl2, mv);
+      yb = _mm512_fmsub_ps(sb, vsl2, mv);
+      const __m512 lim = _mm512_set1_ps(kSlack2);
+      over = (_mm512_mask_cmp_ps_mask(ka, ya, lim, _CMP_GT_OQ) |
+              _mm512_mask_cmp_ps_mask(kb, yb, lim, _CMP_GT_OQ)) != 0;
+    }
+    if (over) {
+      // NOTE: scale > 0, so the largest score is the largest scaled one.
+      const float mx = sl2 * std::max(_mm512_mask_reduce_max_ps(ka, sa),
+                                      _mm512_mask_reduce_max_ps(kb, sb));
+      if (mr != neg_inf) {  // O and l so far are this row's: rescaled (else both are 0)
+        const float alpha = std::exp2(mr - mx);
+        sc.alpha[r] = alpha;
+        float* lr = l + r * 16;
+        _mm512_storeu_ps(lr, _mm512_mul_ps(_mm512_loadu_ps(lr), _mm512_set1_ps(alpha)));
+        moved = true;
+      }
+      mr = mx;
+      m[r] = mx;
+      const __m512 mv = _mm512_set1_ps(mr);
+      ya = _mm512_fmsub_ps(sa, vsl2, mv);
+      yb = _mm512_fmsub_ps(sb, vsl2, mv);
+    }
+    const __m512 ea = _mm512_maskz_mov_ps(ka, vexp2(ya));
+    const __m512 eb = _mm512_maskz_mov_ps(kb, vexp2(yb));
+    // The row's sum per lane, reduced once at the end.
+    float* lr = l + r * 16;
+    _mm512_storeu_ps(lr, _mm512_add_ps(_mm512_loadu_ps(lr), _mm512_add_ps(ea, eb)));
+    _mm512_storeu_si512(prow, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(eb, ea)));
+  }
+  return moved;
+}
+
+// O += P V over the blocks listed (their P in sc.p, slot i for blk[i]), O [16][D] float32 in
+// memory, held in tiles 0-3 per 64 head dims meanwhile.
+void accumulate_pv(const Scratch& sc, const int* blk, int nb, int D, float* o) {
+  if (nb == 0) return;
+  for (int g4 = 0; g4 < D / 64; ++g4) {
+    float* og = o + 64 * g4;
+    _tile_loadd(0, og, D * 4);
+    _tile_loadd(1, og + 16, D * 4);
+    _tile_loadd(2, og + 32, D * 4);
+    _tile_loadd(3, og + 48, D * 4);
+    for (int i = 0; i < nb; ++i) {
+      const uint16_t* v = sc.vp.data() + static_cast<size_t>(blk[i]) * D * kKeys + g4 * 4 * 512;
+      _tile_loadd(4, sc.p.data() + static_cast<size_t>(i) * kPBlock, kKeys * 2);
+      _tile_loadd(5, v, 64);
+      _tile_loadd(6, v + 512, 64);
+      _tile_loadd(7, v + 1024, 64);
+      _tile_dpbf16ps(0, 4, 5);
+      _tile_dpbf16ps(1, 4, 6);
+      _tile_dpbf16ps(2, 4, 7);
+      _tile_loadd(5, v + 1536, 64);
+      _tile_dpbf16ps(3, 4, 5);
+    }
+    _tile_stored(0, og, D * 4);
+    _tile_stored(1, og + 16, D * 4);
+    _tile_stored(2, og + 32, D * 4);
+    _tile_stored(3, og + 48, D * 4);
+  }
 }
 
 void run_item(const Problem& pr, const Item& it, Scratch& sc) {
@@ -249,8 +379,8 @@ void run_item(const Problem& pr, const Item& it, Scratch& sc) {
       std::memcpy(sc.q.data() + ((g * tiles + i / 16) * 16 + i % 16) * D, src, D * 2);
     }
   }
-  const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   const int64_t first = kstart / kKeys * kKeys;
+  int blk[kChunkKeys / kKeys];
   for (int64_t c0 = first; c0 < kend; c0 += kChunkKeys) {
     const int nblk = static_cast<int>(std::min<int64_t>(kChunkKeys, kend - c0 + kKeys - 1) /
                                       kKeys);
@@ -269,69 +399,45 @@ void run_item(const Problem& pr, const Item& it, Scratch& sc) {
       float* o = sc.o.data() + static_cast<size_t>(rt) * 16 * D;
       float* m = sc.m.data() + rt * 16;
       float* l = sc.l.data() + rt * 256;
+      // The blocks whose P waits for its P V (P in sc.p's slots 0 .. nb - 1).
+      int nb = 0;
+      bool q_stale = true;  // Q not in tiles 6 and 7
+      // The softmax of the block whose S is in sc.s[prev % 2]; its P into slot nb.
+      auto softmax = [&](int b, int parity) {
+        uint16_t* slot = sc.p.data() + static_cast<size_t>(nb) * kPBlock;
+        if (softmax_block(pr, sc, sc.s[parity], rows, qp0, c0 + b * kKeys, m, l, slot)) {
+          // Some row's max moved: O up to the previous block, rescaled, then this block's P
+          // (made with the new max) moved to slot 0.
+          accumulate_pv(sc, blk, nb, D, o);
+          q_stale = true;
+          for (int r = 0; r < rows; ++r) {
+            if (sc.alpha[r] == 1.0f) continue;
+            const __m512 al = _mm512_set1_ps(sc.alpha[r]);
+            for (int d = 0; d < D; d += 16) {
+              _mm512_storeu_ps(o + r * D + d, _mm512_mul_ps(_mm512_loadu_ps(o + r * D + d), al));
+            }
+          }
+          if (nb > 0) std::memcpy(sc.p.data(), slot, kPBlock * 2);
+          nb = 0;
+        }
+        blk[nb++] = b;
+      };
+      int prev = -1, parity = 0;
       for (int b = 0; b < nblk; ++b) {
         const int64_t p0 = c0 + b * kKeys;
         if (p0 > qp_last || p0 + kKeys <= lo0) continue;  // no row of the tile sees it
-        scores(q, sc.kt.data() + b * kt_block, D, sc.s);
-        const __m512i pa = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(p0)), iota);
-        const __m512i pb = _mm512_add_epi32(pa, _mm512_set1_epi32(16));
-        const __m512 scale = _mm512_set1_ps(pr.scale);
-        for (int r = 0; r < 16; ++r) {
-          uint16_t* prow = sc.p + r * kKeys;
-          sc.alpha[r] = 1.0f;
-          if (r >= rows) {
-            std::memset(prow, 0, kKeys * 2);
-            continue;
-          }
-          const int64_t qp = qp0 + r;
-          const int64_t lo = pr.window >= 0 ? std::max<int64_t>(0, qp - pr.window + 1) : 0;
-          const __m512i vqp = _mm512_set1_epi32(static_cast<int>(qp));
-          const __m512i vlo = _mm512_set1_epi32(static_cast<int>(lo));
-          const __mmask16 ka = _mm512_cmple_epi32_mask(pa, vqp) & _mm512_cmpge_epi32_mask(pa, vlo);
-          const __mmask16 kb = _mm512_cmple_epi32_mask(pb, vqp) & _mm512_cmpge_epi32_mask(pb, vlo);
-          if ((ka | kb) == 0) {
-            std::memset(prow, 0, kKeys * 2);
-            continue;
-          }
-          // NOTE: scores stay unscaled until the exp's argument (scale > 0 keeps the max).
-          const __m512 sa = _mm512_load_ps(sc.s + r * kKeys);
-          const __m512 sb = _mm512_load_ps(sc.s + r * kKeys + 16);
-          const float mx = pr.scale * ((ka & kb) == 0xFFFF
-              ? _mm512_reduce_max_ps(_mm512_max_ps(sa, sb))
-              : std::max(_mm512_mask_reduce_max_ps(ka, sa), _mm512_mask_reduce_max_ps(kb, sb)));
-          // NOTE: the running max only moves when a block beats it (rarely after the first
-          // few), so alpha's exp is taken then only.
-          float m_new = m[r], alpha = 1.0f;
-          if (mx > m_new) {
-            alpha = std::exp(m_new - mx);  // 0 at the row's first block (m = -inf)
-            m_new = mx;
-          }
-          const __m512 mv = _mm512_set1_ps(m_new);
-          const __m512 ea = _mm512_maskz_mov_ps(
-              ka, pagoda_attn::vexp_nonpos<__m512>(_mm512_fmsub_ps(sa, scale, mv)));
-          const __m512 eb = _mm512_maskz_mov_ps(
-              kb, pagoda_attn::vexp_nonpos<__m512>(_mm512_fmsub_ps(sb, scale, mv)));
-          // The row's sum per lane, reduced once at the end.
-          float* lr = l + r * 16;
-          _mm512_storeu_ps(lr, _mm512_fmadd_ps(_mm512_loadu_ps(lr), _mm512_set1_ps(alpha),
-                                              _mm512_add_ps(ea, eb)));
-          m[r] = m_new;
-          sc.alpha[r] = alpha;
-          _mm512_store_si512(prow, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(eb, ea)));
-        }
-        const uint16_t* vblk = sc.vp.data() + b * vp_block;
-        for (int g4 = 0; g4 < D / 64; ++g4) {
-          values(sc.p, vblk, g4, sc.t);
-          for (int r = 0; r < rows; ++r) {
-            const __m512 al = _mm512_set1_ps(sc.alpha[r]);
-            float* orow = o + r * D + 64 * g4;
-            for (int d = 0; d < 64; d += 16) {
-              _mm512_storeu_ps(orow + d, _mm512_fmadd_ps(_mm512_loadu_ps(orow + d), al,
-                                                         _mm512_load_ps(sc.t + r * 64 + d)));
-            }
-          }
-        }
+        // NOTE: this block's products are issued before the previous block's softmax, so that
+        // the tile unit and the vector units work at once.
+        // NOTE: Q (64 head dims: tiles 6 and 7) stays in its tiles from block to block, until
+        // a P V pass takes them.
+        scores(2 * parity, q_stale || D > 64, q, sc.kt.data() + b * kt_block, D, sc.s[parity]);
+        q_stale = false;
+        if (prev >= 0) softmax(prev, parity ^ 1);
+        prev = b;
+        parity ^= 1;
       }
+      if (prev >= 0) softmax(prev, parity ^ 1);
+      accumulate_pv(sc, blk, nb, D, o);
     }
   }
   // out = O / l, rounded once to bf16.
@@ -383,6 +489,7 @@ void run(const uint16_t* q, uint16_t* out, const uint16_t* k, const uint16_t* v,
     sc.kt.resize(static_cast<size_t>(kChunkKeys) * D);
     sc.vp.resize(static_cast<size_t>(kChunkKeys) * D);
     sc.q.resize(static_cast<size_t>(rt_max) * 16 * D);
+    sc.p.resize(static_cast<size_t>(kChunkKeys / kKeys) * 16 * kKeys);
     sc.o.resize(static_cast<size_t>(rt_max) * 16 * D);
     sc.m.resize(rt_max * 16);
     sc.l.resize(rt_max * 256 + 16);
