@@ -402,7 +402,7 @@ void run_item(const Problem& pr, const Item& it, Scratch& sc) {
       // The blocks whose P waits for its P V (P in sc.p's slots 0 .. nb - 1).
       int nb = 0;
       bool q_stale = true;  // Q not in tiles 6 and 7
-      // The softmax of the block whose S is in sc.s[prev % 2]; its P into slot nb.
+      // The softmax of block b, its S in sc.s[parity]; its P into slot nb.
       auto softmax = [&](int b, int parity) {
         uint16_t* slot = sc.p.data() + static_cast<size_t>(nb) * kPBlock;
         if (softmax_block(pr, sc, sc.s[parity], rows, qp0, c0 + b * kKeys, m, l, slot)) {
