@@ -489,7 +489,7 @@ void run(const uint16_t* q, uint16_t* out, const uint16_t* k, const uint16_t* v,
     sc.kt.resize(static_cast<size_t>(kChunkKeys) * D);
     sc.vp.resize(static_cast<size_t>(kChunkKeys) * D);
     sc.q.resize(static_cast<size_t>(rt_max) * 16 * D);
-    sc.p.resize(static_cast<size_t>(kChunkKeys / kKeys) * 16 * kKeys);
+    sc.p.resize(static_cast<size_t>(kChunkKeys / kKeys) * kPBlock);
     sc.o.resize(static_cast<size_t>(rt_max) * 16 * D);
     sc.m.resize(rt_max * 16);
     sc.l.resize(rt_max * 256 + 16);
