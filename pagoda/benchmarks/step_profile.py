@@ -58,7 +58,11 @@ def add_step_profile_args(p: argparse.ArgumentParser) -> None:
 
 
 def _budget(args: argparse.Namespace) -> int:
-    return max(args.prefill_tokens, 16)
+    """The engine's token budget: room for the prefill case's step, and never below the
+    default's, or the decode case's untimed prefill of `num_seqs * context_len` tokens
+    would take that many more steps (and its sequences that many more output tokens:
+    `--prefill-tokens 16` with 128 x 840 asked for a max_model_len past the model's)."""
+    return max(args.prefill_tokens, DEFAULT_PREFILL_TOKENS)
 
 
 def _decode_max_tokens(args: argparse.Namespace) -> int:

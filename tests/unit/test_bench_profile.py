@@ -61,6 +61,16 @@ def test_cli_has_bench_profile():
     assert args.num_seqs == 3 and args.steps == 2 and args.context_len == 1000
 
 
+def test_a_small_prefill_case_keeps_the_decode_setup_short():
+    # NOTE: one engine serves every case; its budget once was --prefill-tokens, so the
+    # decode case's 128 x 840 prompt tokens took 6,720 steps to prefill, and the output
+    # tokens it then asked for pushed max_model_len past SmolLM2's 8,192.
+    args = build_parser().parse_args(["bench", "profile", "--num-seqs", "128",
+                                      "--context-len", "840", "--prefill-tokens", "16"])
+    assert profile._budget(args) >= profile.DEFAULT_PREFILL_TOKENS
+    assert args.context_len + profile._decode_max_tokens(args) <= 8192 - 7000
+
+
 @pytest.fixture(scope="module")
 def report(tiny_model) -> dict:
     p = argparse.ArgumentParser()
