@@ -124,6 +124,9 @@ def add_serve_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--num-warmup", type=int, default=2, help="untimed requests per target")
     p.add_argument("--output-json", default=None)
+    p.add_argument("--save-detailed", action="store_true",
+                   help="--output-json also holds every request: when it was sent (s from the "
+                   "run's start), TTFT, end-to-end latency, gaps between chunks, lengths, error")
     p.add_argument("--plot", default=None, help="write a PNG of the results here")
     p.add_argument("--workload", choices=sorted(wl_mod.WORKLOAD_PRESETS), default=None,
                    help="a named workload (short: 64 x 26-254 / 16-127; long: 256 x "
@@ -137,6 +140,7 @@ class RequestResult:
     prompt_len: int
     expected_output_len: int
     output_len: int = 0
+    start: float = 0.0  # seconds from the run's start to the send (after the concurrency wait)
     ttft: float = 0.0
     e2e: float = 0.0
     itls: list[float] = field(default_factory=list)
@@ -177,9 +181,11 @@ def _payload(
     return "/v1/completions", body
 
 
-async def _send(client: Any, path: str, body: dict[str, Any], result: RequestResult) -> None:
+async def _send(client: Any, path: str, body: dict[str, Any], result: RequestResult,
+                run_start: float = 0.0) -> None:
     """Streams one request into `result` (never raises: failures are recorded)."""
     start = time.perf_counter()
+    result.start = start - run_start if run_start else 0.0
     last, num_chunks, usage = None, 0, None
     try:
         async with client.stream("POST", path, json=body) as r:
@@ -251,7 +257,8 @@ async def run_load(
             prompt, out_len = workload[i]
             result = RequestResult(False, len(prompt), out_len)
             async with sem:
-                await _send(client, *_payload(args, model, prompt, texts[i], out_len), result)
+                await _send(client, *_payload(args, model, prompt, texts[i], out_len), result,
+                            start)
             return result
 
         tasks = []
@@ -262,6 +269,14 @@ async def run_load(
                 await asyncio.sleep(rng.expovariate(args.request_rate))
         results = await asyncio.gather(*tasks)
         return list(results), time.perf_counter() - start
+
+
+def detailed(results: list[RequestResult]) -> list[dict[str, Any]]:
+    """One record per request, in workload order (--save-detailed): times in ms but `start_s`."""
+    return [{"start_s": r.start, "ok": r.ok, "prompt_len": r.prompt_len,
+             "expected_output_len": r.expected_output_len, "output_len": r.output_len,
+             "ttft_ms": r.ttft * 1000 if r.ok else None, "e2e_ms": r.e2e * 1000 if r.ok else None,
+             "itl_ms": [x * 1000 for x in r.itls], "error": r.error} for r in results]
 
 
 def _dist(values: list[float]) -> dict[str, float | None]:
@@ -364,6 +379,8 @@ def run_serve_bench(args: argparse.Namespace) -> dict[str, Any]:
         args.api_key or os.environ.get("PAGODA_API_KEY") or os.environ.get("OPENAI_API_KEY")
     )
     sla = parse_goodput(args.goodput)
+    if args.save_detailed and not args.output_json:
+        raise ValueError("--save-detailed writes into --output-json: give one")
     targets = _targets(args)
     src = resolve_model(args.tokenizer or (args.launch_model if args.launch else None))
     tokenizer = load_tokenizer(src)
@@ -397,8 +414,11 @@ def run_serve_bench(args: argparse.Namespace) -> dict[str, Any]:
             for conc in args.concurrency:
                 print(f"-- {label}: concurrency {conc} ...", flush=True)
                 results, elapsed = asyncio.run(run_load(url, model, workload, texts, conc, args))
-                runs.append({"label": label, "base_url": url, "model": model,
-                             "concurrency": conc, "summary": summarize(results, elapsed, sla)})
+                run = {"label": label, "base_url": url, "model": model,
+                       "concurrency": conc, "summary": summarize(results, elapsed, sla)}
+                if args.save_detailed:
+                    run["requests"] = detailed(results)
+                runs.append(run)
     print_table(runs)
     report = {"setup": setup, "runs": runs}
     if args.output_json:
