@@ -1,4 +1,4 @@
-"""`pagoda bench throughput`: offline throughput of pagoda against its peers, one run.
+"""`pagoda bench throughput`: offline throughput of pagoda against its peers.
 
 Every system gets the same seeded workload (random prompt token ids, output lengths forced
 with `ignore_eos`, greedy): pagoda's engine (stepped as `LLM.generate` does, with its KV
@@ -8,6 +8,11 @@ batches (`hf_baseline.py`), and vLLM's CPU build when its interpreter exists
 roofline (`roofline.py`) says how close to the best possible each system came: the
 "roofline" column is the bound's time over the measured time, on the requests that system
 ran.
+
+`--rounds N` runs every system N times, the order rotated by one each round, because these
+machines drift by tens of percent within minutes: a system's row is its median round
+(`median_round`), and pagoda's ratio to each peer is also given per round, each from runs
+that sat side by side, with the median of those (`round_ratios`).
 """
 
 from __future__ import annotations
@@ -117,6 +122,9 @@ def add_throughput_args(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--gguf-native", choices=["auto", "on", "off"], default=EngineArgs.gguf_native,
                    help="pagoda's GGUF linears: native blocks or dequantized (a .gguf model)")
     p.add_argument("--no-roofline", action="store_true", help="skip measuring the machine")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every system this many times, the order rotated each round; "
+                   "rows are each system's median round, plus pagoda's per-round ratios")
     p.add_argument("--output-json", help="write setup and results here")
 
 
@@ -315,6 +323,44 @@ def run_names(systems: list[str], vllm_modes: list[str]) -> list[str]:
     return names
 
 
+def rotated(runs: list[Any], round_index: int) -> list[Any]:
+    """The run order of round `round_index`: each round starts one system later."""
+    shift = round_index % len(runs) if runs else 0
+    return runs[shift:] + runs[:shift]
+
+
+def median_round(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """One system's results over the rounds -> the round of median output tok/s (the lower
+    of the two middle ones for an even count), with every round's tok/s in run order
+    (`rounds_output_tokens_per_s`). A failed round counts below every measured one."""
+    def tps(r: dict[str, Any]) -> float:
+        return r.get("output_tokens_per_s") or 0.0
+
+    chosen = dict(sorted(rounds, key=tps)[(len(rounds) - 1) // 2])
+    if len(rounds) > 1:
+        chosen["rounds_output_tokens_per_s"] = [r.get("output_tokens_per_s") for r in rounds]
+    return chosen
+
+
+def round_ratios(per_round: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """pagoda's output tok/s over each peer's, round by round, and their median: {peer:
+    {"per_round": [...], "median": x}} (rounds where either side has no figure skipped)."""
+    import statistics
+
+    out: dict[str, dict[str, Any]] = {}
+    peers = [name for name in per_round[0] if name != "pagoda"] if per_round else []
+    for peer in peers:
+        ratios = []
+        for got in per_round:
+            mine = got.get("pagoda", {}).get("output_tokens_per_s")
+            theirs = got.get(peer, {}).get("output_tokens_per_s")
+            if mine and theirs:
+                ratios.append(mine / theirs)
+        if ratios:
+            out[peer] = {"per_round": ratios, "median": statistics.median(ratios)}
+    return out
+
+
 def build_setup(args: argparse.Namespace, src: ModelSource, workload: Workload) -> dict[str, Any]:
     from pagoda.benchmarks.vllm_peer import default_vllm_python
 
@@ -341,6 +387,7 @@ def build_setup(args: argparse.Namespace, src: ModelSource, workload: Workload) 
         "vllm_python": args.vllm_python or default_vllm_python(),
         "vllm_modes": args.vllm_modes,
         "workload_preset": args.workload,
+        "rounds": args.rounds,
     }
 
 
@@ -397,16 +444,29 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
         )
         print(rl.format_roofline(roof), flush=True)
 
-    results: dict[str, dict[str, Any]] = {}
-    for name, system, kv in _runs(args):
-        print(f"-- running {name} ...", flush=True)
-        results[name] = run_system(system, workload, src, args, kv)
-        if "log_tail" in results[name]:
-            print(results[name]["log_tail"])
+    if args.rounds < 1:
+        raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
+    runs = _runs(args)
+    per_round: list[dict[str, dict[str, Any]]] = []
+    for i in range(args.rounds):
+        got: dict[str, dict[str, Any]] = {}
+        for name, system, kv in rotated(runs, i):
+            tag = f" (round {i + 1} of {args.rounds})" if args.rounds > 1 else ""
+            print(f"-- running {name}{tag} ...", flush=True)
+            got[name] = run_system(system, workload, src, args, kv)
+            if "log_tail" in got[name]:
+                print(got[name]["log_tail"])
+        per_round.append(got)
+    # NOTE: the table keeps the first round's run order whatever the rotation.
+    results = {name: median_round([got[name] for got in per_round]) for name, _, _ in runs}
     if roof:
         _add_roofline_fractions(results, roof, workload, args.dtype)
-    print_table(results)
+    ratios = round_ratios(per_round) if args.rounds > 1 and "pagoda" in results else {}
+    print_table(results, ratios)
     report = {"setup": setup, "roofline": roof, "results": results}
+    if args.rounds > 1:
+        report["rounds"] = per_round
+        report["round_ratios"] = ratios
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(report, indent=2, default=str))
         print(f"wrote {args.output_json}")

@@ -56,7 +56,8 @@ def peer_columns(results: dict[str, dict[str, Any]]) -> list[tuple[str, float | 
     return cols
 
 
-def print_table(results: dict[str, dict[str, Any]]) -> None:
+def print_table(results: dict[str, dict[str, Any]],
+                round_ratios: dict[str, dict[str, Any]] | None = None) -> None:
     cols = peer_columns(results)
     widths = [max(len(title) + 2, 9) for title, _ in cols]
     print("== results (output tok/s; ratios are this row over the column's system) ==")
@@ -78,6 +79,13 @@ def print_table(results: dict[str, dict[str, Any]]) -> None:
         print(f"{name:<22}{tps:>11,.1f}{r['requests_per_s']:>8.2f}{r['total_tokens_per_s']:>13,.1f}"
               + "".join(f"{_ratio(tps, v):>{w}}" for (_, v), w in zip(cols, widths))
               + f"{frac:>10}{note}")
+    for name, r in results.items():
+        if r.get("rounds_output_tokens_per_s"):
+            runs = " / ".join(f"{x:,.1f}" if x else "failed" for x in r["rounds_output_tokens_per_s"])
+            print(f"rounds  {name:<22}{runs} out tok/s (the row: the median round)")
+    for peer, rr in (round_ratios or {}).items():
+        each = ", ".join(f"{x:.2f}x" for x in rr["per_round"])
+        print(f"pagoda / {peer}, round by round: {each}; median {rr['median']:.2f}x")
     waste = results.get("pagoda", {}).get("kv_waste")
     if waste:
         print(

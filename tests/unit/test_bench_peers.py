@@ -242,3 +242,41 @@ def test_peer_dtype_is_the_peers_faster_one_on_this_cpu(monkeypatch):
     monkeypatch.setattr(pagoda.config, "cpu_has_bf16", lambda: True)
     assert peer_dtype(Namespace(peer_dtype="auto")) == "bfloat16"
     assert peer_dtype(Namespace(peer_dtype="float32")) == "float32"
+
+
+def test_throughput_rounds_rotate_and_report_medians(tiny_model, monkeypatch, capsys):
+    # NOTE: per round (pagoda, vllm) tok/s; a drifting machine's rounds disagree, the
+    # ratio of the runs side by side is what holds.
+    speeds = {"pagoda": [100.0, 300.0, 200.0], "vllm (defaults)": [100.0, 150.0, 100.0]}
+    calls: list[str] = []
+
+    def fake_run_system(name, workload, src, args, kv="auto"):
+        calls.append(name)
+        extra = {"settings": {"max_num_seqs": 256, "max_num_batched_tokens": 4096}} if (
+            name.startswith("vllm")) else {}
+        return _result(speeds[name][sum(c == name for c in calls) - 1], **extra)
+
+    monkeypatch.setattr(throughput, "run_system", fake_run_system)
+    args = _throughput_args("--model", str(tiny_model("LlamaForCausalLM")), "--quick",
+                            "--systems", "pagoda,vllm", "--vllm-modes", "defaults",
+                            "--no-roofline", "--rounds", "3")
+    report = throughput.run_throughput(args)
+    assert calls == ["pagoda", "vllm (defaults)", "vllm (defaults)", "pagoda",
+                     "pagoda", "vllm (defaults)"]
+    results = report["results"]
+    assert list(results) == ["pagoda", "vllm (defaults)"]
+    assert results["pagoda"]["output_tokens_per_s"] == 200.0
+    assert results["pagoda"]["rounds_output_tokens_per_s"] == [100.0, 300.0, 200.0]
+    assert results["vllm (defaults)"]["output_tokens_per_s"] == 100.0
+    ratios = report["round_ratios"]["vllm (defaults)"]
+    assert ratios == {"per_round": [1.0, 2.0, 2.0], "median": 2.0}
+    out = capsys.readouterr().out
+    assert "round 3 of 3" in out and "1.00x, 2.00x, 2.00x; median 2.00x" in out
+
+
+def test_median_round_counts_a_failed_round_lowest():
+    failed = {"system": "pagoda", "error": "boom", "valid": False}
+    chosen = throughput.median_round([_result(50.0), failed, _result(70.0)])
+    assert chosen["output_tokens_per_s"] == 50.0
+    assert chosen["rounds_output_tokens_per_s"] == [50.0, None, 70.0]
+    assert throughput.rotated([1, 2, 3], 4) == [2, 3, 1]
