@@ -32,6 +32,7 @@ from typing import Any
 from pagoda.benchmarks.roofline import describe_machine, machine_line
 from pagoda.benchmarks.spec_cost import StepRecorder, fit_costs, print_costs
 from pagoda.benchmarks.spec_workload import WORKLOADS
+from pagoda.benchmarks.workload import rotated
 
 
 def add_spec_decode_args(p: argparse.ArgumentParser) -> None:
@@ -192,7 +193,7 @@ def _pagoda_runs(args: argparse.Namespace, records: list,
             batch = prompts.setdefault((workload, c), _prompts(tok, workload, c))
             rounds: dict[str, list[dict]] = {name: [] for name in names}
             for i in range(args.rounds):
-                for name in names[i % len(names):] + names[: i % len(names)]:
+                for name in rotated(names, i):
                     llm, recorder, _ = engines[name]
                     rounds[name].append(_run(llm, batch, args.max_tokens, recorder))
             off = [r["tok_per_s"] for r in rounds["off"]]

@@ -40,7 +40,7 @@ from pagoda.benchmarks.kv_waste import KVWasteMeter
 from pagoda.benchmarks.kv_waste import sample as sample_kv
 from pagoda.benchmarks.throughput_report import print_setup, print_table
 from pagoda.benchmarks.vllm_peer import VLLM_MODES, parse_vllm_modes
-from pagoda.benchmarks.workload import Workload, make_workload, workload_stats
+from pagoda.benchmarks.workload import Workload, make_workload, rotated, workload_stats
 from pagoda.engine.gc_heap import frozen_heap
 
 SYSTEMS = ("pagoda", "transformers", "vllm")
@@ -323,12 +323,6 @@ def run_names(systems: list[str], vllm_modes: list[str]) -> list[str]:
     return names
 
 
-def rotated(runs: list[Any], round_index: int) -> list[Any]:
-    """The run order of round `round_index`: each round starts one system later."""
-    shift = round_index % len(runs) if runs else 0
-    return runs[shift:] + runs[:shift]
-
-
 def median_round(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     """One system's results over the rounds -> the round of median output tok/s (the lower
     of the two middle ones for an even count), with every round's tok/s in run order
@@ -415,6 +409,8 @@ def _add_roofline_fractions(
 def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
     """Run the benchmark that `args` describe; print setup and table; return everything."""
     _apply_defaults(args)
+    if args.rounds < 1:
+        raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
     args.systems = [s.strip() for s in str(args.systems).split(",") if s.strip()]
     unknown = set(args.systems) - set(SYSTEMS)
     if unknown:
@@ -444,8 +440,6 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
         )
         print(rl.format_roofline(roof), flush=True)
 
-    if args.rounds < 1:
-        raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
     runs = _runs(args)
     per_round: list[dict[str, dict[str, Any]]] = []
     for i in range(args.rounds):
@@ -461,7 +455,7 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
     results = {name: median_round([got[name] for got in per_round]) for name, _, _ in runs}
     if roof:
         _add_roofline_fractions(results, roof, workload, args.dtype)
-    ratios = round_ratios(per_round) if args.rounds > 1 and "pagoda" in results else {}
+    ratios = round_ratios(per_round) if args.rounds > 1 else {}
     print_table(results, ratios)
     report = {"setup": setup, "roofline": roof, "results": results}
     if args.rounds > 1:

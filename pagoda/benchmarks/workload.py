@@ -104,3 +104,11 @@ def workload_stats(workload: Workload) -> WorkloadStats:
         min_output_len=min(output_lens, default=0),
         max_output_len=max(output_lens, default=0),
     )
+
+
+def rotated(runs: list[Any], round_index: int) -> list[Any]:
+    """The run order of round `round_index` of a benchmark that runs its systems in turn,
+    round after round: each round starts one system later, so that none always runs first
+    on a machine that drifts."""
+    shift = round_index % len(runs) if runs else 0
+    return runs[shift:] + runs[:shift]

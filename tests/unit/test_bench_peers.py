@@ -15,7 +15,7 @@ from pagoda.benchmarks import serve, serve_launch, throughput, vllm_peer
 from pagoda.benchmarks.serve_launch import LaunchSpec, launched, parse_launch
 from pagoda.benchmarks.throughput_report import peer_columns, print_table
 from pagoda.benchmarks.vllm_peer import parse_vllm_modes, vllm_limits, vllm_serve_argv
-from pagoda.benchmarks.workload import WORKLOAD_PRESETS
+from pagoda.benchmarks.workload import WORKLOAD_PRESETS, rotated
 from pagoda.entrypoints.cli import build_parser
 
 
@@ -279,4 +279,4 @@ def test_median_round_counts_a_failed_round_lowest():
     chosen = throughput.median_round([_result(50.0), failed, _result(70.0)])
     assert chosen["output_tokens_per_s"] == 50.0
     assert chosen["rounds_output_tokens_per_s"] == [50.0, None, 70.0]
-    assert throughput.rotated([1, 2, 3], 4) == [2, 3, 1]
+    assert rotated([1, 2, 3], 4) == [2, 3, 1]
