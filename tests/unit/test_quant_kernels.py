@@ -522,6 +522,29 @@ def test_amx_product_matches_reference_and_is_row_invariant(amx_qext, kind: str,
     assert amx_qext.q_linear_amx(x[:0], *args, bias).shape == (0, n)
 
 
+def test_amx_weight_buffers_carry_nothing_between_products(amx_qext) -> None:
+    """q_linear_amx keeps each thread's weight buffers from one call to the next. A product
+    whose dequantized weights are all inf or NaN (infinite scales) fills them first; a K =
+    200 product after it (columns 200-255 padding, never dequantized) must give the bits it
+    gave before, as 0 * NaN in the padding would not."""
+    def args(w):
+        lay = w.kernel_data["cpp"]
+        return (lay.codes, lay.scales, lay.offsets, lay.bits, lay.block, lay.group,
+                lay.zero_form, lay.shape[0])
+
+    w = _group_weight(4, 80, 200, 200, False, seed=41)
+    g = torch.Generator().manual_seed(42)
+    x = torch.randn(48, 200, generator=g).to(torch.bfloat16)
+    before = amx_qext.q_linear_amx(x, *args(w), None)
+    assert not before.isnan().any()
+    poison = _group_weight(4, 80, 256, 256, False, seed=43)
+    lay = poison.kernel_data["cpp"]
+    lay.scales.fill_(float("inf"))
+    xp = torch.randn(48, 256, generator=g).to(torch.bfloat16)
+    assert amx_qext.q_linear_amx(xp, *args(poison), None).isnan().any()
+    assert torch.equal(amx_qext.q_linear_amx(x, *args(w), None), before)
+
+
 @pytest.mark.parametrize("k", [576, 1536, 200])
 def test_amx_product_over_several_row_chunks(amx_qext, k: int) -> None:
     """Past about 1 MiB of activations (896 rows at K = 576, 320 at 1,536) q_linear_amx

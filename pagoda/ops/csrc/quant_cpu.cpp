@@ -1036,7 +1036,18 @@ at::Tensor q_linear_amx(const at::Tensor& x, const at::Tensor& codes, const at::
     // after each pair of row tiles: the vector work runs while the tile unit computes
     // (double-buffered weights: slots 0 and 1, two panels each).
     const int64_t panel_elems = kp * kPanel;
-    std::vector<uint16_t> wbuf(static_cast<size_t>(4 * panel_elems));
+    // NOTE: the buffers outlive the call (OpenMP's threads do): a fresh zeroed vector per
+    // call and thread cost 1-5% of a 48-64-row product. Only the last 32-column block can
+    // hold columns dequant_panel_vnni never writes (from K on, when K is not a multiple of
+    // 32); it is zeroed here, since what an earlier product left there may be inf or NaN.
+    static thread_local std::vector<uint16_t> wbuf;
+    if (wbuf.size() < static_cast<size_t>(4 * panel_elems)) wbuf.resize(4 * panel_elems);
+    if (k % 32 != 0) {
+      for (int i = 0; i < 4; ++i) {
+        std::fill(wbuf.data() + i * panel_elems + k / 32 * 512,
+                  wbuf.data() + (i + 1) * panel_elems, uint16_t{0});
+      }
+    }
     auto slot_buf = [&](int slot, int q) { return wbuf.data() + (2 * slot + q) * panel_elems; };
     auto dequant_pair = [&](int64_t pair, int slot, int64_t c0, int64_t c1) {
       for (int64_t q = 0; q < 2 && 2 * pair + q < panels; ++q) {
