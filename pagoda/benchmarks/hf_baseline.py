@@ -104,6 +104,21 @@ def plan_batches(workload: Workload, batch_size: int, sort_by_length: bool) -> l
     return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
 
 
+def batch_sizes_to_run(batch_sizes: list[int], num_requests: int) -> list[int]:
+    """The static batch sizes worth timing on `num_requests` requests, ascending: a size
+    past the request count runs the same single batch as the request count itself."""
+    if not batch_sizes or min(batch_sizes) < 1:
+        raise ValueError(f"transformers batch sizes must be >= 1, got {batch_sizes}")
+    return sorted({min(b, num_requests) for b in batch_sizes})
+
+
+def best_at_largest(best_batch_size: int, batch_sizes_run: list[int], num_requests: int) -> bool:
+    """Whether the best batch was the largest one tried while a larger one was possible:
+    then transformers' best may lie past the sweep, and the ratio over it is an upper
+    bound."""
+    return best_batch_size == max(batch_sizes_run) < num_requests
+
+
 def batch_token_counts(workload: Workload, batch: list[int]) -> tuple[int, int]:
     """(tokens the batch generates, tokens the requests asked for)."""
     longest = max(workload[i][1] for i in batch)
@@ -180,6 +195,7 @@ def run_hf(
     _generate_batch(model, [subsample[0][0][:8]] * 2, 4, pad_id)
 
     runs = []
+    batch_sizes = batch_sizes_to_run(batch_sizes, len(subsample))
     for batch_size in batch_sizes:
         run = run_batch_size(model, subsample, batch_size, sort_by_length, pad_id)
         print(
@@ -199,6 +215,7 @@ def run_hf(
         "sort_by_length": sort_by_length,
         "runs": runs,
         "best_batch_size": best["batch_size"],
+        "best_at_largest_batch": best_at_largest(best["batch_size"], batch_sizes, len(subsample)),
         **{
             k: best[k]
             for k in (

@@ -72,6 +72,8 @@ def print_table(results: dict[str, dict[str, Any]],
         note = "" if r["valid"] else "  INVALID: output token count differs"
         if name == "transformers":
             note += f"  (batch {r['best_batch_size']}, {r['num_requests_run']} requests)"
+            if r.get("best_at_largest_batch"):
+                note += "  NOTE: its largest batch tried; a larger one may be faster"
         if name.startswith("vllm"):
             st = r["settings"]
             note += (f"  (max_num_seqs {st['max_num_seqs']}, "

@@ -112,6 +112,11 @@ def test_throughput_table_has_a_ratio_column_per_vllm_mode(capsys):
     assert "vs vLLM defaults" in header and "vs vLLM pagoda-limits" in header
     assert pagoda_row.split()[4:7] == ["10.00x", "1.20x", "1.50x"]
     assert "max_num_seqs 256" in out and "max_num_batched_tokens 2048" in out
+    assert "its largest batch tried" not in out
+    results["transformers"] = _result(60.0, best_batch_size=32, num_requests_run=64,
+                                      best_at_largest_batch=True)
+    print_table(results)
+    assert "(batch 32, 64 requests)  NOTE: its largest batch tried" in capsys.readouterr().out
 
 
 def _serve_args(*argv: str) -> argparse.Namespace:

@@ -6,8 +6,19 @@ from dataclasses import dataclass
 
 import pytest
 
-from pagoda.benchmarks.hf_baseline import batch_token_counts, plan_batches
-from pagoda.benchmarks.workload import make_workload, special_token_ids, workload_stats
+from pagoda.benchmarks.hf_baseline import (
+    batch_sizes_to_run,
+    batch_token_counts,
+    best_at_largest,
+    plan_batches,
+)
+from pagoda.benchmarks.throughput import DEFAULT_HF_BATCH_SIZES
+from pagoda.benchmarks.workload import (
+    WORKLOAD_PRESETS,
+    make_workload,
+    special_token_ids,
+    workload_stats,
+)
 
 
 @dataclass
@@ -89,3 +100,20 @@ def test_static_batches_in_order_and_sorted() -> None:
     # A batch runs to its longest output; only the requested tokens count.
     assert batch_token_counts(workload, [0, 1]) == (20, 13)
     assert batch_token_counts(workload, [4]) == (1, 1)
+
+
+def test_transformers_sweep_reaches_the_whole_short_workload() -> None:
+    """transformers' best static batch on the short workload was its whole request count
+    (64) on the AMX Xeon, past a sweep that stopped at 32: the default sweep reaches it, and
+    sizes past the request count collapse to one run of all of them."""
+    num_requests = WORKLOAD_PRESETS["short"][0]
+    assert num_requests in batch_sizes_to_run(DEFAULT_HF_BATCH_SIZES, num_requests)
+    assert batch_sizes_to_run([64, 8, 128, 16], 20) == [8, 16, 20]
+    with pytest.raises(ValueError, match="batch sizes"):
+        batch_sizes_to_run([0, 8], 20)
+
+
+def test_best_at_the_largest_batch_is_flagged_only_below_the_request_count() -> None:
+    assert best_at_largest(32, [8, 16, 32], 64)
+    assert not best_at_largest(64, [8, 16, 32, 64], 64)
+    assert not best_at_largest(16, [8, 16, 32], 64)
