@@ -82,6 +82,7 @@ def build_model(
         model = factory(ckpt.hf_config, attn_backend=attn_backend, quant_config=quant_config)
     weights = ckpt.iter_weights()
     if isinstance(quant_config, GGUFNativeConfig):
+        quant_config.decide_dense_copy(dtype, device)  # the layers exist: their sizes count
         weights = iter_gguf_weights_keeping_blocks(
             ckpt.iter_raw_tensors(), ckpt.path, quant_config.keeps_blocks
         )

@@ -122,9 +122,13 @@ class FusedDecoderStack:
             block=lay.block, group=lay.group, zero_form=lay.zero_form, n=lay.shape[0],
             k=linear.input_size)
         self._plans.append(plan)
+        # NOTE: quant/gguf.py's dense copy, for the products of the rows it serves
+        dense, rows = getattr(linear, "dense_weight", None), getattr(linear, "dense_rows", None)
         return ext.QuantWeight(codes=lay.codes, scales=lay.scales, offsets=lay.offsets,
                                bits=lay.bits, block=lay.block, group=lay.group,
-                               zero_form=lay.zero_form, n=lay.shape[0], plan=plan.address)
+                               zero_form=lay.zero_form, n=lay.shape[0], plan=plan.address,
+                               dense=dense, dense_min_rows=rows[0] if dense is not None else 0,
+                               dense_max_rows=rows[1] if dense is not None else 0)
 
     def _layer(self, ext: Any, layer: nn.Module) -> Any:
         attn, mlp = layer.self_attn, layer.mlp

@@ -20,6 +20,16 @@ dequantized. `on` runs the native path anywhere: the kernels where they take the
 else the reference (which dequantizes the whole weight on every call: exactness, not
 speed; in float32 it computes exactly what the dequantized path does).
 
+On a CPU whose bf16 products run on AMX, the native linears also keep their weight once
+as a oneDNN-packed bf16 copy where the copies are small (`PAGODA_GGUF_DENSE_COPY` = auto /
+on / off; auto: at most DENSE_COPY_MAX_BYTES of copies in all), and bf16 products of
+DENSE_COPY_ROWS read it instead of the codes: there oneDNN's GEMM on a packed weight beats
+dequantizing on every call (all of SmolLM2's layer products, weights streaming as in a step:
+0.89 / 0.84 / 0.79 / 0.71 of q_linear_amx's time at 128 / 256 / 512 / 1,024 rows, 0.90 of
+the tiles' at 1,408), while fewer rows (decode) read the blocks faster (1.04-3.2x at 64 to
+1 row) and 2,048 the tiles (1.09x). The copy holds exactly the values the tiles path
+dequantizes, and its products give that path's bits (tests/model/test_gguf_dense_copy.py).
+
 A tied LM head (no output tensor: the token table computes the logits, SmolLM2's Q8_0)
 also runs from its blocks when native, but only where a kernel takes the model's dtype
 (its reference would dequantize the whole vocabulary every step): `GGUFEmbeddingMethod`,
@@ -28,6 +38,7 @@ whose lookups dequantize just the looked-up rows (the same values the dense tabl
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -37,6 +48,7 @@ from torch import nn
 
 from pagoda.config import GGUF_NATIVE_MODES
 from pagoda.ops import quant_cpu, quant_layouts, wquant
+from pagoda.quant import unquantized
 from pagoda.quant.base import (
     QuantizationConfig,
     QuantizeMethodBase,
@@ -47,6 +59,36 @@ from pagoda.quant.base import (
 
 T = GGMLQuantizationType
 NATIVE_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K})
+# Dense copies (module docstring): auto keeps them up to this many bytes in all
+# (SmolLM2-135M's linears: 212 MB, with their blocks about what its dense bf16 model holds),
+# and products of [lo, hi) rows read them.
+DENSE_COPY_MAX_BYTES = 1 << 30
+DENSE_COPY_ROWS = (128, 2048)
+DENSE_COPY_MODES = ("auto", "on", "off")
+
+
+def dense_copy_mode() -> str:
+    """`PAGODA_GGUF_DENSE_COPY`: auto (the default), on or off."""
+    value = os.environ.get("PAGODA_GGUF_DENSE_COPY", "auto").strip().lower() or "auto"
+    if value not in DENSE_COPY_MODES:
+        raise ValueError(f"PAGODA_GGUF_DENSE_COPY={value!r}: expected one of "
+                         f"{list(DENSE_COPY_MODES)}")
+    return value
+
+
+def dense_copy_enabled(mode: str, dtype: torch.dtype, device: torch.device,
+                       copy_bytes: int) -> bool:
+    """Whether native linears keep dense bf16 copies: never for other dtypes or devices, or
+    where the quant kernels do not run (the reference takes the calls); on: wherever they
+    run; auto: only where bf16 products run on AMX (elsewhere the panel kernel is ahead of
+    oneDNN's dense GEMM at every row count, docs/quantization.md) and the copies take at
+    most DENSE_COPY_MAX_BYTES."""
+    if (mode == "off" or dtype != torch.bfloat16 or device.type != "cpu"
+            or quant_cpu.resolve() is None):
+        return False
+    if mode == "on":
+        return True
+    return quant_cpu.amx_min_rows() is not None and copy_bytes <= DENSE_COPY_MAX_BYTES
 
 
 def native_enabled(mode: str, device: torch.device, dtype: torch.dtype) -> bool:
@@ -87,9 +129,15 @@ class GGUFNativeConfig(QuantizationConfig):
     model.layers.0.self_attn.q_proj). `native_modules` collects the modules that got the
     native method, for the weight iterator."""
 
-    def __init__(self, types: dict[str, GGMLQuantizationType]) -> None:
+    def __init__(self, types: dict[str, GGMLQuantizationType],
+                 shapes: dict[str, tuple[int, ...]] | None = None) -> None:
         self.types = types
+        self.shapes = shapes or {}
         self.native_modules: set[str] = set()
+        self.linear_modules: set[str] = set()  # native_modules less the tied head
+        # Whether the native linears keep dense copies: `decide_dense_copy`, once the
+        # model's layers exist and before they load.
+        self.dense_copy = False
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> GGUFNativeConfig:
@@ -99,8 +147,21 @@ class GGUFNativeConfig(QuantizationConfig):
     @classmethod
     def from_checkpoint(cls, raw_tensors: Iterator[Any]) -> GGUFNativeConfig:
         """From a GGUF checkpoint's `iter_raw_tensors()`: the types of its 2-D weights."""
-        return cls({raw.name.removesuffix(".weight"): raw.ggml_type for raw in raw_tensors
-                    if raw.name.endswith(".weight") and len(raw.shape) == 2})
+        weights = [raw for raw in raw_tensors
+                   if raw.name.endswith(".weight") and len(raw.shape) == 2]
+        return cls({raw.name.removesuffix(".weight"): raw.ggml_type for raw in weights},
+                   {raw.name.removesuffix(".weight"): tuple(raw.shape) for raw in weights})
+
+    def dense_copy_bytes(self) -> int:
+        """The bytes the native linears' bf16 copies would take."""
+        return sum(2 * self.shapes[m][0] * self.shapes[m][1]
+                   for m in self.linear_modules if m in self.shapes)
+
+    def decide_dense_copy(self, dtype: torch.dtype, device: torch.device) -> bool:
+        """`dense_copy` under `PAGODA_GGUF_DENSE_COPY` (`dense_copy_enabled`)."""
+        self.dense_copy = dense_copy_enabled(dense_copy_mode(), dtype, device,
+                                             self.dense_copy_bytes())
+        return self.dense_copy
 
     def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
         names = self.module_names(prefix)
@@ -108,7 +169,8 @@ class GGUFNativeConfig(QuantizationConfig):
         if len(types) != 1 or (qtype := types.pop()) not in NATIVE_TYPES:
             return None
         self.native_modules.update(names)
-        return GGUFLinearMethod(qtype)
+        self.linear_modules.update(names)
+        return GGUFLinearMethod(qtype, self)
 
     def get_embedding_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
         qtype = self.types.get(prefix)
@@ -149,9 +211,11 @@ class GGUFLinearMethod(QuantizeMethodBase):
     a code, a float16 scale and offset per 32). `state_dict()` and `.to()` (through
     `restore_loaded_layout`) see the blocks rebuilt, bit for bit."""
 
-    def __init__(self, qtype: GGMLQuantizationType) -> None:
+    def __init__(self, qtype: GGMLQuantizationType,
+                 config: GGUFNativeConfig | None = None) -> None:
         self.qtype = qtype
         self.block_size, self.type_size = GGML_QUANT_SIZES[qtype]
+        self.config = config  # its dense_copy, read after loading
 
     def create_weights(
         self,
@@ -174,6 +238,8 @@ class GGUFLinearMethod(QuantizeMethodBase):
         layer.register_parameter("weight", weight)
         layer.params_dtype = params_dtype  # the activations' dtype, for the kernels' preparers
         layer.quant_weight = None
+        layer.dense_weight = None  # the oneDNN-packed bf16 copy, if kept
+        layer.dense_rows = DENSE_COPY_ROWS
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if layer.quant_weight is not None:
@@ -190,13 +256,31 @@ class GGUFLinearMethod(QuantizeMethodBase):
             replace_param(layer, "weight", lay.codes)  # one copy of the codes: the layout's
             weight.raw = None
         layer.quant_weight = weight
+        if self.config is not None and self.config.dense_copy:
+            self._keep_dense_copy(layer)
+
+    def _keep_dense_copy(self, layer: nn.Module) -> None:
+        lay = layer.quant_weight.kernel_data.get(quant_cpu.NAME)
+        if not isinstance(lay, quant_layouts.BlockLayout):
+            return  # NOTE: no kernel layout (the reference runs): nothing to copy from
+        dense = quant_cpu.dense_bf16(lay)
+        packed = unquantized.pack_weight(dense) if dense is not None else None
+        layer.dense_weight = packed  # None where oneDNN packs no bf16 weight
 
     def apply(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
+        dense = layer.dense_weight
+        if dense is not None and x.dtype == torch.bfloat16:
+            k = x.shape[-1]
+            lo, hi = layer.dense_rows
+            if lo * k <= x.numel() < hi * k:
+                y = unquantized.packed_linear(x.reshape(-1, k), dense, bias)
+                return y.view(*x.shape[:-1], y.shape[-1])
         return wquant.gguf_linear(x, layer.quant_weight, bias)
 
     def restore_loaded_layout(self, layer: nn.Module) -> None:
+        layer.dense_weight = None
         weight = layer.quant_weight
         if weight is not None and weight.raw is None:
             replace_param(layer, "weight", weight.blocks())
@@ -211,7 +295,8 @@ class GGUFLinearMethod(QuantizeMethodBase):
 
 class GGUFEmbeddingMethod(GGUFLinearMethod):
     """A tied head's token table as its GGUF blocks: `apply` (the logits) through
-    gguf_linear, lookups dequantize the looked-up rows to the model's dtype."""
+    gguf_linear, lookups dequantize the looked-up rows to the model's dtype. No dense copy
+    (GGUFNativeConfig builds it with no config): its products are the sampled rows'."""
 
     def embedding(self, layer: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
         weight, ids = layer.quant_weight, input_ids.reshape(-1)

@@ -75,6 +75,10 @@ struct QuantWeight {
   // The quant extension's GemvPlan of this layout (its address; 0: none): what the
   // one-region decode stack passes to pagoda_q_gemv_part (q_gemv_abi.h).
   int64_t plan = 0;
+  // The layer's oneDNN-packed bf16 copy (quant/gguf.py), read instead of the codes by bf16
+  // products of [dense_min_rows, dense_max_rows) rows, as the Python layer's apply does.
+  std::optional<torch::Tensor> dense;
+  int64_t dense_min_rows = 0, dense_max_rows = 0;
 };
 
 // A projection's weight: oneDNN-packed [out, in], or quantized.
@@ -88,6 +92,12 @@ using QLinearFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Ten
 at::Tensor project(const at::Tensor& x, const Weight& w, const std::optional<at::Tensor>& b) {
   const auto* q = std::get_if<QuantWeight>(&w);
   if (q == nullptr) return packed_linear(x, std::get<torch::Tensor>(w), b);
+  if (q->dense.has_value() && x.scalar_type() == at::kBFloat16) {
+    const int64_t rows = x.numel() / x.size(-1);
+    if (rows >= q->dense_min_rows && rows < q->dense_max_rows) {
+      return packed_linear(x.reshape({-1, x.size(-1)}), *q->dense, b);
+    }
+  }
   // NOTE: looked up on first use: the quant extension is loaded before a QuantWeight exists.
   static const auto op = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("pagoda_quant::q_linear", "")
@@ -397,13 +407,18 @@ void register_decoder_layer(pybind11::module& m) {
                           "A quantized projection's panel layout (ops/quant_layouts.py)")
       .def(py::init([](torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets,
                        int64_t bits, int64_t block, int64_t group, bool zero_form, int64_t n,
-                       int64_t plan) {
+                       int64_t plan, std::optional<torch::Tensor> dense,
+                       int64_t dense_min_rows, int64_t dense_max_rows) {
+             TORCH_CHECK(!dense.has_value() || dense_min_rows < dense_max_rows,
+                         "QuantWeight: a dense copy needs rows [dense_min_rows, "
+                         "dense_max_rows) to serve");
              return QuantWeight{codes, scales, offsets, bits, block, group, zero_form, n,
-                                plan};
+                                plan, dense, dense_min_rows, dense_max_rows};
            }),
            py::arg("codes"), py::arg("scales"), py::arg("offsets"), py::arg("bits"),
            py::arg("block"), py::arg("group"), py::arg("zero_form"), py::arg("n"),
-           py::arg("plan") = 0);
+           py::arg("plan") = 0, py::arg("dense") = py::none(), py::arg("dense_min_rows") = 0,
+           py::arg("dense_max_rows") = 0);
   py::class_<DecoderLayer>(m, "DecoderLayer",
                            "One decoder layer's norm weights and projections")
       .def(py::init(&pagoda_layer::make_layer), py::arg("input_norm"), py::arg("post_norm"),

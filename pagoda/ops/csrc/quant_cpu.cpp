@@ -895,6 +895,25 @@ at::Tensor q_linear_tiles(const at::Tensor& x, const at::Tensor& codes, const at
   return out;
 }
 
+// The whole weight dequantized as q_linear_tiles dequantizes its tiles (w = s * q + m in
+// float32, one rounding to bf16), transposed: [K, n] bf16. For the dense copy that products
+// of a middle row count read instead of the codes (quant/gguf.py).
+at::Tensor dequantize_bf16_t(const at::Tensor& codes, const at::Tensor& sc, const at::Tensor& off,
+                             int64_t bits, int64_t block, int64_t group, bool zero_form,
+                             int64_t n, int64_t k) {
+  const at::Tensor probe = at::empty({1, k}, codes.options().dtype(at::kBFloat16));
+  const Weights w = checked_weights(probe, codes, sc, off, bits, block, group, zero_form, n);
+  at::Tensor wt = at::empty({k, n}, probe.options());
+#if defined(PAGODA_Q_VEC)
+  auto* dst = reinterpret_cast<uint16_t*>(wt.data_ptr<at::BFloat16>());
+  if (bits == 4) dequant_t<4>(w, group, k, 0, n, dst);
+  else dequant_t<8>(w, group, k, 0, n, dst);
+#else
+  TORCH_CHECK(false, "pagoda quant kernels were built without AVX-512 or AVX2");
+#endif
+  return wt;
+}
+
 // The same product on AMX tiles without a dequantized copy in memory: per panel (16 output
 // rows), its codes dequantized (w = s * q + m in float32, one rounding to bf16, as
 // dequant_t) into a per-thread buffer in the B-tile layout of TDPBF16PS (a tile row holds
@@ -1314,6 +1333,8 @@ TORCH_LIBRARY(pagoda_quant, m) { m.def("q_linear", &pagoda_quant::q_linear); }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q_linear", &pagoda_quant::q_linear, "x @ w.T for panel-packed codes (int8 activations; bf16 tiles from wide_min_rows rows)");
+  m.def("dequantize_bf16_t", &pagoda_quant::dequantize_bf16_t,
+        "the weight dequantized as q_linear_tiles does, transposed: [K, n] bf16");
   m.def("q_linear_tiles", &pagoda_quant::q_linear_tiles,
         "q_linear through per-tile bf16 dequantization and a bf16 GEMM");
   m.def("set_wide_min_rows", [](int64_t rows) { pagoda_quant::wide_min_rows.store(rows); },
