@@ -322,14 +322,15 @@ def dequantize_rows(lay: BlockLayout, rows: torch.Tensor,
 def dense_bf16(lay: BlockLayout) -> torch.Tensor | None:
     """The layout's weight [N, K] in bf16 as the wide path dequantizes it on each call
     (`q_linear_tiles`: w = s q + m in float32, one rounding), for a dense copy; None where
-    the extension does not run here."""
+    the extension does not run here. A transposed view of the kernel's [K, N]: oneDNN's
+    repack reads it as it is (the same packed weight as from a contiguous copy), so no
+    second pass over the weight is made."""
     ext = resolve()
     if ext is None or lay.codes.device.type != "cpu":
         return None
     n, k = lay.shape
-    wt = ext.dequantize_bf16_t(lay.codes, lay.scales, lay.offsets, lay.bits, lay.block,
-                               lay.group, lay.zero_form, n, k)
-    return wt.t().contiguous()
+    return ext.dequantize_bf16_t(lay.codes, lay.scales, lay.offsets, lay.bits, lay.block,
+                                 lay.group, lay.zero_form, n, k).t()
 
 
 def _int8_linear(ext, x, w, bias=None):
