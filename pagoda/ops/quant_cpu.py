@@ -319,18 +319,28 @@ def dequantize_rows(lay: BlockLayout, rows: torch.Tensor,
     return out
 
 
-def dense_bf16(lay: BlockLayout) -> torch.Tensor | None:
-    """The layout's weight [N, K] in bf16 as the wide path dequantizes it on each call
-    (`q_linear_tiles`: w = s q + m in float32, one rounding), for a dense copy; None where
-    the extension does not run here. A transposed view of the kernel's [K, N]: oneDNN's
-    repack reads it as it is (the same packed weight as from a contiguous copy), so no
-    second pass over the weight is made."""
+def dense_panels(lay: BlockLayout) -> torch.Tensor | None:
+    """The layout's weight dequantized once into q_linear_amx's buffer layout (`w = s q + m`
+    in float32, one rounding to bf16, as every bf16 path dequantizes): [panels, kp * 16]
+    bf16, for a dense copy that `panels_linear` reads. None where q_linear_amx does not run
+    in this process (no AMX tiles granted, or not built)."""
     ext = resolve()
-    if ext is None or lay.codes.device.type != "cpu":
+    if ext is None or _amx_rows is None or lay.codes.device.type != "cpu":
         return None
     n, k = lay.shape
-    return ext.dequantize_bf16_t(lay.codes, lay.scales, lay.offsets, lay.bits, lay.block,
-                                 lay.group, lay.zero_form, n, k).t()
+    return ext.dequantize_panels(lay.codes, lay.scales, lay.offsets, lay.bits, lay.block,
+                                 lay.group, lay.zero_form, n, k)
+
+
+def panels_linear(x: torch.Tensor, panels: torch.Tensor, n: int,
+                  bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., K] (bf16) @ w.T (+ bias) from a `dense_panels` copy: q_linear_amx's bits."""
+    ext = resolve()
+    assert ext is not None, "a dense_panels copy exists only where the extension runs"
+    x2 = x.reshape(-1, x.shape[-1])
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    return ext.q_linear_panels(x2, panels, n, bias).view(*x.shape[:-1], n)
 
 
 def _int8_linear(ext, x, w, bias=None):

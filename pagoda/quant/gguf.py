@@ -20,15 +20,19 @@ dequantized. `on` runs the native path anywhere: the kernels where they take the
 else the reference (which dequantizes the whole weight on every call: exactness, not
 speed; in float32 it computes exactly what the dequantized path does).
 
-On a CPU whose bf16 products run on AMX, the native linears also keep their weight once
-as a oneDNN-packed bf16 copy where the copies are small (`PAGODA_GGUF_DENSE_COPY` = auto /
-on / off; auto: at most DENSE_COPY_MAX_BYTES of copies in all), and bf16 products of
-DENSE_COPY_ROWS read it instead of the codes: there oneDNN's GEMM on a packed weight beats
-dequantizing on every call (all of SmolLM2's layer products, weights streaming as in a step:
-0.89 / 0.84 / 0.79 / 0.71 of q_linear_amx's time at 128 / 256 / 512 / 1,024 rows, 0.90 of
-the tiles' at 1,408), while fewer rows (decode) read the blocks faster (1.04-3.2x at 64 to
-1 row) and 2,048 the tiles (1.09x). The copy holds exactly the values the tiles path
-dequantizes, and its products give that path's bits (tests/model/test_gguf_dense_copy.py).
+On a CPU whose bf16 products run on AMX, the native linears (and a native tied head) also
+keep their weight once dequantized to bf16, in q_linear_amx's own tile layout
+(`quant_cpu.dense_panels`), where the copies are small (`PAGODA_GGUF_DENSE_COPY` = auto /
+on / off; auto: at most DENSE_COPY_MAX_BYTES of copies in all). bf16 products from q_linear_amx's first row count
+up to DENSE_COPY_MAX_ROWS read it (`quant_cpu.panels_linear`) instead of dequantizing every
+panel on every call: the same kernel and the same bits, without the vector work that took
+about half of a 48-row product. All of SmolLM2's layer products, weights streaming as in a
+step: 0.86-0.91 of q_linear's time at 40-64 rows, 0.70-0.79 at 128-768 and ahead of
+oneDNN's GEMM on a packed bf16 copy at every row count from 40 to 1,408 (which a
+partition of its own leaves one core idle for much of at 257-383 and 513-600 rows:
+docs/quantization.md). From 2,048 rows the tiles path (a plain dequantized weight through
+oneDNN) is ahead, so those read the codes. Where no copy can be read (no AMX tiles) none
+is kept, whatever the setting.
 
 A tied LM head (no output tensor: the token table computes the logits, SmolLM2's Q8_0)
 also runs from its blocks when native, but only where a kernel takes the model's dtype
@@ -48,7 +52,6 @@ from torch import nn
 
 from pagoda.config import GGUF_NATIVE_MODES
 from pagoda.ops import quant_cpu, quant_layouts, wquant
-from pagoda.quant import unquantized
 from pagoda.quant.base import (
     QuantizationConfig,
     QuantizeMethodBase,
@@ -60,10 +63,11 @@ from pagoda.quant.base import (
 T = GGMLQuantizationType
 NATIVE_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K})
 # Dense copies (module docstring): auto keeps them up to this many bytes in all
-# (SmolLM2-135M's linears: 212 MB, with their blocks about what its dense bf16 model holds),
-# and products of [lo, hi) rows read them.
+# (SmolLM2-135M's: 269 MB, its head's 57 among them; with the blocks about what its dense
+# bf16 model holds), and bf16 products from q_linear_amx's first row count up to
+# DENSE_COPY_MAX_ROWS read them.
 DENSE_COPY_MAX_BYTES = 1 << 30
-DENSE_COPY_ROWS = (128, 2048)
+DENSE_COPY_MAX_ROWS = 2048
 DENSE_COPY_MODES = ("auto", "on", "off")
 
 
@@ -78,17 +82,14 @@ def dense_copy_mode() -> str:
 
 def dense_copy_enabled(mode: str, dtype: torch.dtype, device: torch.device,
                        copy_bytes: int) -> bool:
-    """Whether native linears keep dense bf16 copies: never for other dtypes or devices, or
-    where the quant kernels do not run (the reference takes the calls); on: wherever they
-    run; auto: only where bf16 products run on AMX (elsewhere the panel kernel is ahead of
-    oneDNN's dense GEMM at every row count, docs/quantization.md) and the copies take at
-    most DENSE_COPY_MAX_BYTES."""
+    """Whether native linears keep dense bf16 copies: only for bf16 on a CPU whose bf16
+    products run q_linear_amx (the kernel that reads them; elsewhere the panel kernel is
+    ahead of oneDNN's dense GEMM at every row count, docs/quantization.md); on: wherever
+    that holds; auto: where the copies also take at most DENSE_COPY_MAX_BYTES."""
     if (mode == "off" or dtype != torch.bfloat16 or device.type != "cpu"
-            or quant_cpu.resolve() is None):
+            or quant_cpu.resolve() is None or quant_cpu.amx_min_rows() is None):
         return False
-    if mode == "on":
-        return True
-    return quant_cpu.amx_min_rows() is not None and copy_bytes <= DENSE_COPY_MAX_BYTES
+    return mode == "on" or copy_bytes <= DENSE_COPY_MAX_BYTES
 
 
 def native_enabled(mode: str, device: torch.device, dtype: torch.dtype) -> bool:
@@ -134,7 +135,6 @@ class GGUFNativeConfig(QuantizationConfig):
         self.types = types
         self.shapes = shapes or {}
         self.native_modules: set[str] = set()
-        self.linear_modules: set[str] = set()  # native_modules less the tied head
         # Whether the native linears keep dense copies: `decide_dense_copy`, once the
         # model's layers exist and before they load.
         self.dense_copy = False
@@ -153,9 +153,9 @@ class GGUFNativeConfig(QuantizationConfig):
                    {raw.name.removesuffix(".weight"): tuple(raw.shape) for raw in weights})
 
     def dense_copy_bytes(self) -> int:
-        """The bytes the native linears' bf16 copies would take."""
+        """The bytes the native modules' bf16 copies would take (a tied head's included)."""
         return sum(2 * self.shapes[m][0] * self.shapes[m][1]
-                   for m in self.linear_modules if m in self.shapes)
+                   for m in self.native_modules if m in self.shapes)
 
     def decide_dense_copy(self, dtype: torch.dtype, device: torch.device) -> bool:
         """`dense_copy` under `PAGODA_GGUF_DENSE_COPY` (`dense_copy_enabled`)."""
@@ -169,7 +169,6 @@ class GGUFNativeConfig(QuantizationConfig):
         if len(types) != 1 or (qtype := types.pop()) not in NATIVE_TYPES:
             return None
         self.native_modules.update(names)
-        self.linear_modules.update(names)
         return GGUFLinearMethod(qtype, self)
 
     def get_embedding_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
@@ -180,7 +179,7 @@ class GGUFNativeConfig(QuantizationConfig):
         if wquant.gguf_linear.kernel_for(torch.empty(0)) is None:
             return None
         self.native_modules.add(prefix)
-        return GGUFEmbeddingMethod(qtype)
+        return GGUFEmbeddingMethod(qtype, self)
 
     def all_linears_native(self) -> bool:
         """Whether every 2-D weight would run from its blocks: each of a native type, and the
@@ -238,8 +237,8 @@ class GGUFLinearMethod(QuantizeMethodBase):
         layer.register_parameter("weight", weight)
         layer.params_dtype = params_dtype  # the activations' dtype, for the kernels' preparers
         layer.quant_weight = None
-        layer.dense_weight = None  # the oneDNN-packed bf16 copy, if kept
-        layer.dense_rows = DENSE_COPY_ROWS
+        layer.dense_weight = None  # the bf16 copy in q_linear_amx's layout, if kept
+        layer.dense_rows = None  # [lo, hi): the rows of the products that read it
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if layer.quant_weight is not None:
@@ -263,9 +262,9 @@ class GGUFLinearMethod(QuantizeMethodBase):
         lay = layer.quant_weight.kernel_data.get(quant_cpu.NAME)
         if not isinstance(lay, quant_layouts.BlockLayout):
             return  # NOTE: no kernel layout (the reference runs): nothing to copy from
-        dense = quant_cpu.dense_bf16(lay)
-        packed = unquantized.pack_weight(dense) if dense is not None else None
-        layer.dense_weight = packed  # None where oneDNN packs no bf16 weight
+        layer.dense_weight = quant_cpu.dense_panels(lay)
+        if layer.dense_weight is not None:
+            layer.dense_rows = (quant_cpu.amx_min_rows(), DENSE_COPY_MAX_ROWS)
 
     def apply(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
@@ -275,12 +274,11 @@ class GGUFLinearMethod(QuantizeMethodBase):
             k = x.shape[-1]
             lo, hi = layer.dense_rows
             if lo * k <= x.numel() < hi * k:
-                y = unquantized.packed_linear(x.reshape(-1, k), dense, bias)
-                return y.view(*x.shape[:-1], y.shape[-1])
+                return quant_cpu.panels_linear(x, dense, layer.quant_weight.shape[0], bias)
         return wquant.gguf_linear(x, layer.quant_weight, bias)
 
     def restore_loaded_layout(self, layer: nn.Module) -> None:
-        layer.dense_weight = None
+        layer.dense_weight, layer.dense_rows = None, None
         weight = layer.quant_weight
         if weight is not None and weight.raw is None:
             replace_param(layer, "weight", weight.blocks())
@@ -295,8 +293,9 @@ class GGUFLinearMethod(QuantizeMethodBase):
 
 class GGUFEmbeddingMethod(GGUFLinearMethod):
     """A tied head's token table as its GGUF blocks: `apply` (the logits) through
-    gguf_linear, lookups dequantize the looked-up rows to the model's dtype. No dense copy
-    (GGUFNativeConfig builds it with no config): its products are the sampled rows'."""
+    gguf_linear, or its dense copy for the rows that copies serve (a decode step's sampled
+    rows: SmolLM2's Q8_0 head at 32-64 rows in 0.58-0.63 of q_linear's time); lookups
+    dequantize the looked-up rows to the model's dtype."""
 
     def embedding(self, layer: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
         weight, ids = layer.quant_weight, input_ids.reshape(-1)

@@ -1,7 +1,8 @@
-"""Native GGUF linears' dense bf16 copies (quant/gguf.py): kept where the decision says,
-read by products of DENSE_COPY_ROWS rows in the Python layers and the fused decoder alike,
-holding exactly the values the wide path dequantizes; on an AMX CPU every bf16 product
-(q_linear_amx, the tiles, the copy) gives the same bits, so the copies change no output."""
+"""Native GGUF linears' dense bf16 copies (quant/gguf.py): kept where the decision says (only
+where q_linear_amx runs), in its panel layout, holding exactly the values every bf16 path
+dequantizes, and read by the products of their rows in the Python layers and the fused
+decoder alike; every bf16 product on AMX (q_linear_amx, the tiles, the copy) gives the same
+bits, so the copies change no output."""
 
 from __future__ import annotations
 
@@ -13,21 +14,15 @@ from pagoda.models.factory import build_model
 from pagoda.models.loader import load_checkpoint
 from pagoda.ops import quant_cpu, wquant
 from pagoda.quant import gguf
-from tests.helpers import bf16_packs
 
 CPU = torch.device("cpu")
 
 
-def _kernels_or_skip() -> None:
-    if quant_cpu.resolve() is None:
-        pytest.skip("the quant CPU kernels are disabled, unbuildable or not for this CPU")
-    if not bf16_packs():
-        pytest.skip("oneDNN packs no bf16 weight on this CPU: no dense copy is kept")
-
-
-def _amx() -> bool:
+def _amx_or_skip() -> None:
     ext = quant_cpu.resolve()
-    return ext is not None and quant_cpu.amx_kernel_runs(ext)
+    if ext is None or not quant_cpu.amx_kernel_runs(ext):
+        pytest.skip("q_linear_amx does not run here (quant kernels off, no amx_bf16, AMX "
+                    "tiles refused, or not built): no dense copy is kept")
 
 
 def test_the_decision_follows_mode_dtype_amx_and_size(monkeypatch) -> None:
@@ -40,9 +35,10 @@ def test_the_decision_follows_mode_dtype_amx_and_size(monkeypatch) -> None:
     assert not gguf.dense_copy_enabled("off", bf16, CPU, 0)
     assert not gguf.dense_copy_enabled("on", torch.float32, CPU, 0)
     assert not gguf.dense_copy_enabled("on", bf16, torch.device("meta"), 0)
-    monkeypatch.setattr(quant_cpu, "amx_min_rows", lambda: None)  # no AMX: panel kernel
+    monkeypatch.setattr(quant_cpu, "amx_min_rows", lambda: None)  # no AMX: nothing reads one
     assert not gguf.dense_copy_enabled("auto", bf16, CPU, 0)
-    assert gguf.dense_copy_enabled("on", bf16, CPU, 0)
+    assert not gguf.dense_copy_enabled("on", bf16, CPU, 0)
+    monkeypatch.setattr(quant_cpu, "amx_min_rows", lambda: 32)
     monkeypatch.setattr(quant_cpu, "resolve", lambda: None)  # the reference runs
     assert not gguf.dense_copy_enabled("on", bf16, CPU, 0)
     monkeypatch.setenv("PAGODA_GGUF_DENSE_COPY", "sometimes")
@@ -50,62 +46,73 @@ def test_the_decision_follows_mode_dtype_amx_and_size(monkeypatch) -> None:
         gguf.dense_copy_mode()
 
 
-def test_copies_hold_the_wide_paths_values_and_serve_their_rows(monkeypatch) -> None:
-    _kernels_or_skip()
+def test_copies_hold_the_weight_and_serve_their_rows(monkeypatch) -> None:
+    _amx_or_skip()
     monkeypatch.setenv("PAGODA_GGUF_DENSE_COPY", "on")
     model = build_model(load_checkpoint(None), torch.bfloat16, CPU, 64)
     qkv = model.model.layers[0].self_attn.qkv_proj
-    assert qkv.dense_weight is not None and qkv.dense_rows == gguf.DENSE_COPY_ROWS
-    assert model.model.embed_tokens.dense_weight is None  # the tied head keeps none
+    lo, hi = quant_cpu.amx_min_rows(), gguf.DENSE_COPY_MAX_ROWS
+    assert qkv.dense_weight is not None and qkv.dense_rows == (lo, hi)
     lay = qkv.quant_weight.kernel_data["cpp"]
-    dense = quant_cpu.dense_bf16(lay)
+    n, k = lay.shape
+    # NOTE: panel p's 32-column block b holds w[16 p + r, 32 b + 2 i + t] at [i][2 r + t]
+    dense = (qkv.dense_weight.view(-1, k // 32, 16, 16, 2).permute(0, 3, 1, 2, 4)
+             .reshape(-1, k)[:n])
     assert torch.equal(dense, lay.dequantize().to(torch.bfloat16))  # Q4_1: exact in float32
-    assert torch.equal(qkv.dense_weight.to_dense(), dense)
 
     calls = []
     real = wquant.gguf_linear
     ext = quant_cpu.resolve()
-    lo, hi = gguf.DENSE_COPY_ROWS
     with monkeypatch.context() as patched:
         patched.setattr(gguf.wquant, "gguf_linear",
                         lambda x, w, b=None: calls.append(x.shape[0]) or real(x, w, b))
         for rows in (lo - 1, lo, 300, hi - 1, hi):
-            x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows))
-            y = qkv.quant_method.apply(qkv, x.to(torch.bfloat16))
-            tiles = ext.q_linear_tiles(x.to(torch.bfloat16), lay.codes, lay.scales,
-                                       lay.offsets, lay.bits, lay.block, lay.group,
-                                       lay.zero_form, lay.shape[0], None, 1 << 30)
+            x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+            x = x.to(torch.bfloat16)
+            y = qkv.quant_method.apply(qkv, x)
             if lo <= rows < hi:
-                # NOTE: the copy through oneDNN's packed GEMM, the tiles through its plain
-                # one: the same bits where both run on AMX tiles.
-                if _amx():
-                    assert torch.equal(y, tiles)
-                else:
-                    torch.testing.assert_close(y.float(), tiles.float(), rtol=2**-7,
-                                               atol=1e-2)
+                amx = ext.q_linear_amx(x, lay.codes, lay.scales, lay.offsets, lay.bits,
+                                       lay.block, lay.group, lay.zero_form, n, None)
+                assert torch.equal(y, amx)
     assert calls == [lo - 1, hi]  # the rows the copy serves never reach the blocks' kernel
+
+    # The tied head (Q8_0): its copy serves the logits of the same rows; lookups read the
+    # blocks.
+    head = model.model.embed_tokens
+    assert head.dense_weight is not None and head.dense_rows == (lo, hi)
+    hlay = head.quant_weight.layout
+    calls.clear()
+    with monkeypatch.context() as patched:
+        patched.setattr(gguf.wquant, "gguf_linear",
+                        lambda x, w, b=None: calls.append(x.shape[0]) or real(x, w, b))
+        for rows in (lo - 1, lo, 64):
+            x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+            assert torch.equal(head.quant_method.apply(head, x.to(torch.bfloat16)),
+                               quant_cpu.block_linear(ext, x.to(torch.bfloat16), hlay, None))
+    assert calls == [lo - 1]
+    ids = torch.tensor([[5, 49151, 0]])
+    assert torch.equal(head(ids)[0], hlay.dequantize_rows(ids[0]).to(torch.bfloat16))
 
     monkeypatch.setenv("PAGODA_GGUF_DENSE_COPY", "off")
     off = build_model(load_checkpoint(None), torch.bfloat16, CPU, 64)
     assert off.model.layers[0].self_attn.qkv_proj.dense_weight is None
+    assert off.model.embed_tokens.dense_weight is None
 
 
 def test_auto_keeps_no_copy_past_its_budget(monkeypatch) -> None:
-    _kernels_or_skip()
-    if not _amx():
-        pytest.skip("auto keeps copies only where bf16 products run on AMX")
+    _amx_or_skip()
     model = build_model(load_checkpoint(None), torch.bfloat16, CPU, 64)
     assert model.model.layers[0].mlp.down_proj.dense_weight is not None
-    monkeypatch.setattr(gguf, "DENSE_COPY_MAX_BYTES", 212_000_000)  # SmolLM2's: 212.3 MB
+    monkeypatch.setattr(gguf, "DENSE_COPY_MAX_BYTES", 268_900_000)  # SmolLM2's: 268.96 MB
     model = build_model(load_checkpoint(None), torch.bfloat16, CPU, 64)
     assert model.model.layers[0].mlp.down_proj.dense_weight is None
 
 
 def test_fused_prefill_reads_the_copies_as_op_by_op(monkeypatch) -> None:
-    """A 300-token prompt (products of 300 rows: the copies) through the fused decoder and
-    op by op: the same prompt logprobs and tokens; on AMX also those of a run without
-    copies (q_linear_amx), bit for bit."""
-    _kernels_or_skip()
+    """A 300-token prompt (products of 300 rows: the copies) and its decode steps through the
+    fused decoder and op by op: the same prompt logprobs and tokens, and those of a run
+    without copies (q_linear_amx), bit for bit."""
+    _amx_or_skip()
     from pagoda.ops import cpu_kernels
 
     if cpu_kernels.kernel_for("fused_ops") is None:
@@ -128,5 +135,4 @@ def test_fused_prefill_reads_the_copies_as_op_by_op(monkeypatch) -> None:
 
     fused = run("on", True)
     assert fused == run("on", False)
-    if _amx():
-        assert fused == run("off", True)
+    assert fused == run("off", True)

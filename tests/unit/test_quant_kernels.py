@@ -568,6 +568,82 @@ def test_amx_product_over_several_row_chunks(amx_qext, k: int) -> None:
                                atol=1e-4 * ref.abs().max().item())
 
 
+def _panels_as_dense(panels: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """A dequantize_panels copy back as [n, k]: panel p's block b holds w[16 p + r, 32 b +
+    2 i + t] at [i][2 r + t]."""
+    count, kp = panels.shape[0], panels.shape[1] // 16
+    w = panels.view(count, kp // 32, 16, 16, 2).permute(0, 3, 1, 2, 4).reshape(count * 16, kp)
+    assert not w[n:].any() and not w[:, k:].any()  # the padding rows and columns are zeros
+    return w[:n, :k]
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0", "Q6_K", "gptq_g64", "gptq_k200"])
+@pytest.mark.parametrize("n", [48, 37, 80])
+def test_panel_copy_holds_the_weight_and_gives_q_linear_amx_bits(amx_qext, kind: str,
+                                                                 n: int) -> None:
+    """dequantize_panels: the weight dequantized once (w = s q + m in float32, one rounding
+    to bf16; for GGUF blocks exactly the reference's values) in q_linear_amx's buffer layout; q_linear_panels reads it instead of
+    dequantizing and gives q_linear_amx's bits, row counts below a tile to several tile
+    pairs, with a bias, an odd panel count (37, 80: three and five panels) and K short of
+    the padded columns (200 of 256)."""
+    if kind.startswith("gptq"):
+        k = 200 if kind == "gptq_k200" else 256
+        w = _group_weight(4, n, k, 64 if kind == "gptq_g64" else k, False, seed=51)
+    else:
+        qtype = {**{v: q for q, v in QUANTIZABLE.items()}, **{v: q for q, v in KQUANTS.items()}}
+        w = _gguf_weight(qtype[kind], n, 256, seed=51)
+    lay = w.kernel_data["cpp"]
+    k = lay.shape[1]
+    args = (lay.codes, lay.scales, lay.offsets, lay.bits, lay.block, lay.group, lay.zero_form)
+    panels = amx_qext.dequantize_panels(*args, n, k)
+    assert panels.dtype == torch.bfloat16 and panels.shape == ((n + 15) // 16, 256 * 16)
+    dense = _panels_as_dense(panels, n, k)
+    if kind.startswith("gptq"):
+        # NOTE: the kernels fold the zero point into an offset (s q - s z, one fused
+        # multiply-add); the reference subtracts first, so a code at the zero point gives
+        # 0 there and a rounding residue here.
+        torch.testing.assert_close(dense.float(), lay.dequantize(), rtol=2**-8, atol=1e-6)
+    else:  # GGUF: s q + m, as the reference computes it
+        assert torch.equal(dense, lay.dequantize().to(torch.bfloat16))
+    g = torch.Generator().manual_seed(52)
+    bias = torch.randn(n, generator=g)
+    for m in (1, 17, 70):
+        x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+        for b in (None, bias):
+            assert torch.equal(amx_qext.q_linear_panels(x, panels, n, b),
+                               amx_qext.q_linear_amx(x, *args, n, b))
+
+
+def test_panel_copy_over_several_row_chunks(amx_qext) -> None:
+    """2,100 rows at K = 576 (three row chunks, the last partial): q_linear_amx's bits,
+    which dequantizes each pair again per chunk where the copy reads it again."""
+    w = _group_weight(4, 80, 576, 32, False, seed=53)
+    lay = w.kernel_data["cpp"]
+    args = (lay.codes, lay.scales, lay.offsets, lay.bits, lay.block, lay.group, lay.zero_form)
+    panels = amx_qext.dequantize_panels(*args, 80, 576)
+    x = torch.randn(2100, 576, generator=torch.Generator().manual_seed(54)).to(torch.bfloat16)
+    assert torch.equal(amx_qext.q_linear_panels(x, panels, 80, None),
+                       amx_qext.q_linear_amx(x, *args, 80, None))
+
+
+def test_panel_copy_refuses_what_does_not_fit(amx_qext) -> None:
+    w = _group_weight(4, 48, 256, 64, False, seed=55)
+    lay = w.kernel_data["cpp"]
+    panels = amx_qext.dequantize_panels(lay.codes, lay.scales, lay.offsets, lay.bits,
+                                        lay.block, lay.group, lay.zero_form, 48, 256)
+    x = torch.randn(4, 256).to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="panels cover 256 columns, x has 320"):
+        amx_qext.q_linear_panels(torch.zeros(4, 320, dtype=torch.bfloat16), panels, 48, None)
+    with pytest.raises(RuntimeError, match="n = 20 does not match 48 padded rows"):
+        amx_qext.q_linear_panels(x, panels, 20, None)
+    with pytest.raises(RuntimeError, match="x must be a contiguous bf16"):
+        amx_qext.q_linear_panels(x.float(), panels, 48, None)
+    with pytest.raises(RuntimeError, match="panels must be a contiguous bf16"):
+        amx_qext.q_linear_panels(x, panels.float(), 48, None)
+    with pytest.raises(RuntimeError, match="bias must have 48 elements"):
+        amx_qext.q_linear_panels(x, panels, 48, torch.zeros(47))
+
+
 def test_q_linear_takes_the_amx_kernel_for_its_rows(amx_qext) -> None:
     """q_linear dispatches bf16 products by rows: the panel kernel below amx_min_rows,
     q_linear_amx up to the tiled path's first row, the tiles from there; float32 x stays on

@@ -13,7 +13,8 @@
 // GEMMs are mkldnn::_linear_pointwise on the oneDNN-packed weights, as
 // quant/unquantized.py's packed_linear, or for a quantized projection (`QuantWeight`: the
 // panel layout of ops/quant_layouts.py) the quant extension's q_linear, which
-// ops/csrc/quant_cpu.cpp registers as the op pagoda_quant::q_linear), so the result is bit
+// ops/csrc/quant_cpu.cpp registers as the op pagoda_quant::q_linear, or q_linear_panels for
+// the rows a GGUF layer's dense copy serves), so the result is bit
 // for bit that of the Python path. What a call saves is the Python between the kernels: module calls, op dispatch and
 // argument parsing, ~10 small calls per layer, which at one token per step cost as much as
 // a third of the GEMMs' time. residual is updated in place.
@@ -75,8 +76,9 @@ struct QuantWeight {
   // The quant extension's GemvPlan of this layout (its address; 0: none): what the
   // one-region decode stack passes to pagoda_q_gemv_part (q_gemv_abi.h).
   int64_t plan = 0;
-  // The layer's oneDNN-packed bf16 copy (quant/gguf.py), read instead of the codes by bf16
-  // products of [dense_min_rows, dense_max_rows) rows, as the Python layer's apply does.
+  // The layer's bf16 copy in q_linear_amx's panel layout (quant/gguf.py), read instead of
+  // the codes by bf16 products of [dense_min_rows, dense_max_rows) rows through
+  // pagoda_quant::q_linear_panels, as the Python layer's apply does.
   std::optional<torch::Tensor> dense;
   int64_t dense_min_rows = 0, dense_max_rows = 0;
 };
@@ -88,6 +90,9 @@ using QLinearFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Ten
                              const at::Tensor&, int64_t, int64_t, int64_t, bool, int64_t,
                              const std::optional<at::Tensor>&);
 
+using PanelsFn = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t,
+                           const std::optional<at::Tensor>&);
+
 // x [T, K] @ W^T (+ b), through the kernel the Python layers call for this weight.
 at::Tensor project(const at::Tensor& x, const Weight& w, const std::optional<at::Tensor>& b) {
   const auto* q = std::get_if<QuantWeight>(&w);
@@ -95,7 +100,10 @@ at::Tensor project(const at::Tensor& x, const Weight& w, const std::optional<at:
   if (q->dense.has_value() && x.scalar_type() == at::kBFloat16) {
     const int64_t rows = x.numel() / x.size(-1);
     if (rows >= q->dense_min_rows && rows < q->dense_max_rows) {
-      return packed_linear(x.reshape({-1, x.size(-1)}), *q->dense, b);
+      static const auto panels_op = c10::Dispatcher::singleton()
+                                        .findSchemaOrThrow("pagoda_quant::q_linear_panels", "")
+                                        .typed<PanelsFn>();
+      return panels_op.call(x.reshape({-1, x.size(-1)}).contiguous(), *q->dense, q->n, b);
     }
   }
   // NOTE: looked up on first use: the quant extension is loaded before a QuantWeight exists.

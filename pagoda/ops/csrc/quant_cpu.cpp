@@ -895,25 +895,6 @@ at::Tensor q_linear_tiles(const at::Tensor& x, const at::Tensor& codes, const at
   return out;
 }
 
-// The whole weight dequantized as q_linear_tiles dequantizes its tiles (w = s * q + m in
-// float32, one rounding to bf16), transposed: [K, n] bf16. For the dense copy that products
-// of a middle row count read instead of the codes (quant/gguf.py).
-at::Tensor dequantize_bf16_t(const at::Tensor& codes, const at::Tensor& sc, const at::Tensor& off,
-                             int64_t bits, int64_t block, int64_t group, bool zero_form,
-                             int64_t n, int64_t k) {
-  const at::Tensor probe = at::empty({1, k}, codes.options().dtype(at::kBFloat16));
-  const Weights w = checked_weights(probe, codes, sc, off, bits, block, group, zero_form, n);
-  at::Tensor wt = at::empty({k, n}, probe.options());
-#if defined(PAGODA_Q_VEC)
-  auto* dst = reinterpret_cast<uint16_t*>(wt.data_ptr<at::BFloat16>());
-  if (bits == 4) dequant_t<4>(w, group, k, 0, n, dst);
-  else dequant_t<8>(w, group, k, 0, n, dst);
-#else
-  TORCH_CHECK(false, "pagoda quant kernels were built without AVX-512 or AVX2");
-#endif
-  return wt;
-}
-
 // The same product on AMX tiles without a dequantized copy in memory: per panel (16 output
 // rows), its codes dequantized (w = s * q + m in float32, one rounding to bf16, as
 // dequant_t) into a per-thread buffer in the B-tile layout of TDPBF16PS (a tile row holds
@@ -1018,15 +999,16 @@ bool amx_compiled() {
 #endif
 }
 
-at::Tensor q_linear_amx(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sc,
-                        const at::Tensor& off, int64_t bits, int64_t block, int64_t group,
-                        bool zero_form, int64_t n, const c10::optional<at::Tensor>& bias) {
-  const Weights w = checked_weights(x, codes, sc, off, bits, block, group, zero_form, n);
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "the AMX path takes bf16 x");
-  const at::Tensor b = float_bias(bias, n);
-  const int64_t m = x.size(0), k = x.size(1), kp = codes.size(1) / (2 * bits);
-  at::Tensor out = at::empty({m, n}, x.options());
 #if defined(PAGODA_Q_AMX)
+// The product on AMX tiles, its weight panels either dequantized per call (w: into
+// per-thread buffers, each pair while the previous pair's products run) or read from a copy
+// dequantized once (`pre`: [panels][kp / 32][16][32] bf16, the buffers' layout). The two
+// give the same bits: the same values in the same tiles, summed in the same order.
+at::Tensor amx_linear(const at::Tensor& x, const Weights* w, const uint16_t* pre, int64_t kp,
+                      int64_t panels, int64_t n, int64_t group, int64_t bits,
+                      const at::Tensor& b) {
+  const int64_t m = x.size(0), k = x.size(1);
+  at::Tensor out = at::empty({m, n}, x.options());
   if (m == 0) return out;
   // The activations as whole tiles: rows to a multiple of 16, columns to kp (zeros). Where
   // K is kp already, x's whole tiles are read in place and only the last, partial one is
@@ -1044,34 +1026,35 @@ at::Tensor q_linear_amx(const at::Tensor& x, const at::Tensor& codes, const at::
   };
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
-  const int64_t panels = w.np / kPanel, kb_n = kp / 32;
+  const int64_t kb_n = kp / 32, panel_elems = kp * kPanel;
 #pragma omp parallel
   {
     pagoda_amx::load_full_tiles();
     // NOTE: two panels (32 output columns) at a time: each activation tile loaded feeds two
     // products (one tile load per product halves the L2 reads of x), and each output row's
     // 64 bytes are one store, a whole cache line, instead of two halves written apart.
-    // The next pair's dequantization is interleaved with this pair's products, a slice
-    // after each pair of row tiles: the vector work runs while the tile unit computes
-    // (double-buffered weights: slots 0 and 1, two panels each).
-    const int64_t panel_elems = kp * kPanel;
+    // Dequantizing, the next pair's dequantization is interleaved with this pair's
+    // products, a slice after each pair of row tiles: the vector work runs while the tile
+    // unit computes (double-buffered weights: slots 0 and 1, two panels each).
     // NOTE: the buffers outlive the call (OpenMP's threads do): a fresh zeroed vector per
     // call and thread cost 1-5% of a 48-64-row product. Only the last 32-column block can
     // hold columns dequant_panel_vnni never writes (from K on, when K is not a multiple of
     // 32); it is zeroed here, since what an earlier product left there may be inf or NaN.
     static thread_local std::vector<uint16_t> wbuf;
-    if (wbuf.size() < static_cast<size_t>(4 * panel_elems)) wbuf.resize(4 * panel_elems);
-    if (k % 32 != 0) {
-      for (int i = 0; i < 4; ++i) {
-        std::fill(wbuf.data() + i * panel_elems + k / 32 * 512,
-                  wbuf.data() + (i + 1) * panel_elems, uint16_t{0});
+    if (pre == nullptr) {
+      if (wbuf.size() < static_cast<size_t>(4 * panel_elems)) wbuf.resize(4 * panel_elems);
+      if (k % 32 != 0) {
+        for (int i = 0; i < 4; ++i) {
+          std::fill(wbuf.data() + i * panel_elems + k / 32 * 512,
+                    wbuf.data() + (i + 1) * panel_elems, uint16_t{0});
+        }
       }
     }
     auto slot_buf = [&](int slot, int q) { return wbuf.data() + (2 * slot + q) * panel_elems; };
     auto dequant_pair = [&](int64_t pair, int slot, int64_t c0, int64_t c1) {
       for (int64_t q = 0; q < 2 && 2 * pair + q < panels; ++q) {
-        if (bits == 4) dequant_panel_vnni<4>(w, group, c0, c1, 2 * pair + q, slot_buf(slot, q));
-        else dequant_panel_vnni<8>(w, group, c0, c1, 2 * pair + q, slot_buf(slot, q));
+        if (bits == 4) dequant_panel_vnni<4>(*w, group, c0, c1, 2 * pair + q, slot_buf(slot, q));
+        else dequant_panel_vnni<8>(*w, group, c0, c1, 2 * pair + q, slot_buf(slot, q));
       }
     };
     alignas(64) float acc[2][16 * 16];
@@ -1085,19 +1068,19 @@ at::Tensor q_linear_amx(const at::Tensor& x, const at::Tensor& codes, const at::
     const int64_t row_pairs = (std::min(chunk_tiles, row_tiles) + 1) / 2;
     // Columns of the next pair dequantized after each row pair (a multiple of 8).
     const int64_t slice = ((k + 7) / 8 + row_pairs - 1) / row_pairs * 8;
-    if (own > 0) dequant_pair(lo, 0, 0, k);
+    if (pre == nullptr && own > 0) dequant_pair(lo, 0, 0, k);
     for (int64_t u = 0; u < chunks * own; ++u) {
       const int64_t pp = lo + u % own, t_lo = u / own * chunk_tiles;
       const int64_t t_hi = std::min(row_tiles, t_lo + chunk_tiles);
-      // NOTE: one pair per thread: it stays in slot 0 across the chunks, dequantized once.
-      const int slot = own == 1 ? 0 : static_cast<int>(u & 1);
-      const uint16_t* b0 = slot_buf(slot, 0);
-      const uint16_t* b1 = slot_buf(slot, 1);
-      const bool ahead = own > 1 && u + 1 < chunks * own;
-      const int64_t next = lo + (u + 1) % own;
-      int64_t done = 0;  // columns of the next pair dequantized so far
       const int64_t p0 = 2 * pp;
       const int np = static_cast<int>(std::min<int64_t>(2, panels - p0));
+      // NOTE: one pair per thread: it stays in slot 0 across the chunks, dequantized once.
+      const int slot = own == 1 ? 0 : static_cast<int>(u & 1);
+      const uint16_t* b0 = pre != nullptr ? pre + p0 * panel_elems : slot_buf(slot, 0);
+      const uint16_t* b1 = pre == nullptr ? slot_buf(slot, 1) : np == 2 ? b0 + panel_elems : b0;
+      const bool ahead = pre == nullptr && own > 1 && u + 1 < chunks * own;
+      const int64_t next = lo + (u + 1) % own;
+      int64_t done = 0;  // columns of the next pair dequantized so far
       const int64_t col0 = p0 * kPanel;
       __mmask16 mask[2];
       __m512 bv[2];
@@ -1144,10 +1127,63 @@ at::Tensor q_linear_amx(const at::Tensor& x, const at::Tensor& codes, const at::
     }
     _tile_release();
   }
+  return out;
+}
+#endif
+
+at::Tensor q_linear_amx(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sc,
+                        const at::Tensor& off, int64_t bits, int64_t block, int64_t group,
+                        bool zero_form, int64_t n, const c10::optional<at::Tensor>& bias) {
+  const Weights w = checked_weights(x, codes, sc, off, bits, block, group, zero_form, n);
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "the AMX path takes bf16 x");
+#if defined(PAGODA_Q_AMX)
+  const int64_t kp = codes.size(1) / (2 * bits);
+  return amx_linear(x, &w, nullptr, kp, w.np / kPanel, n, group, bits, float_bias(bias, n));
 #else
   TORCH_CHECK(false, "pagoda quant kernels were built without AMX-TILE and AMX-BF16");
 #endif
-  return out;
+}
+
+// The whole weight dequantized once into q_linear_amx's per-thread buffer layout, every
+// panel: [panels, kp * 16] bf16 (kp / 32 blocks of [16][32]; columns from K on zero). The
+// copy `q_linear_panels` reads instead of dequantizing: a GGUF linear's dense copy.
+at::Tensor dequantize_panels(const at::Tensor& codes, const at::Tensor& sc, const at::Tensor& off,
+                             int64_t bits, int64_t block, int64_t group, bool zero_form,
+                             int64_t n, int64_t k) {
+  const at::Tensor probe = at::empty({1, k}, codes.options().dtype(at::kBFloat16));
+  const Weights w = checked_weights(probe, codes, sc, off, bits, block, group, zero_form, n);
+  const int64_t kp = codes.size(1) / (2 * bits), panels = w.np / kPanel;
+  at::Tensor buf = at::zeros({panels, kp * kPanel}, probe.options());
+#if defined(PAGODA_Q_AMX)
+  auto* dst = reinterpret_cast<uint16_t*>(buf.data_ptr<at::BFloat16>());
+#pragma omp parallel for
+  for (int64_t p = 0; p < panels; ++p) {
+    if (bits == 4) dequant_panel_vnni<4>(w, group, 0, k, p, dst + p * kp * kPanel);
+    else dequant_panel_vnni<8>(w, group, 0, k, p, dst + p * kp * kPanel);
+  }
+#else
+  TORCH_CHECK(false, "pagoda quant kernels were built without AMX-TILE and AMX-BF16");
+#endif
+  return buf;
+}
+
+// q_linear_amx's product from a dequantize_panels copy: the same bits, no dequantization.
+at::Tensor q_linear_panels(const at::Tensor& x, const at::Tensor& panels, int64_t n,
+                           const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
+              "x must be a contiguous bf16 [M, K] matrix");
+  TORCH_CHECK(panels.dim() == 2 && panels.is_contiguous() &&
+                  panels.scalar_type() == at::kBFloat16 && panels.size(1) % (64 * kPanel) == 0,
+              "panels must be a contiguous bf16 [panels, kp * 16] copy (dequantize_panels)");
+  const int64_t kp = panels.size(1) / kPanel, np = panels.size(0) * kPanel;
+  TORCH_CHECK(x.size(1) <= kp, "the panels cover ", kp, " columns, x has ", x.size(1));
+  TORCH_CHECK(n <= np && n > np - kPanel, "n = ", n, " does not match ", np, " padded rows");
+#if defined(PAGODA_Q_AMX)
+  return amx_linear(x, nullptr, reinterpret_cast<const uint16_t*>(panels.data_ptr<at::BFloat16>()),
+                    kp, panels.size(0), n, 0, 0, float_bias(bias, n));
+#else
+  TORCH_CHECK(false, "pagoda quant kernels were built without AMX-TILE and AMX-BF16");
+#endif
 }
 
 // Activation rows for which q_linear's bf16 products run q_linear_amx: [amx_min_rows,
@@ -1329,18 +1365,23 @@ std::vector<std::string> fp8_isa();
 
 // NOTE: also a dispatcher op, so that the other extension's whole-layer calls
 // (decoder_layer_cpu.cpp) can run quantized projections without linking against this one.
-TORCH_LIBRARY(pagoda_quant, m) { m.def("q_linear", &pagoda_quant::q_linear); }
+TORCH_LIBRARY(pagoda_quant, m) {
+  m.def("q_linear", &pagoda_quant::q_linear);
+  m.def("q_linear_panels", &pagoda_quant::q_linear_panels);
+}
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q_linear", &pagoda_quant::q_linear, "x @ w.T for panel-packed codes (int8 activations; bf16 tiles from wide_min_rows rows)");
-  m.def("dequantize_bf16_t", &pagoda_quant::dequantize_bf16_t,
-        "the weight dequantized as q_linear_tiles does, transposed: [K, n] bf16");
   m.def("q_linear_tiles", &pagoda_quant::q_linear_tiles,
         "q_linear through per-tile bf16 dequantization and a bf16 GEMM");
   m.def("set_wide_min_rows", [](int64_t rows) { pagoda_quant::wide_min_rows.store(rows); },
         "rows from which q_linear's bf16 products take q_linear_tiles");
   m.def("q_linear_amx", &pagoda_quant::q_linear_amx,
         "q_linear on AMX tiles: each panel dequantized to bf16 in the B-tile layout, TDPBF16PS");
+  m.def("dequantize_panels", &pagoda_quant::dequantize_panels,
+        "the weight dequantized once into q_linear_amx's buffer layout: [panels, kp * 16] bf16");
+  m.def("q_linear_panels", &pagoda_quant::q_linear_panels,
+        "q_linear_amx's product from a dequantize_panels copy (the same bits)");
   m.def("amx_compiled", &pagoda_quant::amx_compiled, "whether q_linear_amx was built");
   m.def("set_amx_rows", [](int64_t lo, int64_t hi) {
           pagoda_quant::amx_min_rows.store(lo);
