@@ -115,3 +115,13 @@ def bf16_packs() -> bool:
 
     probe = torch.zeros(16, 16, dtype=torch.bfloat16)
     return can_pack(probe) and pack_weight(probe) is not None
+
+
+def panels_as_dense(panels: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """A `dequantize_panels` copy (ops/quant_cpu.py) back as [n, k]: panel p's 32-column block
+    b holds w[16 p + r, 32 b + 2 i + t] at [i][2 r + t]. Asserts its padding rows and columns
+    are zeros."""
+    count, kp = panels.shape[0], panels.shape[1] // 16
+    w = panels.view(count, kp // 32, 16, 16, 2).permute(0, 3, 1, 2, 4).reshape(count * 16, kp)
+    assert not w[n:].any() and not w[:, k:].any()
+    return w[:n, :k]

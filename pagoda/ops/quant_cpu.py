@@ -337,9 +337,7 @@ def panels_linear(x: torch.Tensor, panels: torch.Tensor, n: int,
     """x [..., K] (bf16) @ w.T (+ bias) from a `dense_panels` copy: q_linear_amx's bits."""
     ext = resolve()
     assert ext is not None, "a dense_panels copy exists only where the extension runs"
-    x2 = x.reshape(-1, x.shape[-1])
-    if not x2.is_contiguous():
-        x2 = x2.contiguous()
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
     return ext.q_linear_panels(x2, panels, n, bias).view(*x.shape[:-1], n)
 
 

@@ -14,6 +14,7 @@ from pagoda.models.factory import build_model
 from pagoda.models.loader import load_checkpoint
 from pagoda.ops import quant_cpu, wquant
 from pagoda.quant import gguf
+from tests.helpers import panels_as_dense
 
 CPU = torch.device("cpu")
 
@@ -55,10 +56,13 @@ def test_copies_hold_the_weight_and_serve_their_rows(monkeypatch) -> None:
     assert qkv.dense_weight is not None and qkv.dense_rows == (lo, hi)
     lay = qkv.quant_weight.kernel_data["cpp"]
     n, k = lay.shape
-    # NOTE: panel p's 32-column block b holds w[16 p + r, 32 b + 2 i + t] at [i][2 r + t]
-    dense = (qkv.dense_weight.view(-1, k // 32, 16, 16, 2).permute(0, 3, 1, 2, 4)
-             .reshape(-1, k)[:n])
-    assert torch.equal(dense, lay.dequantize().to(torch.bfloat16))  # Q4_1: exact in float32
+    assert torch.equal(panels_as_dense(qkv.dense_weight, n, k),
+                       lay.dequantize().to(torch.bfloat16))  # Q4_1: exact in float32
+    # The tied head (Q8_0): its copy serves the logits of the same rows; lookups read the
+    # blocks.
+    head = model.model.embed_tokens
+    assert head.dense_weight is not None and head.dense_rows == (lo, hi)
+    hlay = head.quant_weight.layout
 
     calls = []
     real = wquant.gguf_linear
@@ -74,22 +78,13 @@ def test_copies_hold_the_weight_and_serve_their_rows(monkeypatch) -> None:
                 amx = ext.q_linear_amx(x, lay.codes, lay.scales, lay.offsets, lay.bits,
                                        lay.block, lay.group, lay.zero_form, n, None)
                 assert torch.equal(y, amx)
-    assert calls == [lo - 1, hi]  # the rows the copy serves never reach the blocks' kernel
-
-    # The tied head (Q8_0): its copy serves the logits of the same rows; lookups read the
-    # blocks.
-    head = model.model.embed_tokens
-    assert head.dense_weight is not None and head.dense_rows == (lo, hi)
-    hlay = head.quant_weight.layout
-    calls.clear()
-    with monkeypatch.context() as patched:
-        patched.setattr(gguf.wquant, "gguf_linear",
-                        lambda x, w, b=None: calls.append(x.shape[0]) or real(x, w, b))
+        assert calls == [lo - 1, hi]  # the rows a copy serves never reach the blocks' kernel
+        calls.clear()
         for rows in (lo - 1, lo, 64):
             x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
             assert torch.equal(head.quant_method.apply(head, x.to(torch.bfloat16)),
                                quant_cpu.block_linear(ext, x.to(torch.bfloat16), hlay, None))
-    assert calls == [lo - 1]
+        assert calls == [lo - 1]
     ids = torch.tensor([[5, 49151, 0]])
     assert torch.equal(head(ids)[0], hlay.dequantize_rows(ids[0]).to(torch.bfloat16))
 

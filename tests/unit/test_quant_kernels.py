@@ -19,6 +19,7 @@ import torch
 
 from pagoda.ops import quant_cpu, quant_layouts, wquant
 from pagoda.ops.registry import OPS
+from tests.helpers import panels_as_dense
 
 gguf_quants = pytest.importorskip("gguf.quants")
 
@@ -490,6 +491,16 @@ def amx_qext(qext):
     return qext
 
 
+def _amx_case_weight(kind: str, n: int, seed: int):
+    """A GGUF type by name, or a GPTQ-style group weight: g64, one group over all of K, or
+    K = 200 (short of the codes' 256 padded columns)."""
+    if kind.startswith("gptq"):
+        k = 200 if kind == "gptq_k200" else 256
+        return _group_weight(4, n, k, 64 if kind == "gptq_g64" else k, False, seed=seed)
+    qtype = {**{v: q for q, v in QUANTIZABLE.items()}, **{v: q for q, v in KQUANTS.items()}}
+    return _gguf_weight(qtype[kind], n, 256, seed=seed)
+
+
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "Q6_K", "gptq_g64", "gptq_all_k",
                                   "gptq_k200"])
 @pytest.mark.parametrize("n", [48, 37])
@@ -500,13 +511,7 @@ def test_amx_product_matches_reference_and_is_row_invariant(amx_qext, kind: str,
     rounding to bf16 are what is left (2**-8 relative). Any row's result is the same bits
     in any call: alone, among fewer rows, reordered (70 rows: two groups of four tiles).
     K = 200: the columns past K are padding in both x and the weight buffer."""
-    if kind.startswith("gptq"):  # k200: K short of the codes' 256 padded columns
-        k = 200 if kind == "gptq_k200" else 256
-        w = _group_weight(4, n, k, 64 if kind == "gptq_g64" else k, False, seed=31)
-    else:
-        qtype = {**{v: q for q, v in QUANTIZABLE.items()}, **{v: q for q, v in KQUANTS.items()}}
-        w = _gguf_weight(qtype[kind], n, 256, seed=31)
-    lay = w.kernel_data["cpp"]
+    lay = _amx_case_weight(kind, n, seed=31).kernel_data["cpp"]
     args = (lay.codes, lay.scales, lay.offsets, lay.bits, lay.block, lay.group, lay.zero_form,
             lay.shape[0])
     g = torch.Generator().manual_seed(32)
@@ -568,36 +573,21 @@ def test_amx_product_over_several_row_chunks(amx_qext, k: int) -> None:
                                atol=1e-4 * ref.abs().max().item())
 
 
-def _panels_as_dense(panels: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    """A dequantize_panels copy back as [n, k]: panel p's block b holds w[16 p + r, 32 b +
-    2 i + t] at [i][2 r + t]."""
-    count, kp = panels.shape[0], panels.shape[1] // 16
-    w = panels.view(count, kp // 32, 16, 16, 2).permute(0, 3, 1, 2, 4).reshape(count * 16, kp)
-    assert not w[n:].any() and not w[:, k:].any()  # the padding rows and columns are zeros
-    return w[:n, :k]
-
-
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0", "Q6_K", "gptq_g64", "gptq_k200"])
 @pytest.mark.parametrize("n", [48, 37, 80])
 def test_panel_copy_holds_the_weight_and_gives_q_linear_amx_bits(amx_qext, kind: str,
                                                                  n: int) -> None:
     """dequantize_panels: the weight dequantized once (w = s q + m in float32, one rounding
-    to bf16; for GGUF blocks exactly the reference's values) in q_linear_amx's buffer layout; q_linear_panels reads it instead of
-    dequantizing and gives q_linear_amx's bits, row counts below a tile to several tile
+    to bf16; for GGUF blocks exactly the reference's values) in q_linear_amx's buffer
+    layout; q_linear_panels reads it instead of dequantizing and gives q_linear_amx's bits, row counts below a tile to several tile
     pairs, with a bias, an odd panel count (37, 80: three and five panels) and K short of
     the padded columns (200 of 256)."""
-    if kind.startswith("gptq"):
-        k = 200 if kind == "gptq_k200" else 256
-        w = _group_weight(4, n, k, 64 if kind == "gptq_g64" else k, False, seed=51)
-    else:
-        qtype = {**{v: q for q, v in QUANTIZABLE.items()}, **{v: q for q, v in KQUANTS.items()}}
-        w = _gguf_weight(qtype[kind], n, 256, seed=51)
-    lay = w.kernel_data["cpp"]
+    lay = _amx_case_weight(kind, n, seed=51).kernel_data["cpp"]
     k = lay.shape[1]
     args = (lay.codes, lay.scales, lay.offsets, lay.bits, lay.block, lay.group, lay.zero_form)
     panels = amx_qext.dequantize_panels(*args, n, k)
     assert panels.dtype == torch.bfloat16 and panels.shape == ((n + 15) // 16, 256 * 16)
-    dense = _panels_as_dense(panels, n, k)
+    dense = panels_as_dense(panels, n, k)
     if kind.startswith("gptq"):
         # NOTE: the kernels fold the zero point into an offset (s q - s z, one fused
         # multiply-add); the reference subtracts first, so a code at the zero point gives
