@@ -148,17 +148,23 @@ def test_entrypoints_set_openmp_before_torch_loads() -> None:
     assert got == {"same": True, "spin": None, "torch": True}
 
 
-@pytest.mark.parametrize(("flags", "want"), [({"avx512f", "avx512_bf16", "amx_bf16"}, 256),
-                                             ({"avx512f", "avx512_bf16"}, 64), (set(), 64)])
-def test_max_num_seqs_default_follows_amx(monkeypatch, flags: set[str], want: int) -> None:
-    """256 (vLLM's CPU default) where the CPU lists amx_bf16, else 64; the CLI's default is
-    the same, and an explicit value wins."""
+@pytest.mark.parametrize(("flags", "want"), [({"avx512f", "avx512_bf16", "amx_bf16"}, (256, 4096)),
+                                             ({"avx512f", "avx512_bf16"}, (64, 2048)),
+                                             (set(), (64, 2048))])
+def test_limits_default_follows_amx(monkeypatch, flags: set[str], want: tuple[int, int]) -> None:
+    """max_num_seqs / max_num_batched_tokens: 256 / 4096 (vLLM's CPU defaults) where the CPU
+    lists amx_bf16, else 64 / 2048; the CLI's defaults are the same, and an explicit value
+    wins."""
     from pagoda import config
 
     monkeypatch.setattr(config, "cpu_info", lambda: ("cpu", frozenset(flags)))
-    assert EngineArgs().max_num_seqs == want
+    args = EngineArgs()
+    assert (args.max_num_seqs, args.max_num_batched_tokens) == want
     p = argparse.ArgumentParser()
     EngineArgs.add_cli_args(p)
-    assert p.parse_args([]).max_num_seqs == want
-    assert EngineArgs(max_num_seqs=8).max_num_seqs == 8
-    assert EngineArgs.from_cli_args(p.parse_args(["--max-num-seqs", "5"])).max_num_seqs == 5
+    parsed = p.parse_args([])
+    assert (parsed.max_num_seqs, parsed.max_num_batched_tokens) == want
+    assert EngineArgs(max_num_seqs=8, max_num_batched_tokens=64).max_num_batched_tokens == 64
+    explicit = EngineArgs.from_cli_args(p.parse_args(["--max-num-seqs", "5",
+                                                      "--max-num-batched-tokens", "96"]))
+    assert (explicit.max_num_seqs, explicit.max_num_batched_tokens) == (5, 96)
