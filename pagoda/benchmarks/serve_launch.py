@@ -70,6 +70,7 @@ def launch_specs(args: argparse.Namespace) -> list[LaunchSpec]:
     """The servers of `--launch`, in order; vLLM once per `--vllm-modes` entry."""
     from pagoda.benchmarks.vllm_peer import (
         default_vllm_python,
+        distinct_vllm_modes,
         prepare_hf_dir,
         vllm_env,
         vllm_limits,
@@ -96,7 +97,13 @@ def launch_specs(args: argparse.Namespace) -> list[LaunchSpec]:
 
         model_dir = prepare_hf_dir(resolve_model(args.launch_model), args.launch_dtype)
         env = vllm_env(python, args.kv_cache_gib, None, preload=not args.no_vllm_preload)
-        for mode in args.vllm_modes:
+        modes = distinct_vllm_modes(args.vllm_modes, args.max_num_seqs,
+                                    args.max_num_batched_tokens)
+        if modes != list(args.vllm_modes):
+            print("note    : pagoda's limits are vLLM's defaults here "
+                  f"({args.max_num_seqs} / {args.max_num_batched_tokens}): vLLM runs once, "
+                  "as 'defaults'", flush=True)
+        for mode in modes:
             seqs, tokens = vllm_limits(mode, args.max_num_seqs, args.max_num_batched_tokens)
             argv = vllm_serve_argv(python, model_dir, port, args.launch_dtype, seqs, tokens,
                                    "vllm")

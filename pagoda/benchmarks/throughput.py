@@ -39,7 +39,7 @@ from pagoda.benchmarks.hf_baseline import (
 from pagoda.benchmarks.kv_waste import KVWasteMeter
 from pagoda.benchmarks.kv_waste import sample as sample_kv
 from pagoda.benchmarks.throughput_report import print_setup, print_table
-from pagoda.benchmarks.vllm_peer import VLLM_MODES, parse_vllm_modes
+from pagoda.benchmarks.vllm_peer import VLLM_MODES, distinct_vllm_modes, parse_vllm_modes
 from pagoda.benchmarks.workload import Workload, make_workload, rotated, workload_stats
 from pagoda.engine.gc_heap import frozen_heap
 
@@ -383,6 +383,7 @@ def build_setup(args: argparse.Namespace, src: ModelSource, workload: Workload) 
         "hf_sort": args.hf_sort_by_length,
         "vllm_python": args.vllm_python or default_vllm_python(),
         "vllm_modes": args.vllm_modes,
+        "vllm_modes_merged": getattr(args, "vllm_modes_merged", False),
         "workload_preset": args.workload,
         "rounds": args.rounds,
     }
@@ -412,6 +413,9 @@ def _add_roofline_fractions(
 def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
     """Run the benchmark that `args` describe; print setup and table; return everything."""
     _apply_defaults(args)
+    asked = list(args.vllm_modes)
+    args.vllm_modes = distinct_vllm_modes(asked, args.max_num_seqs, args.max_num_batched_tokens)
+    args.vllm_modes_merged = args.vllm_modes != asked
     if args.rounds < 1:
         raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
     args.systems = [s.strip() for s in str(args.systems).split(",") if s.strip()]

@@ -36,6 +36,8 @@ def print_setup(setup: dict[str, Any]) -> None:
             f"peers   : transformers static batches {setup['hf_batch_sizes']} on the first "
             f"{setup['hf_num_requests']} requests ({order}); vLLM: {setup['vllm_python'] or '-'}"
             f" in modes {', '.join(setup['vllm_modes'])}"
+            + (" (pagoda's limits are vLLM's defaults here: one run for both)"
+               if setup.get("vllm_modes_merged") else "")
         ),
     ]
     print("\n".join(lines), flush=True)

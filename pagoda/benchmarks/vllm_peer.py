@@ -70,6 +70,17 @@ def vllm_limits(mode: str, max_num_seqs: int, max_num_batched_tokens: int) -> tu
     return max_num_seqs, max_num_batched_tokens
 
 
+def distinct_vllm_modes(modes: list[str], max_num_seqs: int,
+                        max_num_batched_tokens: int) -> list[str]:
+    """`modes` without "pagoda-limits" where pagoda's limits are vLLM's defaults (on a CPU
+    with AMX they are, by default): the same configuration is run once, as "defaults"."""
+    same = vllm_limits("pagoda-limits", max_num_seqs, max_num_batched_tokens) == \
+        VLLM_DEFAULT_LIMITS
+    if same and "defaults" in modes and "pagoda-limits" in modes:
+        return [m for m in modes if m != "pagoda-limits"]
+    return list(modes)
+
+
 def vllm_serve_argv(
     python: str, model_dir: Path, port: int, dtype: str, max_num_seqs: int,
     max_num_batched_tokens: int, served_model_name: str,

@@ -14,7 +14,12 @@ import pytest
 from pagoda.benchmarks import serve, serve_launch, throughput, vllm_peer
 from pagoda.benchmarks.serve_launch import LaunchSpec, launched, parse_launch
 from pagoda.benchmarks.throughput_report import peer_columns, print_table
-from pagoda.benchmarks.vllm_peer import parse_vllm_modes, vllm_limits, vllm_serve_argv
+from pagoda.benchmarks.vllm_peer import (
+    distinct_vllm_modes,
+    parse_vllm_modes,
+    vllm_limits,
+    vllm_serve_argv,
+)
 from pagoda.benchmarks.workload import WORKLOAD_PRESETS, rotated
 from pagoda.entrypoints.cli import build_parser
 
@@ -31,6 +36,14 @@ def test_vllm_modes_parse_in_order_and_refuse_unknown_ones():
 def test_vllm_limits_per_mode():
     assert vllm_limits("defaults", 64, 2048) == (256, 4096)
     assert vllm_limits("pagoda-limits", 64, 2048) == (64, 2048)
+
+
+def test_vllm_modes_run_once_where_pagoda_limits_are_vllm_defaults():
+    both = ["defaults", "pagoda-limits"]
+    assert distinct_vllm_modes(both, 256, 4096) == ["defaults"]
+    assert distinct_vllm_modes(both, 64, 2048) == both
+    assert distinct_vllm_modes(both, 256, 2048) == both
+    assert distinct_vllm_modes(["pagoda-limits"], 256, 4096) == ["pagoda-limits"]
 
 
 def test_vllm_serve_command_has_the_limits_and_no_prefix_caching(tmp_path):
@@ -154,6 +167,10 @@ def test_launch_specs_pagoda_then_vllm_per_mode(tmp_path, monkeypatch):
     assert "--max-num-seqs 256" in " ".join(specs[1].argv)
     assert "--max-num-seqs 32" in " ".join(specs[2].argv)
     assert specs[1].env["VLLM_TARGET_DEVICE"] == "cpu"
+    # At vLLM's own limits the two modes are one server.
+    args = _serve_args("--launch", "pagoda,vllm", "--vllm-python", str(fake_python),
+                       "--max-num-seqs", "256", "--max-num-batched-tokens", "4096")
+    assert [s.label for s in serve_launch.launch_specs(args)] == ["pagoda", "vllm defaults"]
 
 
 def test_launch_vllm_without_an_interpreter_is_a_clear_error(tmp_path):
