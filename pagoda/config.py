@@ -65,12 +65,17 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> tor
     return KV_CACHE_DTYPES[kv_cache_dtype] or model_dtype
 
 
+def _amx_listed() -> bool:
+    """Whether the CPU lists amx_bf16: the condition both engine limits' defaults follow."""
+    return "amx_bf16" in cpu_info()[1]
+
+
 def default_max_num_seqs() -> int:
     """256 (vLLM's CPU default) on a CPU that lists amx_bf16, else 64. With AMX a step's
     products of 128+ rows run oneDNN's AMX GEMM (ops/quant_cpu.py), so more sequences per
     step cost less per token; without it a step is compute-bound from a few dozen rows and
     64 measured best (docs/architecture.md, Defaults)."""
-    return 256 if "amx_bf16" in cpu_info()[1] else 64
+    return 256 if _amx_listed() else 64
 
 
 def default_max_num_batched_tokens() -> int:
@@ -78,15 +83,11 @@ def default_max_num_batched_tokens() -> int:
     4096-row product runs nearer the GEMM's peak than two of 2048, and a burst of prompts
     is prefilled in fewer, cheaper steps; without it 2048 measured best
     (docs/architecture.md, Defaults)."""
-    return 4096 if "amx_bf16" in cpu_info()[1] else 2048
+    return 4096 if _amx_listed() else 2048
 
 
 def cpu_has_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
+    flags = cpu_info()[1]
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
