@@ -22,7 +22,7 @@
 //
 // Numerics: q . k as bf16 products exact in float32, summed in float32 (in TDPBF16PS's order,
 // not the vector path's); the softmax in float32 with a base-2 exp (its own polynomial,
-// relative error about 1e-7); P at most 2^kSlack2, rounded to bf16 before P V (2^-9 relative
+// relative error about 3e-6); P at most 2^kSlack2, rounded to bf16 before P V (2^-9 relative
 // each, as the vector path's vdpbf16ps does), its row sums taken before that rounding; O
 // summed in float32 in tile order; the output rounded once. O and l share m, so a lagging m
 // changes only rounding. AMX flushes bf16 denormal inputs to zero.
@@ -228,21 +228,22 @@ inline void scores(int s0, bool load_q, const uint16_t* q, const uint16_t* kt, i
 }
 #undef PAGODA_SCORES
 
-// 2^y for y <= kSlack2 (y = -inf gives 0): the exp of the softmax in base 2, so that the
-// scale's log2(e) folds into the scores' one multiply. Its polynomial is e^(f ln 2)'s Taylor
-// series to degree 6 on f in [-1/2, 1/2] (relative error about 1e-7, below bf16's 2^-9 that P
-// is rounded to); scalef gives 0 for the large negative n of masked or far-below-max lanes.
+// 2^y for y <= kSlack2: the exp of the softmax in base 2, so that the scale's log2(e) folds
+// into the scores' one multiply. Its polynomial is a degree-4 fit of 2^f on f in [-1/2, 1/2]
+// (relative error 2.7e-6, far below the 2^-9 of bf16 that P is rounded to; degree 6 cost 8% of
+// a 2,048-token prefill's attention for nothing P keeps). scalef gives 0 for large negative n.
+// kClamp: y may be -inf or hold lanes that are masked off afterwards (clamped to -150, whose
+// result is 0); without it y must be finite, as a full block's scores are.
+template <bool kClamp>
 __attribute__((always_inline)) inline __m512 vexp2(__m512 y) {
-  y = _mm512_max_ps(y, _mm512_set1_ps(-150.0f));
+  if constexpr (kClamp) y = _mm512_max_ps(y, _mm512_set1_ps(-150.0f));
   const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(y, n);
-  __m512 p = _mm512_set1_ps(1.5403530393381609e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  __m512 p = _mm512_set1_ps(9.570082649588585e-3f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.591784417629242e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.40247443318367e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931217908859253e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.999992847442627e-1f));
   return _mm512_scalef_ps(p, n);
 }
 
@@ -259,14 +260,16 @@ constexpr int kPBlock = 16 * kKeys;
 // than kSlack2 (in base 2): P's values are then at most 2^kSlack2, and the common block needs
 // no horizontal max and no rescaling of O, which stays in tiles across blocks. O and l share
 // m, so O / l is the same softmax; only rounding differs.
-bool softmax_block(const Problem& pr, Scratch& sc, const float* s, int rows, int64_t qp0,
-                   int64_t p0, float* m, float* l, uint16_t* p) {
+//
+// kFull: every one of the 16 rows sees every key of the block (a block below the diagonal,
+// inside any window): no masks, and the exp needs no clamp. That is nearly every block of a
+// long prompt, so it gets its own loop.
+template <bool kFull>
+bool softmax_rows(const Problem& pr, Scratch& sc, const float* s, int rows, int64_t qp0,
+                  int64_t p0, float* m, float* l, uint16_t* p) {
   const float neg_inf = -std::numeric_limits<float>::infinity();
   const float sl2 = pr.scale * 1.44269504088896341f;
   const __m512 vsl2 = _mm512_set1_ps(sl2);
-  const int64_t qp_last = qp0 + rows - 1;
-  // Every row sees every key of the block: no masks.
-  const bool full = p0 + kKeys - 1 <= qp0 && (pr.window < 0 || p0 >= qp_last - pr.window + 1);
   const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   const __m512i pa = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(p0)), iota);
   const __m512i pb = _mm512_add_epi32(pa, _mm512_set1_epi32(16));
@@ -275,19 +278,21 @@ bool softmax_block(const Problem& pr, Scratch& sc, const float* s, int rows, int
     uint16_t* prow = p + r * kKeys;
     sc.alpha[r] = 1.0f;
     __mmask16 ka = 0xFFFF, kb = 0xFFFF;
-    if (r >= rows) {
-      ka = kb = 0;
-    } else if (!full) {
-      const int64_t qp = qp0 + r;
-      const int64_t lo = pr.window >= 0 ? std::max<int64_t>(0, qp - pr.window + 1) : 0;
-      const __m512i vqp = _mm512_set1_epi32(static_cast<int>(qp));
-      const __m512i vlo = _mm512_set1_epi32(static_cast<int>(lo));
-      ka = _mm512_cmple_epi32_mask(pa, vqp) & _mm512_cmpge_epi32_mask(pa, vlo);
-      kb = _mm512_cmple_epi32_mask(pb, vqp) & _mm512_cmpge_epi32_mask(pb, vlo);
-    }
-    if ((ka | kb) == 0) {
-      _mm512_storeu_si512(prow, _mm512_setzero_si512());
-      continue;
+    if constexpr (!kFull) {
+      if (r >= rows) {
+        ka = kb = 0;
+      } else {
+        const int64_t qp = qp0 + r;
+        const int64_t lo = pr.window >= 0 ? std::max<int64_t>(0, qp - pr.window + 1) : 0;
+        const __m512i vqp = _mm512_set1_epi32(static_cast<int>(qp));
+        const __m512i vlo = _mm512_set1_epi32(static_cast<int>(lo));
+        ka = _mm512_cmple_epi32_mask(pa, vqp) & _mm512_cmpge_epi32_mask(pa, vlo);
+        kb = _mm512_cmple_epi32_mask(pb, vqp) & _mm512_cmpge_epi32_mask(pb, vlo);
+      }
+      if ((ka | kb) == 0) {
+        _mm512_storeu_si512(prow, _mm512_setzero_si512());
+        continue;
+      }
     }
     const __m512 sa = _mm512_load_ps(s + r * kKeys);
     const __m512 sb = _mm512_load_ps(s + r * kKeys + 16);
@@ -319,14 +324,26 @@ bool softmax_block(const Problem& pr, Scratch& sc, const float* s, int rows, int
       ya = _mm512_fmsub_ps(sa, vsl2, mv);
       yb = _mm512_fmsub_ps(sb, vsl2, mv);
     }
-    const __m512 ea = _mm512_maskz_mov_ps(ka, vexp2(ya));
-    const __m512 eb = _mm512_maskz_mov_ps(kb, vexp2(yb));
+    __m512 ea = vexp2<!kFull>(ya), eb = vexp2<!kFull>(yb);
+    if constexpr (!kFull) {
+      ea = _mm512_maskz_mov_ps(ka, ea);
+      eb = _mm512_maskz_mov_ps(kb, eb);
+    }
     // The row's sum per lane, reduced once at the end.
     float* lr = l + r * 16;
     _mm512_storeu_ps(lr, _mm512_add_ps(_mm512_loadu_ps(lr), _mm512_add_ps(ea, eb)));
     _mm512_storeu_si512(prow, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(eb, ea)));
   }
   return moved;
+}
+
+bool softmax_block(const Problem& pr, Scratch& sc, const float* s, int rows, int64_t qp0,
+                   int64_t p0, float* m, float* l, uint16_t* p) {
+  const int64_t qp_last = qp0 + rows - 1;
+  const bool full = rows == 16 && p0 + kKeys - 1 <= qp0 &&
+                    (pr.window < 0 || p0 >= qp_last - pr.window + 1);
+  return full ? softmax_rows<true>(pr, sc, s, rows, qp0, p0, m, l, p)
+              : softmax_rows<false>(pr, sc, s, rows, qp0, p0, m, l, p);
 }
 
 // O += P V over the blocks listed (their P in sc.p, slot i for blk[i]), O [16][D] float32 in
