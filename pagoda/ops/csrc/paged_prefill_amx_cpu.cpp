@@ -230,8 +230,8 @@ inline void scores(int s0, bool load_q, const uint16_t* q, const uint16_t* kt, i
 
 // 2^y for y <= kSlack2: the exp of the softmax in base 2, so that the scale's log2(e) folds
 // into the scores' one multiply. Its polynomial is a degree-4 fit of 2^f on f in [-1/2, 1/2]
-// (relative error 2.7e-6, far below the 2^-9 of bf16 that P is rounded to; degree 6 cost 8% of
-// a 2,048-token prefill's attention for nothing P keeps). scalef gives 0 for large negative n.
+// (relative error 2.7e-6: a higher degree buys nothing, P being rounded to bf16's 2^-9).
+// scalef gives 0 for large negative n.
 // kClamp: y may be -inf or hold lanes that are masked off afterwards (clamped to -150, whose
 // result is 0); without it y must be finite, as a full block's scores are.
 template <bool kClamp>
