@@ -184,6 +184,12 @@ struct Problem {
   int64_t num_sinks = 0;
 };
 
+// A work item: request b's kv heads [kvh0, kvh1) and their query heads (for_each_item).
+struct OneItem {
+  int64_t b;
+  int kvh0, kvh1;
+};
+
 // Element i of a query tensor q (p.q or p.q_sink), which has q's dtype.
 inline float load_q(const Problem& p, const void* q, int64_t i) {
   if (p.q_is_bf16) {
@@ -1337,9 +1343,18 @@ inline void decode_tile(const Problem& p, const KV* k_cache, const KV* v_cache,
 
 // Positions [start, end) of request b's context (block table `table`) into the item's
 // running softmax and accumulators.
+// `next`: the first tile of the thread's next item, whose rows are asked for during this
+// range's last tiles (nullptr: none).
+struct NextTile {
+  const int64_t* table;
+  int64_t start, end;
+  int kvh0, kvh1;
+};
+
 template <typename KV, int kD, bool kDot>
 void attend_range(const Problem& p, const KV* k_cache, const KV* v_cache, const int64_t* table,
-                  int64_t start, int64_t end, int kvh0, int kvh1, AvxScratch& s) {
+                  int64_t start, int64_t end, int kvh0, int kvh1, AvxScratch& s,
+                  const NextTile* next = nullptr) {
   if (start >= end) return;
   const int64_t row_stride = static_cast<int64_t>(p.num_kv_heads) * kD;
   const int64_t col0 = static_cast<int64_t>(kvh0) * kD;
@@ -1370,7 +1385,17 @@ void attend_range(const Problem& p, const KV* k_cache, const KV* v_cache, const 
   for (int64_t tile = first; tile <= last; ++tile) {
     const TileRows& tr = rows_of(tile);
     pf.flush();  // the rest of tile + kAhead - 1's rows (all of the first ones')
-    if (tile + kAhead <= last) ask_for(tile + kAhead);
+    if (tile + kAhead <= last) {
+      ask_for(tile + kAhead);
+    } else if (tile + kAhead == last + 1 && next != nullptr) {
+      // NOTE: without this, the next item's first tile would be asked for only when that
+      // item starts, all at once, with nothing to compute while it arrives.
+      TileRows ntr;
+      tile_rows(p.block_size, next->table, row_stride, next->start / kTile, next->start,
+                next->end, ntr);
+      pf.start(k_cache, v_cache, ntr, static_cast<int64_t>(next->kvh0) * kD,
+               static_cast<int64_t>(next->kvh1 - next->kvh0) * kD * sizeof(KV));
+    }
     if (staged) {
       const int64_t at = (tile - first) * kTile * p.num_kv_heads;
       s.k_tile = s.k_stage.data() + at;
@@ -1380,9 +1405,17 @@ void attend_range(const Problem& p, const KV* k_cache, const KV* v_cache, const 
   }
 }
 
+// Where request b's attention starts: its first sink, else its window's first position.
+inline int64_t range_start(const Problem& p, int64_t seq_len) {
+  if (p.q_sink != nullptr) return 0;
+  return p.window >= 0 ? std::max<int64_t>(0, seq_len - p.window) : 0;
+}
+
 template <typename KV, int kD, bool kDot>
-void decode_one_avx(const Problem& p, const KV* k_cache, const KV* v_cache, int64_t b, int kvh0,
-                    int kvh1, AvxScratch& s) {
+void decode_one_avx(const Problem& p, const KV* k_cache, const KV* v_cache, const OneItem& it,
+                    AvxScratch& s, const OneItem* next_item) {
+  const int64_t b = it.b;
+  const int kvh0 = it.kvh0, kvh1 = it.kvh1;
   const int G = p.num_heads / p.num_kv_heads;
   const int nh = (kvh1 - kvh0) * G;
   const int64_t seq_len = p.seq_lens[b];
@@ -1397,8 +1430,16 @@ void decode_one_avx(const Problem& p, const KV* k_cache, const KV* v_cache, int6
                                std::min(p.num_sinks, seq_len), kvh0, kvh1, s);
     start = std::max(start, p.num_sinks);
   }
+  NextTile next{};
+  if (next_item != nullptr) {
+    const int64_t len = p.seq_lens[next_item->b];
+    next = NextTile{p.block_tables + next_item->b * p.bt_stride, range_start(p, len), len,
+                    next_item->kvh0, next_item->kvh1};
+  }
+  const bool ahead = next_item != nullptr && next.start < next.end;
   stage_queries<KV, kD, kDot>(p, p.q, q_base, nh, s);
-  attend_range<KV, kD, kDot>(p, k_cache, v_cache, table, start, seq_len, kvh0, kvh1, s);
+  attend_range<KV, kD, kDot>(p, k_cache, v_cache, table, start, seq_len, kvh0, kvh1, s,
+                             ahead ? &next : nullptr);
   for (int j = 0; j < nh; ++j) {
     const float l = lane_sum16(s.l.data() + j * kTile);
     const float inv = l > 0.0f ? 1.0f / l : 0.0f;
@@ -1536,16 +1577,15 @@ void decode_one(const Problem& p, const KV* k_cache, const KV* v_cache, int64_t 
   }
 }
 
-// Runs fn(item, scratch) for every work item on the torch thread count. A work item is a
-// request, or one kv head of a request when there are too few requests to keep the threads
+// Runs fn(item, scratch, next) for every work item on the torch thread count. A work item is
+// a request, or one kv head of a request when there are too few requests to keep the threads
 // busy (a whole request per item reads each block sequentially: best for the memory system).
+// Items are taken one at a time from a shared counter (context lengths, so work per item,
+// vary widely), each thread one ahead: `next` is the item the thread runs after this one
+// (nullptr: none), so that the vector path can ask for its first rows while it finishes.
 //
 // With `one`, only that item, on the calling thread (from inside the caller's OpenMP region:
 // the one-region decode stack), with a scratch kept per thread from one call to the next.
-struct OneItem {
-  int64_t b;
-  int kvh0, kvh1;
-};
 
 template <typename ScratchT, typename Fn>
 void for_each_item(const Problem& p, int64_t batch, int scratch_heads_per_kv, Fn fn,
@@ -1559,21 +1599,27 @@ void for_each_item(const Problem& p, int64_t batch, int scratch_heads_per_kv, Fn
       kept = std::make_unique<ScratchT>(heads, p.head_dim, p.block_size);
       kept_shape = shape;
     }
-    fn(one->b, one->kvh0, one->kvh1, *kept);
+    fn(*one, *kept, static_cast<const OneItem*>(nullptr));
     return;
   }
   const int num_threads = at::get_num_threads();
   const int heads_per_item = batch >= 4 * num_threads ? p.num_kv_heads : 1;
   const int items_per_req = p.num_kv_heads / heads_per_item;
   const int64_t num_items = batch * items_per_req;
+  auto item_of = [&](int64_t item) {
+    const int kvh0 = static_cast<int>(item % items_per_req) * heads_per_item;
+    return OneItem{item / items_per_req, kvh0, kvh0 + heads_per_item};
+  };
+  std::atomic<int64_t> counter{0};
 #pragma omp parallel num_threads(num_threads)
   {
     ScratchT s(heads_per_item * scratch_heads_per_kv, p.head_dim, p.block_size);
-    // NOTE: dynamic scheduling because context lengths (work per item) vary widely.
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < num_items; ++item) {
-      const int kvh0 = static_cast<int>(item % items_per_req) * heads_per_item;
-      fn(item / items_per_req, kvh0, kvh0 + heads_per_item, s);
+    int64_t cur = counter.fetch_add(1, std::memory_order_relaxed);
+    while (cur < num_items) {
+      const int64_t nxt = counter.fetch_add(1, std::memory_order_relaxed);
+      const OneItem next = nxt < num_items ? item_of(nxt) : OneItem{};
+      fn(item_of(cur), s, nxt < num_items ? &next : nullptr);
+      cur = nxt;
     }
   }
 }
@@ -1583,8 +1629,8 @@ template <typename KV, int kD, bool kDot>
 void decode_all_avx(const Problem& p, const KV* k, const KV* v, int64_t batch,
                     const OneItem* one) {
   for_each_item<AvxScratch>(p, batch, p.num_heads / p.num_kv_heads,
-                            [&](int64_t b, int kvh0, int kvh1, AvxScratch& s) {
-                              decode_one_avx<KV, kD, kDot>(p, k, v, b, kvh0, kvh1, s);
+                            [&](const OneItem& it, AvxScratch& s, const OneItem* next) {
+                              decode_one_avx<KV, kD, kDot>(p, k, v, it, s, next);
                             }, one);
 }
 
@@ -1630,8 +1676,8 @@ void dispatch_head_dim(const Problem& p, const KV* k, const KV* v, int64_t batch
   }
 #endif
   for_each_item<Scratch>(p, batch, p.num_heads / p.num_kv_heads,
-                         [&](int64_t b, int kvh0, int kvh1, Scratch& s) {
-                           decode_one<KV>(p, k, v, b, kvh0, kvh1, s);
+                         [&](const OneItem& it, Scratch& s, const OneItem* /*next*/) {
+                           decode_one<KV>(p, k, v, it.b, it.kvh0, it.kvh1, s);
                          }, one);
 }
 
