@@ -147,9 +147,11 @@ class EngineClient:
         raise NotImplementedError
 
     async def generate(
-        self, requests: list[EngineRequest], arrival_time: float | None = None
+        self, requests: list[EngineRequest], arrival_time: float | None = None,
+        more_coming: int = 0,
     ) -> OutputStream:
-        """Adds all `requests` (or none) and returns their output stream.
+        """Adds all `requests` (or none) and returns their output stream. `more_coming`:
+        other requests received and not yet sent (an idle engine waits a little for them).
 
         Raises ValueError from the engine's validation, QueueFullError, EngineDeadError.
         Returns once the engine has accepted them (at most one step later).
@@ -172,7 +174,7 @@ class EngineClient:
             self._streams[rid] = stream
         try:
             await self._request(lambda token: AddCommand(
-                requests, arrival_time or time.monotonic(), token), num_seqs)
+                requests, arrival_time or time.monotonic(), token, more_coming), num_seqs)
         except asyncio.CancelledError:
             self.abort(stream.request_ids)
             raise

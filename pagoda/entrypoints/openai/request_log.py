@@ -34,6 +34,19 @@ _current: contextvars.ContextVar[RequestRecord | None] = contextvars.ContextVar(
     "pagoda_request_record", default=None)
 
 
+# The routes whose requests go to the engine: counted in `Arrivals` until they do.
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+
+@dataclass(slots=True)
+class Arrivals:
+    """Generation requests received and not yet handed to the engine (or failed first);
+    an add tells the engine how many others are still coming (engine_core.py: an idle
+    engine gathers a burst into one step). Event-loop state: no lock."""
+
+    pending: int = 0
+
+
 @dataclass(slots=True)
 class RequestRecord:
     request_id: str
@@ -50,6 +63,15 @@ class RequestRecord:
     error_type: str | None = None
     finish_reasons: dict[tuple[str, int], str] = field(default_factory=dict)
     _prompts_seen: set[str] = field(default_factory=set)
+    arrivals: Arrivals | None = None  # counted there until leave_arrivals()
+
+    def leave_arrivals(self) -> int:
+        """Stops counting this request as arriving (once); the others still arriving."""
+        if self.arrivals is None:
+            return 0
+        self.arrivals.pending -= 1
+        others, self.arrivals = self.arrivals.pending, None
+        return others
 
     def observe(self, out: RequestOutput) -> None:
         """Counts one engine output of this request (on the event loop)."""
@@ -110,8 +132,10 @@ class RequestObserver:
     response header, and at the end the error / tenant counters and the log line."""
 
     def __init__(self, app: ASGIApp, metrics: EngineMetrics, api_keys: APIKeys,
-                 tenant_prefixes: tuple[str, ...], log_requests: bool) -> None:
+                 tenant_prefixes: tuple[str, ...], log_requests: bool,
+                 arrivals: Arrivals | None = None) -> None:
         self.app, self.metrics, self.api_keys = app, metrics, api_keys
+        self.arrivals = arrivals
         self.tenant_prefixes = tenant_prefixes
         self.log_requests = log_requests
         if api_keys:
@@ -126,6 +150,9 @@ class RequestObserver:
         if self.api_keys and path.startswith(self.tenant_prefixes):
             record.tenant = self.api_keys.tenant_of(scope)
         header = (b"x-request-id", record.request_id.encode())
+        if self.arrivals is not None and scope["method"] == "POST" and path in GENERATION_PATHS:
+            self.arrivals.pending += 1
+            record.arrivals = self.arrivals
 
         async def observing_send(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -140,6 +167,7 @@ class RequestObserver:
             await self.app(scope, receive, observing_send)
         finally:
             _current.reset(token)
+            record.leave_arrivals()  # NOTE: refused or failed before it reached the engine
             self._finish(record)
 
     def _finish(self, record: RequestRecord) -> None:

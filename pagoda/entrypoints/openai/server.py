@@ -100,7 +100,8 @@ def create_app(state: ServerState, api_key: str | None = None,
     app.add_middleware(HTTPGuard, state=state, api_keys=api_keys, max_body_bytes=max_body_bytes)
     # NOTE: added last, so outermost: it sees the guard's 401 / 413 answers too.
     app.add_middleware(RequestObserver, metrics=state.metrics, api_keys=api_keys,
-                       tenant_prefixes=_TENANT_PREFIXES, log_requests=log_requests)
+                       tenant_prefixes=_TENANT_PREFIXES, log_requests=log_requests,
+                       arrivals=state.arrivals)
     return app
 
 

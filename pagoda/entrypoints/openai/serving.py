@@ -37,7 +37,7 @@ from pagoda.engine.detokenizer import decode_token
 from pagoda.engine.metrics import EngineMetrics
 from pagoda.entrypoints.openai.prompt_limits import max_prompt_chars
 from pagoda.entrypoints.openai.protocol import APIError, bad_request, error_body
-from pagoda.entrypoints.openai.request_log import current_record, note_error
+from pagoda.entrypoints.openai.request_log import Arrivals, current_record, note_error
 from pagoda.outputs import RequestOutput
 
 T = TypeVar("T")
@@ -66,6 +66,8 @@ class ServerState:
     # and the engine thread competes for the same two cores anyway.
     tokenizer_pool: ThreadPoolExecutor = field(
         init=False, default_factory=lambda: ThreadPoolExecutor(1, "pagoda-tokenize"))
+    # Generation requests received and not yet handed to the engine (request_log.py).
+    arrivals: Arrivals = field(init=False, default_factory=Arrivals)
 
     def __post_init__(self) -> None:
         self.max_prompt_chars = max_prompt_chars(self.tokenizer, self.max_model_len)
@@ -107,8 +109,10 @@ async def submit(
     state: ServerState, requests: list[EngineRequest], arrival_time: float
 ) -> OutputStream:
     """Hands `requests` to the engine; maps its refusals to APIErrors (400, 429, 503)."""
+    record = current_record()
+    more_coming = record.leave_arrivals() if record is not None else 0
     try:
-        stream = await state.engine.generate(requests, arrival_time)
+        stream = await state.engine.generate(requests, arrival_time, more_coming)
     except ValueError as e:
         raise bad_request(e) from e
     except QueueFullError as e:
@@ -117,7 +121,6 @@ async def submit(
         raise shutdown_error(e) from e
     except EngineDeadError as e:
         raise APIError(503, str(e)) from e
-    record = current_record()
     if record is not None:
         stream.observer = record.observe
     return stream
