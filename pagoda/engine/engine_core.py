@@ -172,7 +172,7 @@ class EngineCore:
                 idle = not self.engine.has_unfinished_requests()
                 commands, stopping = self._wait_for_work()
                 more = self._apply_all(commands)
-                if idle and more > 0 and not stopping:
+                if idle and more and not stopping:
                     stopping = self._gather(more)
                 if stopping:
                     self._abort_everything()
@@ -197,9 +197,9 @@ class EngineCore:
             self._commands.clear()
             return commands, self._stopping
 
-    def _apply_all(self, commands: list[Any]) -> int:
-        """Applies `commands`; the last add's `more_coming` (0 without an add)."""
-        more = 0
+    def _apply_all(self, commands: list[Any]) -> int | None:
+        """Applies `commands`; the last add's `more_coming` (None without an add)."""
+        more = None
         for command in commands:
             self._apply(command)
             if isinstance(command, AddCommand):
@@ -220,11 +220,10 @@ class EngineCore:
                 commands = list(self._commands)
                 self._commands.clear()
                 stopping = self._stopping
-            adds = [c for c in commands if isinstance(c, AddCommand)]
             last = self._apply_all(commands)
             if stopping:
                 return True
-            if adds:
+            if last is not None:
                 more = last
         return False
 

@@ -73,6 +73,12 @@ def wait_for(pred, timeout: float = 10.0) -> None:
         time.sleep(0.002)
 
 
+def first_output_after(sink: Sink, rid: str, sent: float) -> float:
+    """Seconds from `sent` to request `rid`'s first output (waits for it)."""
+    wait_for(lambda: rid in sink.first_output)
+    return sink.first_output[rid] - sent
+
+
 def stop(core: EngineCore, loop: threading.Thread) -> None:
     core.stop()
     loop.join(10)
@@ -98,9 +104,7 @@ def test_an_announced_burst_is_one_first_step() -> None:
 def test_a_lone_request_waits_for_nothing() -> None:
     core, _engine, sink, loop = started(gather_s=30.0)
     try:
-        sent = add(core, "a", 0, 0)
-        wait_for(lambda: "a" in sink.first_output)
-        assert sink.first_output["a"] - sent < 5.0
+        assert first_output_after(sink, "a", add(core, "a", 0, 0)) < 5.0
     finally:
         stop(core, loop)
 
@@ -109,8 +113,7 @@ def test_the_wait_is_bounded() -> None:
     core, engine, sink, loop = started(gather_s=0.3)
     try:
         sent = add(core, "a", 3, 0)  # NOTE: announced requests that never come
-        wait_for(lambda: "a" in sink.first_output)
-        assert 0.3 <= sink.first_output["a"] - sent < 10.0
+        assert 0.3 <= first_output_after(sink, "a", sent) < 10.0
         assert engine.steps[0] == {"a"}
     finally:
         stop(core, loop)
@@ -119,11 +122,8 @@ def test_the_wait_is_bounded() -> None:
 def test_a_busy_engine_does_not_wait() -> None:
     core, _engine, sink, loop = started(gather_s=30.0)
     try:
-        add(core, "x", 0, 0, max_tokens=FOREVER)
-        wait_for(lambda: "x" in sink.first_output)
-        sent = add(core, "a", 5, 1)
-        wait_for(lambda: "a" in sink.first_output)
-        assert sink.first_output["a"] - sent < 5.0
+        first_output_after(sink, "x", add(core, "x", 0, 0, max_tokens=FOREVER))
+        assert first_output_after(sink, "a", add(core, "a", 5, 1)) < 5.0
     finally:
         stop(core, loop)
 

@@ -190,6 +190,11 @@ struct OneItem {
   int kvh0, kvh1;
 };
 
+// The first position a query at seq_len - 1 attends to within its window (0: no window).
+inline int64_t window_start(const Problem& p, int64_t seq_len) {
+  return p.window >= 0 ? std::max<int64_t>(0, seq_len - p.window) : 0;
+}
+
 // Element i of a query tensor q (p.q or p.q_sink), which has q's dtype.
 inline float load_q(const Problem& p, const void* q, int64_t i) {
   if (p.q_is_bf16) {
@@ -1407,8 +1412,7 @@ void attend_range(const Problem& p, const KV* k_cache, const KV* v_cache, const 
 
 // Where request b's attention starts: its first sink, else its window's first position.
 inline int64_t range_start(const Problem& p, int64_t seq_len) {
-  if (p.q_sink != nullptr) return 0;
-  return p.window >= 0 ? std::max<int64_t>(0, seq_len - p.window) : 0;
+  return p.q_sink != nullptr ? 0 : window_start(p, seq_len);
 }
 
 template <typename KV, int kD, bool kDot>
@@ -1419,7 +1423,7 @@ void decode_one_avx(const Problem& p, const KV* k_cache, const KV* v_cache, cons
   const int G = p.num_heads / p.num_kv_heads;
   const int nh = (kvh1 - kvh0) * G;
   const int64_t seq_len = p.seq_lens[b];
-  int64_t start = p.window >= 0 ? std::max<int64_t>(0, seq_len - p.window) : 0;
+  int64_t start = window_start(p, seq_len);
   const int64_t q_base = (b * p.num_heads + static_cast<int64_t>(kvh0) * G) * kD;
   const int64_t* table = p.block_tables + b * p.bt_stride;
   reset_state(nh, kD, s);
@@ -1556,7 +1560,7 @@ void decode_one(const Problem& p, const KV* k_cache, const KV* v_cache, int64_t 
   const int G = p.num_heads / p.num_kv_heads;
   const int nh = (kvh1 - kvh0) * G;  // query heads in this item
   const int64_t seq_len = p.seq_lens[b];
-  int64_t start = p.window >= 0 ? std::max<int64_t>(0, seq_len - p.window) : 0;
+  int64_t start = window_start(p, seq_len);
   const int64_t q_base = (b * p.num_heads + static_cast<int64_t>(kvh0) * G) * D;
   const int64_t* table = p.block_tables + b * p.bt_stride;
   std::fill(s.acc.begin(), s.acc.begin() + nh * D, 0.0f);
