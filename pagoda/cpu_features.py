@@ -51,6 +51,20 @@ def cpu_info() -> tuple[str, frozenset[str]]:
     return name, flags
 
 
+@functools.cache
+def cpu_vendor() -> str:
+    """The first processor's vendor_id in /proc/cpuinfo (GenuineIntel, AuthenticAMD, ...);
+    "unknown" if none."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "unknown"
+    for line in text.splitlines():
+        if line.startswith("vendor_id"):
+            return line.split(":", 1)[1].strip() or "unknown"
+    return "unknown"
+
+
 def isa_report(flags: frozenset[str] | None = None) -> dict[str, bool]:
     """Each flag of ISA_FLAGS -> whether the CPU lists it."""
     flags = cpu_info()[1] if flags is None else flags

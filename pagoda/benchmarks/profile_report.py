@@ -56,6 +56,8 @@ def _dispatch(d: dict[str, Any]) -> list[str]:
         detail = wide.get("timings", wide.get("reason", ""))
         lines.append(f"wide bf16 GEMMs          : {how} ({wide.get('mode')}; {detail})")
     lines.append(f"attention backend        : {d['attention_backend']}")
+    if d.get("kv_prefetch"):
+        lines.append(f"decode K/V prefetch      : {d['kv_prefetch']}")
     lines.append("fused decoder layers     : " + ("on (one C++ call per layer between attention "
                  "calls)" if d.get("fused_layers") else "off (op by op)"))
     return lines

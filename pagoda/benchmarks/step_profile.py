@@ -231,6 +231,20 @@ def machine_section() -> dict[str, Any]:
     }
 
 
+def _kv_prefetch() -> str | None:
+    """Where decode attention's K/V prefetches land in this process, and why."""
+    import os
+
+    from pagoda.cpu_features import cpu_vendor
+    from pagoda.ops import cpu_kernels
+
+    ext = cpu_kernels.kernel_for("paged_attention")
+    if ext is None:
+        return None
+    mode = os.environ.get("PAGODA_KV_PREFETCH", "auto")
+    return f"{'L2' if ext.kv_prefetch_l2() else 'L1'} (PAGODA_KV_PREFETCH={mode}, {cpu_vendor()})"
+
+
 def run_step_profile(args: argparse.Namespace) -> dict[str, Any]:
     """Run every case; print the report; return it (the keys of SECTIONS)."""
     from pagoda.benchmarks.onednn_probe import probe
@@ -257,7 +271,8 @@ def run_step_profile(args: argparse.Namespace) -> dict[str, Any]:
                           "gemms": gemm_dispatch(engine),
                           "fused_layers": engine.executor.worker.model.fused_stack() is not None,
                           "attention_backend": engine.config.model.attn_backend,
-                          "wide_bf16_gemm": wide_gemm.probe_report() or None}
+                          "wide_bf16_gemm": wide_gemm.probe_report() or None,
+                          "kv_prefetch": _kv_prefetch()}
     spec = engine.executor.worker.model.spec
     shapes = [((spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim, spec.hidden_size),
               (spec.hidden_size, spec.num_heads * spec.head_dim),

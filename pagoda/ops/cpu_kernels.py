@@ -236,7 +236,35 @@ def load_extension() -> ModuleType | None:
         _load_failed = _module is None
         if _module is not None:
             configure_prefill_amx(_module)
+            configure_kv_prefetch(_module)
     return _module
+
+
+KV_PREFETCH_MODES = ("auto", "l1", "l2")
+
+
+def kv_prefetch_level(mode: str, vendor: str) -> str:
+    """Where decode attention's software prefetches of K/V rows land under
+    `PAGODA_KV_PREFETCH` = `mode`: l1 or l2 as asked; auto: l2 on AMD, l1 elsewhere.
+    Zen's L1 can wait on few lines at once and its L2 on many more, so L1 prefetches cap a
+    core's read rate there (measured: attention_cpu.h, g_kv_prefetch_l2); on the AMX Xeons
+    L2 prefetches were slower."""
+    if mode not in KV_PREFETCH_MODES:
+        raise ValueError(f"PAGODA_KV_PREFETCH={mode!r}: expected one of {list(KV_PREFETCH_MODES)}")
+    if mode != "auto":
+        return mode
+    return "l2" if vendor == "AuthenticAMD" else "l1"
+
+
+def configure_kv_prefetch(ext: ModuleType) -> str:
+    """Set decode attention's prefetch level in `ext` (once per load); the level set."""
+    from pagoda.cpu_features import cpu_vendor
+
+    mode = os.environ.get("PAGODA_KV_PREFETCH", "auto").strip().lower() or "auto"
+    level = kv_prefetch_level(mode, cpu_vendor())
+    ext.set_kv_prefetch_l2(level == "l2")
+    logger.debug("decode attention prefetches K/V into %s (mode %s)", level.upper(), mode)
+    return level
 
 
 PREFILL_AMX_MODES = ("auto", "off")

@@ -124,6 +124,9 @@ def test_dispatch_names_every_op_and_gemm(report):
     assert d["fused_layers"] or "silu_and_mul" in d["ops"]
     assert {"qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head"} <= set(d["gemms"])
     assert all(d["ops"].values())
+    if "cpp" in d["ops"]["paged_attention"]:
+        assert d["kv_prefetch"].startswith(("L1 (", "L2 ("))
+        assert "decode K/V prefetch" in format_report(report)
 
 
 def test_onednn_section_reports_gemms_or_an_error(report):

@@ -260,3 +260,59 @@ def test_extension_name_carries_a_cpu_tag() -> None:
     name = cpu_kernels.extension_name()
     assert name.startswith("pagoda_paged_attention_cpu_") and name == cpu_kernels.extension_name()
     assert len(name.rsplit("_", 1)[1]) >= 7
+
+
+@pytest.mark.parametrize(("mode", "vendor", "want"), [
+    ("auto", "AuthenticAMD", "l2"),
+    ("auto", "GenuineIntel", "l1"),
+    ("auto", "unknown", "l1"),
+    ("l1", "AuthenticAMD", "l1"),
+    ("l2", "GenuineIntel", "l2"),
+])
+def test_kv_prefetch_level_follows_vendor_unless_asked(mode: str, vendor: str,
+                                                       want: str) -> None:
+    assert cpu_kernels.kv_prefetch_level(mode, vendor) == want
+
+
+def test_kv_prefetch_level_refuses_unknown_modes() -> None:
+    with pytest.raises(ValueError, match="PAGODA_KV_PREFETCH='l3'"):
+        cpu_kernels.kv_prefetch_level("l3", "AuthenticAMD")
+
+
+def test_configure_kv_prefetch_sets_the_extension(monkeypatch: pytest.MonkeyPatch) -> None:
+    _ext_or_skip()
+    ext = cpu_kernels.load_extension()
+    before = ext.kv_prefetch_l2()
+    try:
+        for vendor, want in (("AuthenticAMD", True), ("GenuineIntel", False)):
+            monkeypatch.setattr("pagoda.cpu_features.cpu_vendor", lambda v=vendor: v)
+            monkeypatch.delenv("PAGODA_KV_PREFETCH", raising=False)
+            assert cpu_kernels.configure_kv_prefetch(ext) == ("l2" if want else "l1")
+            assert ext.kv_prefetch_l2() is want
+            monkeypatch.setenv("PAGODA_KV_PREFETCH", "l1" if want else "l2")
+            cpu_kernels.configure_kv_prefetch(ext)
+            assert ext.kv_prefetch_l2() is not want
+    finally:
+        ext.set_kv_prefetch_l2(before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefetch_level_leaves_outputs_bit_identical(dtype: torch.dtype) -> None:
+    """The prefetch hint moves no arithmetic: both levels give the same bits, over enough
+    requests and tiles that every thread takes several items."""
+    _ext_or_skip()
+    ext = cpu_kernels.load_extension()
+    before = ext.kv_prefetch_l2()
+    case = _make_case(SEQ_LENS * 4, num_kv_heads=3, group=3, dtype=dtype, seed=11)
+    q, k_cache, v_cache, bt, lens = case
+    outs = []
+    try:
+        for l2 in (False, True):
+            ext.set_kv_prefetch_l2(l2)
+            assert ext.kv_prefetch_l2() is l2
+            outs.append(_kernel(q, k_cache, v_cache, bt, lens, HEAD_DIM**-0.5, None))
+    finally:
+        ext.set_kv_prefetch_l2(before)
+    assert torch.equal(outs[0], outs[1])
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(outs[1].double(), _naive(*case, None), atol=tol, rtol=tol)

@@ -167,3 +167,23 @@ def test_kernels_refuse_missing_or_stray_scales(ext) -> None:
         ext.paged_decode_attention(out, q, kc.float(), vc.float(), tables, lens, 1.0, -1, ks, vs)
     with pytest.raises(RuntimeError, match=r"float32 \[N, bs, Hk\]"):
         ext.paged_decode_attention(out, q, kc, vc, tables, lens, 1.0, -1, ks[:1], vs)
+
+
+@pytest.mark.parametrize("code", CODES)
+def test_prefetch_level_leaves_quantized_outputs_bit_identical(ext, code) -> None:
+    """The code paths share decode attention's prefetcher (two tiles ahead): the L1 and L2
+    levels (cpu_kernels.configure_kv_prefetch) give the same bits."""
+    q, kc, vc, tables, lens, ks, vs = _attention_case([3, 33, 64, 17, 301] * 3, 3, 3, 64, 16,
+                                                      code, torch.bfloat16, seed=5)
+    args = (q, kc, vc, tables, lens, 0.125, None, None, ks, vs)
+    kernel = ops.paged_attention.select(*args)
+    assert kernel is not ops.paged_attention.reference
+    before = ext.kv_prefetch_l2()
+    outs = []
+    try:
+        for l2 in (False, True):
+            ext.set_kv_prefetch_l2(l2)
+            outs.append(kernel(*args))
+    finally:
+        ext.set_kv_prefetch_l2(before)
+    assert torch.equal(outs[0], outs[1])

@@ -26,6 +26,13 @@ namespace pagoda_attn {
 // False when a test has turned the bf16 dot-product paths off (to exercise the fallback).
 inline std::atomic<bool> g_use_bf16_dot{true};
 
+// Where the decode kernel's software prefetches of K/V rows land: false = L1 (T0 hint),
+// true = L2 (T1 hint). Set once per process from the CPU's vendor (cpu_kernels.py,
+// configure_kv_prefetch). NOTE (measured): on an AMD EPYC Zen 4 one core with T0 prefetches
+// read 12 GB/s, as many lines as its L1 can have in flight; T1 ones, which the L2's larger
+// miss queue tracks, 22 GB/s. On the AMX Xeons L2 hints were slower.
+inline std::atomic<bool> g_kv_prefetch_l2{false};
+
 // int8 codes, and uint8 = fp8 e4m3fn codes, carry a scale per (token, kv head).
 template <typename KV>
 constexpr bool kQuantized = std::is_same_v<KV, int8_t> || std::is_same_v<KV, uint8_t>;

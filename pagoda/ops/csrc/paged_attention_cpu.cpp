@@ -282,13 +282,15 @@ inline int row_index(int d) {
 // prefetchers cannot run ahead across blocks and a software prefetch is needed for every
 // line (every other line: 2x slower). All ~200 of a tile at once stall on the core's few
 // miss buffers (2x slower than spreading them); prefetching further than one tile ahead
-// overflows L1 (48 KiB: 2-4 tiles ahead were 10-20% slower), and L2 hints were slower.
+// overflows L1 (48 KiB: 2-4 tiles ahead were 10-20% slower), and L2 hints were slower
+// there (an AMX Xeon); on an AMD EPYC they are the fast ones (g_kv_prefetch_l2).
 // So issue() is called at a few points per group of tokens and asks for one unit: 128 bytes
 // (two lines) of K and the same of V. A row's last unit may be a single line (spans of
 // 64 * odd bytes, e.g. head dim 96 in bf16), and a row is done once its span is covered:
 // the loop in flush() ends for any span.
 struct Prefetcher {
   static constexpr int64_t kUnit = 128;
+  bool l2 = false;  // g_kv_prefetch_l2, read at start()
   const char* k = nullptr;
   intptr_t v_minus_k = 0;
   int64_t off[kTile];  // byte offsets of the rows (plus the first kv head's column)
@@ -304,14 +306,24 @@ struct Prefetcher {
       done = 0;
     }
     const char* pk = base + done;
-    const char* pv = pk + v_minus_k;
-    _mm_prefetch(pk, _MM_HINT_T0);
-    _mm_prefetch(pv, _MM_HINT_T0);
-    if (done + 64 < span) {
-      _mm_prefetch(pk + 64, _MM_HINT_T0);
-      _mm_prefetch(pv + 64, _MM_HINT_T0);
+    const bool two = done + 64 < span;
+    if (l2) {
+      line<2>(pk, two);  // locality 2: prefetcht1
+    } else {
+      line<3>(pk, two);  // locality 3: prefetcht0
     }
     done += kUnit;
+  }
+
+  template <int kLocality>
+  inline void line(const char* pk, bool two) const {
+    const char* pv = pk + v_minus_k;
+    __builtin_prefetch(pk, 0, kLocality);
+    __builtin_prefetch(pv, 0, kLocality);
+    if (two) {
+      __builtin_prefetch(pk + 64, 0, kLocality);
+      __builtin_prefetch(pv + 64, 0, kLocality);
+    }
   }
 
   inline void flush() {
@@ -321,6 +333,7 @@ struct Prefetcher {
   template <typename KV>
   void start(const KV* k_cache, const KV* v_cache, const TileRows& tr, int64_t col0,
              int64_t span_bytes) {
+    l2 = g_kv_prefetch_l2.load(std::memory_order_relaxed);
     k = reinterpret_cast<const char*>(k_cache);
     v_minus_k = reinterpret_cast<intptr_t>(v_cache) - reinterpret_cast<intptr_t>(k_cache);
     rows = tr.hi - tr.lo;
@@ -1870,6 +1883,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   }, "op -> the /proc/cpuinfo flags its compiled vector path uses (empty: scalar only)");
   m.def("decode_code_paths", &code_paths,
         "cache dtype (int8, fp8) -> the decode path a bf16 q on it takes now (set_bf16_dot)");
+  m.def(
+      "set_kv_prefetch_l2", [](bool on) { pagoda_attn::g_kv_prefetch_l2.store(on); },
+      "decode attention's K/V prefetches into L2 (prefetcht1) instead of L1 (prefetcht0)");
+  m.def("kv_prefetch_l2", [] { return pagoda_attn::g_kv_prefetch_l2.load(); });
   m.def("set_bf16_dot", &set_bf16_dot,
         "Enable/disable the AVX512_BF16 dot product for bf16 caches; returns the path in use");
 }
