@@ -34,35 +34,35 @@ _XFEATURE_XTILEDATA = 18
 
 
 @functools.cache
-def cpu_info() -> tuple[str, frozenset[str]]:
-    """(model name, flags) of the first processor in /proc/cpuinfo; ("unknown", {}) if none."""
-    name, flags = platform.processor() or "unknown", frozenset()
+def _first_processor() -> dict[str, str]:
+    """The fields of the first processor in /proc/cpuinfo (key -> value); {} if unreadable."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return name, flags
+        return {}
+    fields: dict[str, str] = {}
     for line in text.splitlines():
-        if line.startswith("model name"):
-            name = line.split(":", 1)[1].strip()
-        elif line.startswith("flags") and not flags:
-            flags = frozenset(line.split(":", 1)[1].split())
-        if flags and name != "unknown":
-            break
-    return name, flags
+        if not line.strip():
+            if fields:
+                break  # NOTE: a blank line ends the first processor's block
+            continue
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    return fields
 
 
 @functools.cache
+def cpu_info() -> tuple[str, frozenset[str]]:
+    """(model name, flags) of the first processor in /proc/cpuinfo; ("unknown", {}) if none."""
+    fields = _first_processor()
+    name = fields.get("model name") or platform.processor() or "unknown"
+    return name, frozenset(fields.get("flags", "").split())
+
+
 def cpu_vendor() -> str:
     """The first processor's vendor_id in /proc/cpuinfo (GenuineIntel, AuthenticAMD, ...);
     "unknown" if none."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "unknown"
-    for line in text.splitlines():
-        if line.startswith("vendor_id"):
-            return line.split(":", 1)[1].strip() or "unknown"
-    return "unknown"
+    return _first_processor().get("vendor_id") or "unknown"
 
 
 def isa_report(flags: frozenset[str] | None = None) -> dict[str, bool]:

@@ -233,16 +233,14 @@ def machine_section() -> dict[str, Any]:
 
 def _kv_prefetch() -> str | None:
     """Where decode attention's K/V prefetches land in this process, and why."""
-    import os
-
     from pagoda.cpu_features import cpu_vendor
     from pagoda.ops import cpu_kernels
 
     ext = cpu_kernels.kernel_for("paged_attention")
     if ext is None:
         return None
-    mode = os.environ.get("PAGODA_KV_PREFETCH", "auto")
-    return f"{'L2' if ext.kv_prefetch_l2() else 'L1'} (PAGODA_KV_PREFETCH={mode}, {cpu_vendor()})"
+    level = "L2" if ext.kv_prefetch_l2() else "L1"
+    return f"{level} (PAGODA_KV_PREFETCH={cpu_kernels.kv_prefetch_mode()}, {cpu_vendor()})"
 
 
 def run_step_profile(args: argparse.Namespace) -> dict[str, Any]:

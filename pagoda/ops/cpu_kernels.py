@@ -256,11 +256,16 @@ def kv_prefetch_level(mode: str, vendor: str) -> str:
     return "l2" if vendor == "AuthenticAMD" else "l1"
 
 
+def kv_prefetch_mode() -> str:
+    """`PAGODA_KV_PREFETCH` as `kv_prefetch_level` takes it (default auto)."""
+    return os.environ.get("PAGODA_KV_PREFETCH", "auto").strip().lower() or "auto"
+
+
 def configure_kv_prefetch(ext: ModuleType) -> str:
     """Set decode attention's prefetch level in `ext` (once per load); the level set."""
     from pagoda.cpu_features import cpu_vendor
 
-    mode = os.environ.get("PAGODA_KV_PREFETCH", "auto").strip().lower() or "auto"
+    mode = kv_prefetch_mode()
     level = kv_prefetch_level(mode, cpu_vendor())
     ext.set_kv_prefetch_l2(level == "l2")
     logger.debug("decode attention prefetches K/V into %s (mode %s)", level.upper(), mode)
