@@ -35,8 +35,9 @@ def _case(title: str, case: dict[str, Any]) -> list[str]:
     lines.append(f"{'step total':<22}{case['step_ms']:>10.2f}   "
                  f"({case['tokens_per_s']:,.0f} tokens/s)")
     if (one_call := case.get("one_call_step_ms")) is not None:
-        lines.append(f"{'step total, one call':<22}{one_call:>10.2f}   (the same steps as the "
-                     "engine runs them: every layer and its attention in one C++ call)")
+        lines.append(f"{'step total, one call':<22}{one_call:>10.2f}   (median of "
+                     f"{case.get('one_call_steps', case['num_steps'])} steps as the engine "
+                     "runs them: every layer and its attention in one C++ call)")
     floor = case.get("weight_floor")
     if floor:
         lines.append(

@@ -10,7 +10,9 @@ a warm-up step that also records the dispatch):
 - prefill: steps of `--prefill-tokens` new tokens (2,048) over `--prefill-seqs` fresh
   prompts, each request sampling its one token in that step;
 - single: batch-1 decode (context `--single-context-len`), beside the weight-bandwidth
-  floor (the bytes of weights a step reads / the measured read bandwidth).
+  floor (the bytes of weights a step reads / the measured read bandwidth). Its one-call
+  figure is the median of `--single-steps` steps (200): a step takes a few ms, and on a
+  host whose memory bandwidth drifts a mean of five was off by 10-20% from run to run.
 
 Each step is broken down by phase (step_timer.py): scheduling, input preparation, the
 forward by op class (GEMMs, attention, fused ops, other), lm_head, sampling, output
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -35,6 +38,7 @@ DEFAULT_NUM_SEQS = 64
 DEFAULT_CONTEXT_LEN = 1000
 DEFAULT_PREFILL_TOKENS = 2048
 DEFAULT_STEPS = 5
+DEFAULT_SINGLE_STEPS = 200
 SECTIONS = ("machine", "decode", "prefill", "single", "dispatch", "onednn")
 
 
@@ -50,6 +54,8 @@ def add_step_profile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-seqs", type=int, default=1)
     p.add_argument("--single-context-len", type=int, default=128)
     p.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="timed steps per case")
+    p.add_argument("--single-steps", type=int, default=DEFAULT_SINGLE_STEPS,
+                   help="batch-1 steps run in one call, timed one by one (their median)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-onednn", action="store_true", help="skip the ONEDNN_VERBOSE probe")
     p.add_argument("--no-bandwidth", action="store_true",
@@ -77,7 +83,7 @@ def _engine(args: argparse.Namespace) -> Any:
 
     per_prefill = -(-args.prefill_tokens // args.prefill_seqs)
     max_len = max(args.context_len + _decode_max_tokens(args), per_prefill + 1,
-                  args.single_context_len + args.steps + 8)
+                  args.single_context_len + args.steps + args.single_steps + 8)
     llm = LLM(model=args.model, dtype=args.dtype, seed=args.seed, enable_prefix_caching=False,
               gguf_native=args.gguf_native,
               max_num_seqs=max(args.num_seqs, args.prefill_seqs),
@@ -127,8 +133,11 @@ def _timed_steps(engine: Any, inst: StepInstrumentation, steps: int) -> dict[str
 
 
 def profile_decode(engine: Any, inst: StepInstrumentation, num_seqs: int, context_len: int,
-                   steps: int, seed: int, tag: str, max_tokens: int) -> dict[str, Any]:
-    """`steps` decode steps of `num_seqs` sequences at about `context_len` tokens."""
+                   steps: int, seed: int, tag: str, max_tokens: int,
+                   one_call_steps: int | None = None) -> dict[str, Any]:
+    """`steps` decode steps of `num_seqs` sequences at about `context_len` tokens, then
+    `one_call_steps` (default `steps`) more as the engine runs them, each timed: their
+    median is `one_call_step_ms`."""
     ids = _add(engine, tag, _prompts(engine, num_seqs, context_len, seed), max_tokens)
     sched = engine.scheduler
     while sched.waiting or any(r.num_computed_tokens < r.num_prompt_tokens
@@ -141,11 +150,15 @@ def profile_decode(engine: Any, inst: StepInstrumentation, num_seqs: int, contex
     if stack is not None:
         # NOTE: the timed steps ran layer by layer (step_timer.py); the same number of
         # steps again, untimed inside, as the engine runs them: decode in one call.
-        before, start = stack.decode_steps, time.perf_counter()
-        for _ in range(steps):
+        n = one_call_steps or steps
+        before, times = stack.decode_steps, []
+        for _ in range(n):
+            start = time.perf_counter()
             engine.step()
-        if stack.decode_steps - before == steps:
-            result["one_call_step_ms"] = 1000 * (time.perf_counter() - start) / steps
+            times.append(time.perf_counter() - start)
+        if stack.decode_steps - before == n:
+            result["one_call_step_ms"] = 1000 * statistics.median(times)
+            result["one_call_steps"] = n
     engine.abort_request(ids)
     return result
 
@@ -259,7 +272,8 @@ def run_step_profile(args: argparse.Namespace) -> dict[str, Any]:
     report["prefill"] = profile_prefill(engine, inst, args.prefill_tokens, args.prefill_seqs,
                                         args.steps, args.seed)
     report["single"] = profile_decode(engine, inst, 1, args.single_context_len, args.steps,
-                                      args.seed, "s", 2 * args.steps + 3)
+                                      args.seed, "s", args.steps + args.single_steps + 3,
+                                      args.single_steps)
     if not args.no_bandwidth:
         floor = _weight_floor(engine)
         single = report["single"]

@@ -177,13 +177,14 @@ class FusedDecoderStack:
         layers return op by op. The caller has checked that the fused rotary + cache write
         applies (cos/sin and the caches as `ops.fused_ops_for` requires)."""
         layers, attns = self.layers, self.attns
-        residual, x = x, self.first_norm(x)
         kv, md = kv_caches[0], mds[0]
         if self._decodes_in_one_call(x, kv_caches, mds):
             self.decode_steps += 1
-            out = self.decode_stack(self.decode, x, residual, cos, sin, positions, kv_caches,
+            # NOTE: the first input norm runs in the call; x is also the residual it updates.
+            out = self.decode_stack(self.decode, x, x, cos, sin, positions, kv_caches,
                                     md.slot_mapping, md.decode_block_tables, md.decode_seq_lens)
-            return out, residual
+            return out, x
+        residual, x = x, self.first_norm(x)
         q, k, v = self.qkv(layers[0], x, cos, sin, positions, kv[0], kv[1], md.slot_mapping,
                            *(kv[2:] or (None, None)))
         last = len(layers) - 1

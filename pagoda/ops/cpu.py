@@ -33,6 +33,15 @@ def _fused_add_rms_norm(
     return x, residual
 
 
+def _rms_norm(ext: ModuleType, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return ext.rms_norm(x, weight, eps)
+
+
+def _rms_norm_supports(x: torch.Tensor, weight: torch.Tensor, _eps: float) -> bool:
+    # NOTE: rows of the activations' dtype: the decoder's norms (the kernel checks the rest).
+    return x.dim() == 2 and x.is_contiguous() and weight.dtype == x.dtype
+
+
 def _add_rms_norm_supports(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, _eps: float
 ) -> bool:
@@ -165,6 +174,10 @@ def decoder_layers(x: torch.Tensor) -> ModuleType | None:
 def register() -> None:
     fused = functools.partial(cpu_kernels.kernel_for, "fused_ops")
     attention = functools.partial(cpu_kernels.kernel_for, "paged_attention")
+    # NOTE: the same arithmetic as fused_add_rms_norm's (and the decode stack's first norm).
+    OPS["rms_norm"].register(
+        "cpu", Kernel("cpp", _rms_norm, LOW_PRECISION, fused, _rms_norm_supports)
+    )
     OPS["fused_add_rms_norm"].register(
         "cpu", Kernel("cpp", _fused_add_rms_norm, LOW_PRECISION, fused, _add_rms_norm_supports)
     )

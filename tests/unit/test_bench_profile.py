@@ -78,7 +78,7 @@ def report(tiny_model) -> dict:
     model = str(tiny_model(ARCH))
     args = p.parse_args(["--model", model, "--num-seqs", "4", "--context-len", "40",
                          "--prefill-tokens", "64", "--prefill-seqs", "2", "--steps", "2",
-                         "--single-context-len", "20"])
+                         "--single-context-len", "20", "--single-steps", "6"])
     original_call = Op.__dict__["__call__"]
     result = profile.run_step_profile(args)
     assert Op.__dict__["__call__"] is original_call  # NOTE: the class patches are undone
@@ -114,7 +114,11 @@ def test_cases_time_the_right_steps(report):
         # NOTE: decode steps again as the engine runs them: every layer in one call.
         assert report["decode"]["one_call_step_ms"] > 0
         assert report["single"]["one_call_step_ms"] > 0
+        # NOTE: the batch-1 one-call figure is a median of its own, longer run of steps.
+        assert report["single"]["one_call_steps"] == 6
+        assert report["decode"]["one_call_steps"] == 2
         assert "step total, one call" in format_report(report)
+        assert "median of 6 steps" in format_report(report)
 
 
 def test_dispatch_names_every_op_and_gemm(report):

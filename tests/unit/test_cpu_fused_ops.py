@@ -52,6 +52,39 @@ def test_add_rms_norm_rejects_bad_input(ext) -> None:
         ext.fused_add_rms_norm(x, x.clone(), torch.ones(9, dtype=torch.bfloat16), 1e-6)
 
 
+# ---- rms_norm --------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 7, 200])
+def test_rms_norm_matches_oracle_and_the_fused_add(ext, dtype: torch.dtype, rows: int) -> None:
+    g = torch.Generator().manual_seed(rows + 1)
+    hidden, eps = 576, 1e-5
+    x = (2 * torch.randn(rows, hidden, generator=g)).to(dtype)
+    w = (1 + 0.1 * torch.randn(hidden, generator=g)).to(dtype)
+    s = x.double()
+    oracle = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps) * w.double()
+    x_before = x.clone()
+    out = ext.rms_norm(x, w, eps)
+    assert out.dtype == dtype and out.shape == x.shape
+    assert torch.equal(x, x_before)  # a new tensor: x untouched
+    tol = 1.0 * _ulp(dtype) * oracle.abs() + 1e-6
+    assert ((out.double() - oracle).abs() <= tol).all()
+    # The same arithmetic as fused_add_rms_norm's (whose residual sum x + 0 is x): the
+    # decode stack's first norm and the op-by-op layers' give the same bits.
+    xo, zeros = x.clone(), torch.zeros_like(x)
+    ext.fused_add_rms_norm(xo, zeros, w, eps)
+    assert torch.equal(out, xo)
+
+
+def test_rms_norm_rejects_bad_input(ext) -> None:
+    x = torch.zeros(2, 8, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        ext.rms_norm(x, torch.ones(8), 1e-6)
+    with pytest.raises(RuntimeError, match=r"\[H\]"):
+        ext.rms_norm(x, torch.ones(9, dtype=torch.bfloat16), 1e-6)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        ext.rms_norm(torch.zeros(8, 2, dtype=torch.bfloat16).t(), torch.ones(8, dtype=torch.bfloat16), 1e-6)
+
+
 # ---- rotary_and_cache ------------------------------------------------------------------
 def _rotary_case(dtype: torch.dtype, tokens: int, heads: int = 9, kv_heads: int = 3,
                  head_dim: int = 64, block_size: int = 16, num_blocks: int = 40):
@@ -152,12 +185,15 @@ def test_layers_use_fused_ops_for_bf16_only(fused_ext, monkeypatch: pytest.Monke
         torch.testing.assert_close(got.float(), want, atol=0.02, rtol=0.02)
         y = silu_and_mul(torch.randn(3, 128).to(dtype))
         assert y.shape == (3, 64)
-        assert calls == (["fused_add_rms_norm", "silu_and_mul"] if fused else [])
+        normed = norm(x)
+        torch.testing.assert_close(normed.float(), F.rms_norm(x.float(), (64,), norm.weight.float(), 1e-6),
+                                   atol=0.02, rtol=0.02)
+        assert calls == (["fused_add_rms_norm", "silu_and_mul", "rms_norm"] if fused else [])
 
 
 def test_disable_env_var_keeps_pytorch_ops(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PAGODA_DISABLE_CPU_KERNELS", "1")
     x = torch.zeros(2, dtype=torch.bfloat16)
     assert ops.fused_ops_for(x) is None
-    for op in (ops.fused_add_rms_norm, ops.silu_and_mul, ops.rotary_and_cache):
+    for op in (ops.rms_norm, ops.fused_add_rms_norm, ops.silu_and_mul, ops.rotary_and_cache):
         assert op.kernel_for(x) is None

@@ -20,6 +20,7 @@
 // a third of the GEMMs' time. residual is updated in place.
 
 #include "fused_ops_cpu.h"
+#include "index_args_cpu.h"
 #include "q_gemv_abi.h"
 
 #include <ATen/Parallel.h>
@@ -263,8 +264,8 @@ torch::Tensor one_region_stack(const DecoderStack& s, const torch::Tensor& x,
               "decoder_decode_stack: cos and sin must be contiguous bf16 [P, D / 2]");
   TORCH_CHECK(positions.numel() == 1 && slot_mapping.numel() == 1,
               "decoder_decode_stack: one position and one slot for one token");
-  const int64_t pos = positions.to(at::kLong).item<int64_t>();
-  const int64_t slot = slot_mapping.to(at::kLong).item<int64_t>();
+  const int64_t pos = pagoda_index::long_value(positions);
+  const int64_t slot = pagoda_index::long_value(slot_mapping);
   TORCH_CHECK(pos >= 0 && pos < cos.size(0), "position ", pos, " out of range");
 
   auto opts = x.options();
@@ -310,7 +311,10 @@ torch::Tensor one_region_stack(const DecoderStack& s, const torch::Tensor& x,
     at::BFloat16* xp = rp + hidden;
     at::BFloat16* act = xp + hidden;
     std::memcpy(rp, res_p, row_bytes);
-    const at::BFloat16* in = x_p;  // the first layer's normed input
+    // NOTE: x_p may be res_p, which only tid 0 writes, after the last barrier.
+    pagoda_fused::rms_norm_row(x_p, xp, l0.input_norm.data_ptr<at::BFloat16>(), hidden,
+                               static_cast<float>(l0.eps));
+    const at::BFloat16* in = xp;  // the first layer's normed input
     for (size_t i = 0; i < n; ++i) {
       const DecoderLayer& l = s.layers[i];
       const auto& b = s.float_biases[i];
@@ -347,7 +351,8 @@ torch::Tensor one_region_stack(const DecoderStack& s, const torch::Tensor& x,
   return out;
 }
 
-// x: the first layer's normed input [T, hidden]; residual [T, hidden] (updated in place);
+// x: the stack's input [T, hidden], before the first layer's input norm (which runs here);
+// residual [T, hidden]: x's values, updated in place (it may be x itself);
 // kv[i]: layer i's (k_cache, v_cache[, k_scale, v_scale]); block_tables [T, M] and
 // seq_lens [T] (request t's context after this step). Returns the last layer's output.
 torch::Tensor decoder_decode_stack(const DecoderStack& s, const torch::Tensor& x,
@@ -370,7 +375,9 @@ torch::Tensor decoder_decode_stack(const DecoderStack& s, const torch::Tensor& x
     return one_region_stack(s, x, residual, cos, sin, positions, kv, slot_mapping,
                             block_tables, seq_lens);
   }
-  auto [q, k, v] = decoder_qkv(s.layers[0], x, cos, sin, positions, kv[0][0], kv[0][1],
+  const DecoderLayer& l0 = s.layers[0];
+  const auto normed = pagoda_fused::rms_norm(x, l0.input_norm, l0.eps);
+  auto [q, k, v] = decoder_qkv(l0, normed, cos, sin, positions, kv[0][0], kv[0][1],
                                slot_mapping, scale_of(0, 2), scale_of(0, 3));
   for (size_t i = 0;; ++i) {
     const DecoderLayer& l = s.layers[i];

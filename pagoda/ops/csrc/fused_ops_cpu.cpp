@@ -39,6 +39,7 @@
 
 #include "fused_ops_cpu.h"
 #include "fused_vec_cpu.h"
+#include "index_args_cpu.h"
 #include "kv_quant_cpu.h"
 
 namespace pagoda_fused {
@@ -56,8 +57,11 @@ inline T from_f(float x) {
 // Below this many elements a parallel region costs more than it saves.
 constexpr int64_t kParallelGrain = 1 << 15;
 
-template <typename T>
-void add_rms_norm_one(T* xr, T* rr, const T* weight, int64_t hidden, float eps) {
+// out = rms_norm(s) * weight, s = x (kAdd false) or rr += x rounded to T (kAdd true: the
+// residual add, rr updated in place). out may be x.
+template <bool kAdd, typename T>
+void norm_one(T* out, const T* x, T* rr, const T* weight, int64_t hidden, float eps) {
+  const T* s_src = kAdd ? rr : x;  // where the second pass reads s
 #if defined(PAGODA_FUSED_VEC)
   if constexpr (kVec<T>) {
     // NOTE: 16 partial sums whatever the lane count (element i in sum i % 16), reduced
@@ -66,8 +70,11 @@ void add_rms_norm_one(T* xr, T* rr, const T* weight, int64_t hidden, float eps) 
     for (auto& a : acc) a = vset1<VecF>(0.0f);
     for (int64_t i = 0; i < hidden; i += kLanes) {
       const int64_t n = hidden - i;
-      const VecF sum = vround<T>(vadd(vload(xr + i, n), vload(rr + i, n)));
-      vstore(rr + i, sum, n);
+      VecF sum = vload(x + i, n);
+      if constexpr (kAdd) {
+        sum = vround<T>(vadd(sum, vload(rr + i, n)));
+        vstore(rr + i, sum, n);
+      }
       VecF& a = acc[(i / kLanes) % kSumParts];
       a = vfmadd(sum, sum, a);
     }
@@ -75,22 +82,30 @@ void add_rms_norm_one(T* xr, T* rr, const T* weight, int64_t hidden, float eps) 
     const VecF inv = vset1<VecF>(1.0f / std::sqrt(mean + eps));
     for (int64_t i = 0; i < hidden; i += kLanes) {
       const int64_t n = hidden - i;
-      vstore(xr + i, vmul(vload(weight + i, n), vmul(vload(rr + i, n), inv)), n);
+      vstore(out + i, vmul(vload(weight + i, n), vmul(vload(s_src + i, n), inv)), n);
     }
     return;
   }
 #endif
   double ss = 0.0;
   for (int64_t i = 0; i < hidden; ++i) {
-    const T s = from_f<T>(to_f(xr[i]) + to_f(rr[i]));
-    rr[i] = s;
-    const float f = to_f(s);
+    float f = to_f(x[i]);
+    if constexpr (kAdd) {
+      const T s = from_f<T>(f + to_f(rr[i]));
+      rr[i] = s;
+      f = to_f(s);
+    }
     ss += static_cast<double>(f) * f;
   }
   const float inv = static_cast<float>(1.0 / std::sqrt(ss / hidden + eps));
   for (int64_t i = 0; i < hidden; ++i) {
-    xr[i] = from_f<T>(to_f(weight[i]) * (to_f(rr[i]) * inv));
+    out[i] = from_f<T>(to_f(weight[i]) * (to_f(s_src[i]) * inv));
   }
+}
+
+template <typename T>
+void add_rms_norm_one(T* xr, T* rr, const T* weight, int64_t hidden, float eps) {
+  norm_one<true>(xr, xr, rr, weight, hidden, eps);
 }
 
 template <typename T>
@@ -116,6 +131,30 @@ void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w
                                 weight.data_ptr<scalar_t>(), x.size(0), x.size(1),
                                 static_cast<float>(eps));
   });
+}
+
+template <typename T>
+void rms_norm_impl(const T* x, T* out, const T* weight, int64_t rows, int64_t hidden, float eps) {
+  const bool par = rows * hidden >= kParallelGrain;
+#pragma omp parallel for if (par) schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    norm_one<false>(out + r * hidden, x + r * hidden, static_cast<T*>(nullptr), weight, hidden,
+                    eps);
+  }
+}
+
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be contiguous [T, H]");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous(),
+              "weight must be contiguous [H]");
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "x and weight must share a dtype");
+  auto out = at::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    rms_norm_impl<scalar_t>(x.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
+                            weight.data_ptr<scalar_t>(), x.size(0), x.size(1),
+                            static_cast<float>(eps));
+  });
+  return out;
 }
 
 template <typename T>
@@ -254,8 +293,8 @@ void rotary_and_cache(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
   TORCH_CHECK(positions.dim() == 1 && positions.size(0) == tokens, "positions must be [T]");
   TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == tokens,
               "slot_mapping must be [T]");
-  auto pos = positions.to(at::kLong).contiguous();
-  auto slots = slot_mapping.to(at::kLong).contiguous();
+  auto pos = pagoda_index::as_long(positions);
+  auto slots = pagoda_index::as_long(slot_mapping);
   const int64_t num_positions = cos.size(0);
   const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
   const int64_t* p = pos.data_ptr<int64_t>();
@@ -304,6 +343,11 @@ void silu_and_mul_impl(const T* x, T* out, int64_t rows, int64_t inter) {
 void add_rms_norm_row(at::BFloat16* x, at::BFloat16* residual, const at::BFloat16* weight,
                       int64_t hidden, float eps) {
   add_rms_norm_one(x, residual, weight, hidden, eps);
+}
+
+void rms_norm_row(const at::BFloat16* x, at::BFloat16* out, const at::BFloat16* weight,
+                  int64_t hidden, float eps) {
+  norm_one<false>(out, x, static_cast<at::BFloat16*>(nullptr), weight, hidden, eps);
 }
 
 void silu_and_mul_row(const at::BFloat16* x, at::BFloat16* out, int64_t inter) {
@@ -457,6 +501,7 @@ void register_fused_ops(pybind11::module& m) {
   register_decoder_layer(m);
   m.def("fused_add_rms_norm", &pagoda_fused::fused_add_rms_norm,
         "residual += x; x = rms_norm(residual) * weight (both in place)");
+  m.def("rms_norm", &pagoda_fused::rms_norm, "rms_norm(x) * weight per row, a new tensor");
   m.def("rotary_and_cache", &pagoda_fused::rotary_and_cache,
         "Rotate q and k of a fused qkv buffer in place, then write k and v to the caches",
         pybind11::arg("qkv"), pybind11::arg("cos"), pybind11::arg("sin"),

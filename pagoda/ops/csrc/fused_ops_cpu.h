@@ -10,6 +10,8 @@ namespace pagoda_fused {
 void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight,
                         double eps);
 
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+
 void rotary_and_cache(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
                       torch::Tensor positions, torch::Tensor k_cache, torch::Tensor v_cache,
                       torch::Tensor slot_mapping, int64_t num_heads, int64_t num_kv_heads,
@@ -38,6 +40,8 @@ CacheDst cache_dst(const torch::Tensor& qkv, torch::Tensor& k_cache, torch::Tens
 // its OpenMP region and calls these inside it. The same arithmetic, so the same bits.
 void add_rms_norm_row(at::BFloat16* x, at::BFloat16* residual, const at::BFloat16* weight,
                       int64_t hidden, float eps);
+void rms_norm_row(const at::BFloat16* x, at::BFloat16* out, const at::BFloat16* weight,
+                  int64_t hidden, float eps);
 void silu_and_mul_row(const at::BFloat16* x, at::BFloat16* out, int64_t inter);
 // Rotary on query heads [h * G, (h + 1) * G) and key head h of one token's qkv row (cos and
 // sin: its position's rows), then its k and v head h into cache slot `slot` (none if < 0).

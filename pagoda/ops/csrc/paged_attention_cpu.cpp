@@ -87,6 +87,7 @@
 #include <vector>
 
 #include "attention_cpu.h"
+#include "index_args_cpu.h"
 #include "kv_quant_cpu.h"
 
 namespace {
@@ -1724,8 +1725,8 @@ PreparedDecode prepare_decode(torch::Tensor out, torch::Tensor q, torch::Tensor 
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == batch, "block_tables: [B, M]");
   TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.size(0) == batch, "seq_lens: [B]");
 
-  auto bt = block_tables.to(at::kLong).contiguous();
-  auto sl = seq_lens.to(at::kLong).contiguous();
+  auto bt = pagoda_index::as_long(block_tables);
+  auto sl = pagoda_index::as_long(seq_lens);
   const int block_size = shape.block_size;
   const int64_t max_len = bt.size(1) * block_size;
   const int64_t* lens = sl.data_ptr<int64_t>();

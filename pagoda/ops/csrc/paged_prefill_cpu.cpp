@@ -57,6 +57,7 @@
 #include <vector>
 
 #include "attention_cpu.h"
+#include "index_args_cpu.h"
 
 // The vector path: 16 lanes (AVX512F), else 8 (AVX2 + FMA; the fp32 path only).
 #if defined(__AVX512F__)
@@ -606,10 +607,10 @@ void paged_prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k
               "block_tables: [R, M]");
   if (num_reqs == 0) return;
 
-  auto bt = block_tables.to(at::kLong).contiguous();
-  auto qs = query_starts.to(at::kLong).contiguous();
-  auto ql = query_lens.to(at::kLong).contiguous();
-  auto sl = seq_lens.to(at::kLong).contiguous();
+  auto bt = pagoda_index::as_long(block_tables);
+  auto qs = pagoda_index::as_long(query_starts);
+  auto ql = pagoda_index::as_long(query_lens);
+  auto sl = pagoda_index::as_long(seq_lens);
   const int block_size = shape.block_size;
   // NOTE: a window longer than every table reads everything (and keeps the lanes' int32
   // window arithmetic in range).
