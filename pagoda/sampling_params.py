@@ -173,6 +173,14 @@ class SamplingParams:
         return SamplingType.RANDOM
 
     @property
+    def plain_greedy(self) -> bool:
+        """Greedy, with nothing that changes or reports the logits (penalties, logit_bias,
+        logprobs): once `min_tokens` is reached, the token is the raw logits' argmax."""
+        return (self.temperature < SAMPLING_EPS and self.logprobs is None
+                and not self.logit_bias and self.repetition_penalty == 1.0
+                and self.frequency_penalty == 0.0 and self.presence_penalty == 0.0)
+
+    @property
     def output_text_buffer_length(self) -> int:
         """Characters a stream must hold back so that it never shows part of a stop string
         that will be cut from the output."""

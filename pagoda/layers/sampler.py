@@ -267,6 +267,14 @@ class Sampler:
         return SamplerOutput(sampled.cpu(), ids.cpu(), lps.cpu(), ranks.cpu())
 
     @staticmethod
+    def greedy(logits: torch.Tensor) -> torch.Tensor:
+        """What `__call__` samples when every row is `SamplingParams.plain_greedy` past its
+        `min_tokens` (no stage touches the logits): each row's argmax, on the CPU, without
+        building the metadata (a batch-1 decode step's host time is mostly cache misses,
+        and the metadata is the larger part of sampling's)."""
+        return ops.argmax_rows(logits).cpu()
+
+    @staticmethod
     def process(
         logits: torch.Tensor, md: SamplingMetadata
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:

@@ -28,7 +28,7 @@ from pagoda.attention.backend import AttentionBackend, AttentionMetadata, Common
 from pagoda.core.kv_cache_spec import KVRetention
 from pagoda.core.scheduler_output import SchedulerOutput
 from pagoda.layers.rejection_sampler import RejectionSampler
-from pagoda.layers.sampler import Sampler, SamplingMetadata, compute_topk_logprobs
+from pagoda.layers.sampler import Sampler, SamplerOutput, SamplingMetadata, compute_topk_logprobs
 from pagoda.spec_decode.proposer import Proposer
 from pagoda.worker.block_copies import LayerCaches
 from pagoda.worker.input_batch import InputBatch
@@ -283,6 +283,9 @@ class ModelRunner:
         states = [batch.slots[s] for s in slots]
         for s, state in zip(slots.tolist(), states):
             self.generators.checkpoint(state.req_id, int(batch.num_tokens[s]))
+        if self._all_plain_greedy(slots, states):
+            self._append_sampled(slots, states, self.sampler.greedy(logits).numpy(), result)
+            return
         # NOTE: views into the persistent token array: only rows that use a penalty are
         # ever read in full (by the sampler), no history is copied here.
         md = SamplingMetadata.build(
@@ -295,12 +298,28 @@ class ModelRunner:
             device=logits.device,
         )
         sampled = self.sampler(logits, md)
-        token_ids = sampled.sampled_token_ids.numpy()
-        batch.append_tokens(slots, token_ids)
+        self._append_sampled(slots, states, sampled.sampled_token_ids.numpy(), result, sampled)
+
+    def _all_plain_greedy(self, slots: np.ndarray, states: list) -> bool:
+        """Whether every row's token is its logits' argmax (`Sampler.greedy`): greedy with
+        no stage that touches the logits, and past `min_tokens` (no stop token banned)."""
+        batch = self.input_batch
+        for s, state in zip(slots.tolist(), states):
+            p = state.sampling_params
+            if not p.plain_greedy or (
+                    p.min_tokens and batch.num_tokens[s] - batch.num_prompt_tokens[s] < p.min_tokens):
+                return False
+        return True
+
+    def _append_sampled(self, slots: np.ndarray, states: list, token_ids: np.ndarray,
+                        result: ModelRunnerOutput, sampled: SamplerOutput | None = None) -> None:
+        """Each row's sampled token into the input batch and `result` (with its logprobs,
+        where `sampled` has them)."""
+        self.input_batch.append_tokens(slots, token_ids)
         for j, (s, token) in enumerate(zip(states, token_ids.tolist())):
             result.sampled_token_ids[s.req_id] = [token]
             k = s.sampling_params.logprobs
-            if k is not None and sampled.logprobs is not None:
+            if k is not None and sampled is not None and sampled.logprobs is not None:
                 result.logprobs[s.req_id] = [(
                     sampled.logprob_token_ids[j, : k + 1].tolist(),
                     sampled.logprobs[j, : k + 1].tolist(),

@@ -220,6 +220,29 @@ def test_n_samples_distinct_and_reproducible_with_seed(llm: LLM) -> None:
     assert greedy.outputs[0].token_ids == greedy.outputs[1].token_ids
 
 
+def test_plain_greedy_rows_skip_the_sampling_metadata(llm: LLM, monkeypatch) -> None:
+    """Rows whose token is the raw argmax take Sampler.greedy: the same tokens, without
+    building the sampling metadata; a row with logprobs, or still short of min_tokens,
+    takes the full sampler."""
+    from pagoda.layers.sampler import SamplingMetadata
+
+    calls = []
+    build = SamplingMetadata.build.__func__
+    monkeypatch.setattr(SamplingMetadata, "build",
+                        classmethod(lambda cls, *a, **k: calls.append(1) or build(cls, *a, **k)))
+    plain = gen1(llm, "hi", SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    assert calls == []
+    with_logprobs = gen1(llm, "hi", SamplingParams(temperature=0.0, max_tokens=6,
+                                                   ignore_eos=True, logprobs=1))
+    assert len(calls) == 6
+    assert with_logprobs.outputs[0].token_ids == plain.outputs[0].token_ids
+    calls.clear()
+    late = gen1(llm, "hi", SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True,
+                                          min_tokens=3))
+    assert len(calls) == 3  # outputs 0-2: stop tokens are banned there, the full sampler runs
+    assert late.outputs[0].token_ids == plain.outputs[0].token_ids
+
+
 # ---- stopping ----------------------------------------------------------------------------
 FORCE_EOS = {EOS: 100.0}
 

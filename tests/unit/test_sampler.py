@@ -308,3 +308,23 @@ def test_max_top_k_ignores_greedy_rows() -> None:
     assert md.max_top_k == 7 and md.top_k.tolist() == [1, 7, 3]
     md = build([SamplingParams(temperature=0.0), SamplingParams()], 100)
     assert md.top_k is None and md.max_top_k == 100
+
+
+def test_plain_greedy_params() -> None:
+    assert SamplingParams(temperature=0.0).plain_greedy
+    assert SamplingParams(temperature=0.0, min_tokens=4, top_k=3).plain_greedy
+    for changed in ({"temperature": 0.7}, {"logprobs": 0}, {"logit_bias": {3: 1.0}},
+                    {"repetition_penalty": 1.1}, {"frequency_penalty": 0.5},
+                    {"presence_penalty": -0.5}):
+        assert not SamplingParams(**{"temperature": 0.0, **changed}).plain_greedy, changed
+    assert SamplingParams(temperature=0.0, logit_bias={}).plain_greedy
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_shortcut_samples_what_the_sampler_does(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(7, 300, generator=g).to(dtype)
+    logits[1, 10] = logits[1, 20] = logits[1].max() + 1  # a tie: the first index
+    logits[2, 33] = float("nan")  # NaN counts as the maximum
+    full = Sampler()(logits, build([SamplingParams(temperature=0.0)] * 7, 300))
+    assert torch.equal(Sampler.greedy(logits), full.sampled_token_ids)
