@@ -284,7 +284,7 @@ class ModelRunner:
         for s, state in zip(slots.tolist(), states):
             self.generators.checkpoint(state.req_id, int(batch.num_tokens[s]))
         if self._all_plain_greedy(slots, states):
-            self._append_sampled(slots, states, self.sampler.greedy(logits).numpy(), result)
+            self._append_sampled(slots, states, Sampler.greedy(logits).numpy(), result)
             return
         # NOTE: views into the persistent token array: only rows that use a penalty are
         # ever read in full (by the sampler), no history is copied here.
