@@ -306,8 +306,8 @@ class ModelRunner:
         batch = self.input_batch
         for s, state in zip(slots.tolist(), states):
             p = state.sampling_params
-            if not p.plain_greedy or (
-                    p.min_tokens and batch.num_tokens[s] - batch.num_prompt_tokens[s] < p.min_tokens):
+            # NOTE: min_tokens as the sampler's ban reads it (its output so far, a view).
+            if not p.plain_greedy or (p.min_tokens and len(batch.output_view(s)) < p.min_tokens):
                 return False
         return True
 
