@@ -36,8 +36,8 @@ def _needs_fused_kernels(dense: bool = False) -> None:
                     "layers run op by op")
 
 
-def _run(model_dir: Path, prompts: list[list[int]], **engine_kwargs):
-    llm = LLM(str(model_dir), dtype="bfloat16", max_model_len=256, **engine_kwargs)
+def _run(model_dir: Path, prompts: list[list[int]], max_model_len: int = 256, **engine_kwargs):
+    llm = LLM(str(model_dir), dtype="bfloat16", max_model_len=max_model_len, **engine_kwargs)
     outs = llm.generate(
         [{"prompt_token_ids": p} for p in prompts],
         SamplingParams(max_tokens=12, temperature=0, prompt_logprobs=0, logprobs=0,
@@ -108,6 +108,48 @@ def test_fused_layers_with_int4_projections_equal_op_by_op(
     monkeypatch.setenv("PAGODA_DISABLE_FUSED_LAYERS", "1")
     plain, no_stack = _run(out, prompts, **engine_kwargs)
     assert no_stack is None
+    assert fused == plain
+
+
+# Contexts past one part of decode attention (512 positions) with few kv heads a CPU:
+# the kernel splits each range into parts that threads take apart (the one-region stack
+# writes every head's rotary and cache row first); a window of 520 starts the range between
+# part boundaries; one kv head lets two requests at a time split too (the per-op calls).
+# NOTE: head dim 32, a vector path of the decode kernel (the tiny default 16 is portable).
+LONG = {"max_position_embeddings": 2048, "head_dim": 32}
+SPLIT_CASES = [
+    ("LlamaForCausalLM", LONG, {"max_num_seqs": 1}),
+    ("LlamaForCausalLM", {**LONG, "num_key_value_heads": 1}, {}),
+    ("MistralForCausalLM", {**LONG, "sliding_window": 520}, {"max_num_seqs": 1}),
+]
+
+
+@pytest.mark.parametrize(("arch", "overrides", "engine_kwargs"), SPLIT_CASES)
+def test_fused_layers_over_split_ranges_equal_op_by_op(
+    arch: str, overrides: dict, engine_kwargs: dict, tiny_model, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from pagoda.ops import quant_cpu
+    from pagoda.quant.calibrate.command import quantize_to_dir
+
+    _needs_fused_kernels()
+    if quant_cpu.resolve() is None:
+        pytest.skip("the quant CPU kernels do not run here")
+    if cpu_kernels.load_extension().decode_split_cpus() < 2:
+        pytest.skip("one CPU: no call has fewer than two kv heads a CPU, none splits")
+    out = tmp_path / "rtn"
+    quantize_to_dir(str(tiny_model(arch, **overrides)), out, "rtn", 4, 32)
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 49152, (n,), generator=gen).tolist() for n in (600, 505)]
+    ext = cpu_kernels.load_extension()
+    before = ext.decode_parts_run()
+    fused, stack = _run(out, prompts, max_model_len=1024, **engine_kwargs)
+    assert stack is not None and stack.decode_steps > 0
+    assert ext.decode_parts_run() > before, "no decode range was split"
+    if engine_kwargs.get("max_num_seqs") == 1:
+        assert stack.decode.one_region
+    monkeypatch.setenv("PAGODA_DISABLE_FUSED_LAYERS", "1")
+    plain, _ = _run(out, prompts, max_model_len=1024, **engine_kwargs)
     assert fused == plain
 
 

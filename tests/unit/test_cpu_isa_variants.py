@@ -214,6 +214,16 @@ def _decode_cases(cases: dict) -> None:
         q, kc, vc, bt, lens = _make_case(DECODE_LENS, 2, 3, torch.float32, head_dim=d, seed=d)
         cases[f"decode/float32/d{d}"] = ("decode_fp32_fma", (q, kc, vc, bt, lens, d**-0.5, 37,
                                                              None, None, None, 0))
+    # one request's range longer than one part (512 positions), two kv heads: split on a
+    # machine of two CPUs or more, the parts merged by scalar code
+    for q_dtype, cache, kind in ((torch.float32, "float32", "decode_fp32_fma"),
+                                 (torch.bfloat16, torch.int8, "decode_dot")):
+        q, kc, vc, bt, lens = _make_case([1100], 2, 3, torch.float32, head_dim=64,
+                                         seed=71, q_dtype=q_dtype)
+        kc, vc, ks, vs = _cache_as(kc, vc, cache)
+        for window in (-1, 700):
+            cases[f"decode/split/{q_dtype}/{cache}/w{window}"] = (
+                kind, (q, kc, vc, bt, lens, 0.125, window, ks, vs, None, 0))
     # int8 caches with a bf16 q and the dot products on: the integer dot path of both builds
     # (head dims 32-256: query heads in chunks of 1-4; block size 16: scales staged per
     # range; 12 and 8: read per row, tiles across blocks; GQA 1 to 4; windows)

@@ -316,3 +316,120 @@ def test_prefetch_level_leaves_outputs_bit_identical(dtype: torch.dtype) -> None
     assert torch.equal(outs[0], outs[1])
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(outs[1].double(), _naive(*case, None), atol=tol, rtol=tol)
+
+
+# Ranges longer than one part (512 positions) in a call with fewer than two (request, kv
+# head) pairs a CPU of the process: split into aligned parts that threads take apart and the
+# last part of a head merges; windows make a range start between part boundaries.
+LONG_LENS = [513, 1025, 2000, 512, 1500, 700]
+
+
+def _parts(n: int, window: int | None, length: int) -> int:
+    start = 0 if window is None else max(0, n - window)
+    return (n - 1) // length - start // length + 1 if n - start > length else 0
+
+
+def _splits(ext, rows: int, kv_heads: int) -> bool:
+    return rows * kv_heads < 2 * ext.decode_split_cpus()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 600, 1100])
+def test_long_ranges_split_into_parts_match_oracle(dtype: torch.dtype,
+                                                   window: int | None) -> None:
+    _ext_or_skip()
+    ext = cpu_kernels.load_extension()
+    length = ext.decode_split_len()
+    assert length == 512
+    case = _make_case(LONG_LENS, num_kv_heads=3, group=3, dtype=dtype, seed=5)
+    q, k_cache, v_cache, bt, lens = case
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    want = _naive(*case, window)
+    for i, n in enumerate(LONG_LENS):
+        before = ext.decode_parts_run()
+        out = _kernel(q[i : i + 1], k_cache, v_cache, bt[i : i + 1], lens[i : i + 1],
+                      HEAD_DIM**-0.5, window)
+        # NOTE: every kv head (3) of a range over 512 positions, one item per part met.
+        parts = 3 * _parts(n, window, length) if _splits(ext, 1, 3) else 0
+        assert ext.decode_parts_run() - before == parts
+        torch.testing.assert_close(out[0].double(), want[i], atol=tol, rtol=tol)
+
+
+def test_split_follows_the_batch_and_the_cpus_not_the_team_size() -> None:
+    """Two (request, kv head) pairs a CPU or more share the threads whole: no part runs
+    (splitting there cost more than it balanced). The decision and the bits do not change
+    with the OpenMP team's size (worker/omp_team.py changes it with the load). Every call
+    matches the oracle."""
+    _ext_or_skip()
+    ext = cpu_kernels.load_extension()
+    cpus = ext.decode_split_cpus()
+    rows_no_split = -(-2 * cpus // 3)  # NOTE: 3 kv heads a request
+    lens = [1500, 1300] + [1100] * (rows_no_split - 2)
+    case = _make_case(lens, num_kv_heads=3, group=3, dtype=torch.bfloat16, seed=9)
+    q, k_cache, v_cache, bt, lens_t = case
+    want = _naive(*case, None)
+    threads = torch.get_num_threads()
+    outs = {}
+    try:
+        for team in (1, 2):
+            torch.set_num_threads(team)
+            for rows in (1, rows_no_split):
+                before = ext.decode_parts_run()
+                outs[team, rows] = _kernel(q[:rows], k_cache, v_cache, bt[:rows],
+                                           lens_t[:rows], HEAD_DIM**-0.5, None)
+                assert (ext.decode_parts_run() > before) is _splits(ext, rows, 3)
+                torch.testing.assert_close(outs[team, rows].double(), want[:rows], atol=1e-2,
+                                           rtol=1e-2)
+    finally:
+        torch.set_num_threads(threads)
+    assert cpus < 2 or _splits(ext, 1, 3)
+    for rows in (1, rows_no_split):
+        assert torch.equal(outs[1, rows], outs[2, rows])
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn])
+def test_split_ranges_on_quantized_caches_match_the_dequantized_oracle(
+        kv_dtype: torch.dtype) -> None:
+    """The code paths (scaled rows read in place) through split ranges too."""
+    _ext_or_skip()
+    from pagoda.ops import kv_quant
+
+    case = _make_case([1300], num_kv_heads=1, group=3, dtype=torch.float32, seed=13)
+    q, k_cache, v_cache, bt, lens = case
+    k_codes, k_scale = kv_quant.quantize(k_cache, kv_dtype)
+    v_codes, v_scale = kv_quant.quantize(v_cache, kv_dtype)
+    k_deq = kv_quant.dequantize(k_codes, k_scale, torch.float32)
+    v_deq = kv_quant.dequantize(v_codes, v_scale, torch.float32)
+    q = q.to(torch.bfloat16)
+    ext = cpu_kernels.load_extension()
+    out = torch.empty_like(q)
+    before = ext.decode_parts_run()
+    ext.paged_decode_attention(out, q, k_codes, v_codes, bt, lens, HEAD_DIM**-0.5, -1,
+                               k_scale, v_scale)
+    assert ext.decode_parts_run() - before == 3  # 1 kv head: parts [0, 512), ..., [1024, 1300)
+    want = _naive(q.float(), k_deq, v_deq, bt, lens, None)
+    torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)
+
+
+def test_split_can_be_turned_off_for_comparisons() -> None:
+    """`set_decode_split_len(0)` runs every range in one item (no part runs); both settings
+    agree with the oracle, and differ at most by float32 rounding. Lengths other than
+    multiples of 16 are refused."""
+    _ext_or_skip()
+    ext = cpu_kernels.load_extension()
+    case = _make_case([1700], num_kv_heads=1, group=3, dtype=torch.float32, seed=21)
+    q, k_cache, v_cache, bt, lens = case
+    outs = []
+    old = ext.decode_split_len()
+    try:
+        for length in (old, 0):
+            ext.set_decode_split_len(length)
+            before = ext.decode_parts_run()
+            outs.append(_kernel(q, k_cache, v_cache, bt, lens, HEAD_DIM**-0.5, None))
+            assert (ext.decode_parts_run() > before) is (length > 0)
+        with pytest.raises(RuntimeError, match="multiple of 16"):
+            ext.set_decode_split_len(100)
+    finally:
+        ext.set_decode_split_len(old)
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(outs[0].double(), _naive(*case, None), atol=1e-5, rtol=1e-5)

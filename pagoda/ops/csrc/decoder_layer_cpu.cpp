@@ -43,12 +43,15 @@ void decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
                       torch::Tensor v_cache, torch::Tensor block_tables, torch::Tensor seq_lens,
                       double scale, int64_t sliding_window, std::optional<torch::Tensor> k_scale,
                       std::optional<torch::Tensor> v_scale);
-using DecodeHeads = std::function<void(int64_t b, int kvh0, int kvh1)>;
-DecodeHeads decode_heads(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
-                         torch::Tensor v_cache, torch::Tensor block_tables,
-                         torch::Tensor seq_lens, double scale, int64_t sliding_window,
-                         std::optional<torch::Tensor> k_scale,
-                         std::optional<torch::Tensor> v_scale);
+struct DecodeWork {
+  std::function<void(int64_t item)> run;
+  int64_t items = 0;
+  bool split = false;
+};
+DecodeWork decode_work(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
+                       torch::Tensor v_cache, torch::Tensor block_tables, torch::Tensor seq_lens,
+                       double scale, int64_t sliding_window, std::optional<torch::Tensor> k_scale,
+                       std::optional<torch::Tensor> v_scale);
 }  // namespace pagoda_decode
 
 namespace pagoda_layer {
@@ -277,14 +280,14 @@ torch::Tensor one_region_stack(const DecoderStack& s, const torch::Tensor& x,
   const auto q = qkv.narrow(0, 0, nh * hd).view({1, nh, hd});
   const size_t n = s.layers.size();
   std::vector<pagoda_fused::CacheDst> dst;
-  std::vector<pagoda_decode::DecodeHeads> heads;
+  std::vector<pagoda_decode::DecodeWork> work;
   for (size_t i = 0; i < n; ++i) {
     auto k_cache = kv[i][0], v_cache = kv[i][1];
     auto ks = cache_scale(kv[i], 2), vs = cache_scale(kv[i], 3);
     dst.push_back(pagoda_fused::cache_dst(qkv, k_cache, v_cache, ks, vs, nkv, hd));
     TORCH_CHECK(slot < k_cache.size(0) * k_cache.size(1), "slot ", slot, " out of range");
-    heads.push_back(pagoda_decode::decode_heads(attn, q, k_cache, v_cache, block_tables,
-                                                seq_lens, s.scales[i], s.windows[i], ks, vs));
+    work.push_back(pagoda_decode::decode_work(attn, q, k_cache, v_cache, block_tables,
+                                              seq_lens, s.scales[i], s.windows[i], ks, vs));
   }
 
   const int threads = at::get_num_threads();
@@ -320,9 +323,19 @@ torch::Tensor one_region_stack(const DecoderStack& s, const torch::Tensor& x,
       const auto& b = s.float_biases[i];
       gemv(plan(l.qkv_w), in, qkv_p, 1, bias_ptr(b[0]), tid, nth);
 #pragma omp barrier
-      for (int64_t h = tid; h < nkv; h += nth) {
-        pagoda_fused::rotary_cache_group(qkv_p, cos_p, sin_p, dst[i], slot, h, nh, nkv, hd);
-        heads[i](0, static_cast<int>(h), static_cast<int>(h + 1));
+      const pagoda_decode::DecodeWork& wk = work[i];
+      if (!wk.split) {
+        for (int64_t h = tid; h < nkv; h += nth) {
+          pagoda_fused::rotary_cache_group(qkv_p, cos_p, sin_p, dst[i], slot, h, nh, nkv, hd);
+          wk.run(h);  // item h: kv head h
+        }
+      } else {
+        // NOTE: a part of head h may run on another thread than h's rotary and cache write.
+        for (int64_t h = tid; h < nkv; h += nth) {
+          pagoda_fused::rotary_cache_group(qkv_p, cos_p, sin_p, dst[i], slot, h, nh, nkv, hd);
+        }
+#pragma omp barrier
+        for (int64_t it = tid; it < wk.items; it += nth) wk.run(it);
       }
 #pragma omp barrier
       gemv(plan(l.o_w), attn_p, y_p, 1, bias_ptr(b[1]), tid, nth);

@@ -46,6 +46,7 @@
 #include <torch/extension.h>
 
 #include <omp.h>
+#include <sched.h>
 
 // The vector paths: AVX-512 (AVX512F), else AVX2 + FMA (the fp32 path only).
 #if defined(__AVX512F__)
@@ -82,6 +83,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -185,10 +187,20 @@ struct Problem {
   int64_t num_sinks = 0;
 };
 
-// A work item: request b's kv heads [kvh0, kvh1) and their query heads (for_each_item).
+// Positions per part of a split range (for_each_item): a multiple of the vector paths' tile;
+// 0: no split (set_decode_split_len, for benchmarks' comparisons).
+std::atomic<int64_t> g_split_len{512};
+
+struct Split;
+
+// A work item: request b's kv heads [kvh0, kvh1) and their query heads (for_each_item); with
+// `split`, part `part` of the request's split range: positions [pos0, pos1) of it.
 struct OneItem {
   int64_t b;
   int kvh0, kvh1;
+  Split* split = nullptr;
+  int64_t part = 0;
+  int64_t pos0 = 0, pos1 = 0;
 };
 
 // The first position a query at seq_len - 1 attends to within its window (0: no window).
@@ -210,6 +222,125 @@ inline void store_out(const Problem& p, int64_t i, float x) {
   } else {
     static_cast<float*>(p.out)[i] = x;
   }
+}
+
+// A call whose requests' ranges are split into parts (for_each_item): each part's softmax
+// state per query head, and per (request, kv head) the parts not yet finished.
+struct Split {
+  int64_t len = 0;              // positions per part (g_split_len when the call started)
+  std::vector<int64_t> base;    // per request: its first partial row, in floats; -1: not split
+  std::vector<float> partials;  // per split request: [parts][H][D + 2] = max, sum, acc[D]
+  std::unique_ptr<std::atomic<int>[]> pending;  // [B * Hk]: at the items' first kv heads
+};
+
+// Where request b's attention range [start, seq_len) is split: the aligned parts
+// [k * len, (k + 1) * len) it meets, when it is longer than one part.
+inline int64_t num_parts(int64_t len, int64_t start, int64_t seq_len) {
+  return seq_len - start > len ? (seq_len - 1) / len - start / len + 1 : 1;
+}
+
+inline float* part_row(const Problem& p, Split& sp, int64_t b, int64_t part, int head) {
+  return sp.partials.data() + sp.base[b] +
+         (part * p.num_heads + head) * static_cast<int64_t>(p.head_dim + 2);
+}
+
+// Query heads [h0, h1) of request b from its parts: each part's sums rescaled to the largest
+// max, added in part order (the same bits whichever thread merges), normalized once.
+inline void merge_parts(const Problem& p, Split& sp, int64_t b, int h0, int h1) {
+  const int64_t seq_len = p.seq_lens[b];
+  const int64_t start = window_start(p, seq_len);
+  const int64_t n = num_parts(sp.len, start, seq_len);
+  const int D = p.head_dim;
+  std::vector<float> acc(D);
+  for (int h = h0; h < h1; ++h) {
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int64_t k = 0; k < n; ++k) mx = std::max(mx, part_row(p, sp, b, k, h)[0]);
+    float l = 0.0f;
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int64_t k = 0; k < n; ++k) {
+      const float* r = part_row(p, sp, b, k, h);
+      const float w = exp_nonpos(r[0] - mx);
+      l += r[1] * w;
+      for (int d = 0; d < D; ++d) acc[d] += r[2 + d] * w;
+    }
+    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    const int64_t o = (b * p.num_heads + h) * static_cast<int64_t>(D);
+    for (int d = 0; d < D; ++d) store_out(p, o + d, acc[d] * inv);
+  }
+}
+
+// Part items run since the extension loaded (tests: that a long range was split).
+std::atomic<int64_t> g_parts_run{0};
+
+// After a part item: the last of its (request, kv heads) to finish merges their query heads.
+inline void finish_part(const Problem& p, const OneItem& it) {
+  g_parts_run.fetch_add(1, std::memory_order_relaxed);
+  Split& sp = *it.split;
+  const int G = p.num_heads / p.num_kv_heads;
+  if (sp.pending[it.b * p.num_kv_heads + it.kvh0].fetch_sub(1, std::memory_order_acq_rel) == 1) {
+    merge_parts(p, sp, it.b, it.kvh0 * G, it.kvh1 * G);
+  }
+}
+
+// The CPUs this process may run on: the split decision's thread count. NOTE: not the
+// OpenMP team's current size, which worker/omp_team.py lowers and raises with the load:
+// a request's output must not depend on that (tests/unit/test_omp_team.py).
+int64_t process_cpus() {
+#if defined(__linux__)
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0 && CPU_COUNT(&set) > 0) {
+    return CPU_COUNT(&set);
+  }
+#endif
+  return std::max(1u, std::thread::hardware_concurrency());
+}
+const int64_t g_split_cpus = process_cpus();
+
+// The items of a call in which some range is split (request by request, kv-head groups of
+// heads_per_item, parts in order), with their Split; false (nothing built) when none is:
+// also when the call has two (request, kv head) pairs a CPU or more, which the threads share
+// evenly enough whole.
+// NOTE (measured, 2-core Zen 4, SmolLM2's shape, 30 layers of bf16 caches): parts of 512
+// took one request at 1,500-8,000 positions 1.13-1.18x faster, but 8 at 2,000 and 64 at
+// 1,500 (items of all 3 kv heads) 0.88x as fast: each item's set-up and merge cost more there
+// than the balance gains.
+inline bool split_items(const Problem& p, int64_t batch, int heads_per_item,
+                        std::vector<OneItem>& items, Split& sp) {
+  if (p.q_sink != nullptr) return false;  // NOTE: one softmax over two ranges: never split
+  const int64_t len = g_split_len.load(std::memory_order_relaxed);
+  if (len <= 0 || batch * p.num_kv_heads >= 2 * g_split_cpus) return false;
+  sp.len = len;
+  sp.base.assign(batch, -1);
+  int64_t rows = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t start = window_start(p, p.seq_lens[b]);
+    const int64_t n = num_parts(len, start, p.seq_lens[b]);
+    if (n > 1) {
+      sp.base[b] = rows;
+      rows += n * p.num_heads * static_cast<int64_t>(p.head_dim + 2);
+    }
+  }
+  if (rows == 0) return false;
+  sp.partials.assign(rows, 0.0f);
+  sp.pending.reset(new std::atomic<int>[batch * p.num_kv_heads]);
+  items.clear();
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t seq_len = p.seq_lens[b], start = window_start(p, seq_len);
+    const int64_t n = num_parts(len, start, seq_len), k0 = start / len;
+    for (int kvh0 = 0; kvh0 < p.num_kv_heads; kvh0 += heads_per_item) {
+      const int kvh1 = kvh0 + heads_per_item;
+      if (n == 1) {
+        items.push_back(OneItem{b, kvh0, kvh1});
+        continue;
+      }
+      sp.pending[b * p.num_kv_heads + kvh0].store(static_cast<int>(n), std::memory_order_relaxed);
+      for (int64_t k = 0; k < n; ++k) {
+        items.push_back(OneItem{b, kvh0, kvh1, &sp, k, std::max(start, (k0 + k) * len),
+                                std::min(seq_len, (k0 + k + 1) * len)});
+      }
+    }
+  }
+  return true;
 }
 
 // Scratch for one work item: scaled queries, accumulators, one block of scores, one row.
@@ -1448,20 +1579,36 @@ void decode_one_avx(const Problem& p, const KV* k_cache, const KV* v_cache, cons
                                std::min(p.num_sinks, seq_len), kvh0, kvh1, s);
     start = std::max(start, p.num_sinks);
   }
+  int64_t end = seq_len;
+  if (it.split != nullptr) {
+    start = it.pos0;
+    end = it.pos1;
+  }
   NextTile next{};
   if (next_item != nullptr) {
     const int64_t len = p.seq_lens[next_item->b];
     next = NextTile{p.block_tables + next_item->b * p.bt_stride, range_start(p, len), len,
                     next_item->kvh0, next_item->kvh1};
+    if (next_item->split != nullptr) {
+      next.start = next_item->pos0;
+      next.end = next_item->pos1;
+    }
   }
   const bool ahead = next_item != nullptr && next.start < next.end;
   stage_queries<KV, kD, kDot>(p, p.q, q_base, nh, s);
-  attend_range<KV, kD, kDot>(p, k_cache, v_cache, table, start, seq_len, kvh0, kvh1, s,
+  attend_range<KV, kD, kDot>(p, k_cache, v_cache, table, start, end, kvh0, kvh1, s,
                              ahead ? &next : nullptr);
   for (int j = 0; j < nh; ++j) {
     const float l = lane_sum16(s.l.data() + j * kTile);
-    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
     const float* aj = s.acc.data() + j * kD;
+    if (it.split != nullptr) {
+      float* r = part_row(p, *it.split, b, it.part, kvh0 * G + j);
+      r[0] = s.m[j * kTile];
+      r[1] = l;
+      for (int d = 0; d < kD; ++d) r[2 + d] = aj[acc_index<KV, kDot>(d)];
+      continue;
+    }
+    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
     for (int d = 0; d < kD; ++d) {
       store_out(p, q_base + static_cast<int64_t>(j) * kD + d, aj[acc_index<KV, kDot>(d)] * inv);
     }
@@ -1604,10 +1751,25 @@ void decode_one(const Problem& p, const KV* k_cache, const KV* v_cache, int64_t 
 //
 // With `one`, only that item, on the calling thread (from inside the caller's OpenMP region:
 // the one-region decode stack), with a scratch kept per thread from one call to the next.
+//
+// The vector paths (`may_split`) also split a long range: a request whose range is longer
+// than g_split_len positions becomes one item per aligned part of it (num_parts), each of
+// which leaves its softmax state (max, sum, unnormalized values) in the Split; the last part
+// of a (request, kv heads) to finish merges them (merge_parts). Without it one request's
+// decode keeps at most num_kv_heads threads busy: SmolLM2's 3 kv heads on 2 threads ran 2:1.
+// Only a call with few (request, kv head) pairs for the process's CPUs splits (split_items),
+// so a long request's result can depend on the batch it runs in and the machine, at float32
+// rounding (the parts' sums are added in another order), never on the OpenMP team's size;
+// the parts are the aligned positions only, and a call gives the same bits on any team and
+// in the one-region stack as here.
 
 template <typename ScratchT, typename Fn>
 void for_each_item(const Problem& p, int64_t batch, int scratch_heads_per_kv, Fn fn,
-                   const OneItem* one) {
+                   const OneItem* one, bool may_split = false) {
+  auto run = [&](const OneItem& it, ScratchT& s, const OneItem* next) {
+    fn(it, s, next);
+    if (it.split != nullptr) finish_part(p, it);
+  };
   if (one != nullptr) {
     const int heads = (one->kvh1 - one->kvh0) * scratch_heads_per_kv;
     thread_local std::unique_ptr<ScratchT> kept;
@@ -1617,14 +1779,18 @@ void for_each_item(const Problem& p, int64_t batch, int scratch_heads_per_kv, Fn
       kept = std::make_unique<ScratchT>(heads, p.head_dim, p.block_size);
       kept_shape = shape;
     }
-    fn(*one, *kept, static_cast<const OneItem*>(nullptr));
+    run(*one, *kept, static_cast<const OneItem*>(nullptr));
     return;
   }
   const int num_threads = at::get_num_threads();
   const int heads_per_item = batch >= 4 * num_threads ? p.num_kv_heads : 1;
   const int items_per_req = p.num_kv_heads / heads_per_item;
-  const int64_t num_items = batch * items_per_req;
+  std::vector<OneItem> list;
+  Split split;
+  const bool listed = may_split && split_items(p, batch, heads_per_item, list, split);
+  const int64_t num_items = listed ? static_cast<int64_t>(list.size()) : batch * items_per_req;
   auto item_of = [&](int64_t item) {
+    if (listed) return list[item];
     const int kvh0 = static_cast<int>(item % items_per_req) * heads_per_item;
     return OneItem{item / items_per_req, kvh0, kvh0 + heads_per_item};
   };
@@ -1636,7 +1802,7 @@ void for_each_item(const Problem& p, int64_t batch, int scratch_heads_per_kv, Fn
     while (cur < num_items) {
       const int64_t nxt = counter.fetch_add(1, std::memory_order_relaxed);
       const OneItem next = nxt < num_items ? item_of(nxt) : OneItem{};
-      fn(item_of(cur), s, nxt < num_items ? &next : nullptr);
+      run(item_of(cur), s, nxt < num_items ? &next : nullptr);
       cur = nxt;
     }
   }
@@ -1649,7 +1815,7 @@ void decode_all_avx(const Problem& p, const KV* k, const KV* v, int64_t batch,
   for_each_item<AvxScratch>(p, batch, p.num_heads / p.num_kv_heads,
                             [&](const OneItem& it, AvxScratch& s, const OneItem* next) {
                               decode_one_avx<KV, kD, kDot>(p, k, v, it, s, next);
-                            }, one);
+                            }, one, /*may_split=*/true);
 }
 
 template <typename KV, int kD>
@@ -1673,6 +1839,18 @@ void dispatch_avx(const Problem& p, const KV* k, const KV* v, int64_t batch,
   decode_all_avx<KV, kD, false>(p, k, v, batch, one);
 }
 #endif
+
+// Whether dispatch_head_dim takes a vector path (which splits long ranges) for p.
+inline bool vector_path(const Problem& p) {
+#if defined(PAGODA_DECODE_VEC)
+  switch (p.head_dim) {
+    case 32: case 64: case 96: case 128: case 256: return true;
+    default: return false;
+  }
+#else
+  return false;
+#endif
+}
 
 template <typename KV>
 void dispatch_head_dim(const Problem& p, const KV* k, const KV* v, int64_t batch,
@@ -1840,24 +2018,44 @@ void decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
                          sliding_window, k_scale, v_scale, std::nullopt, 0);
 }
 
-// The same call prepared (its arguments checked) for a caller's OpenMP region: the result
-// runs request b's kv heads [kvh0, kvh1) on the calling thread, without throwing.
-using DecodeHeads = std::function<void(int64_t b, int kvh0, int kvh1)>;
+// The same call prepared (its arguments checked) for a caller's OpenMP region, as `items`
+// work items: run(i) runs item i on the calling thread, without throwing. Unsplit, item
+// b * Hk + h is request b's kv head h; with `split` (some range split into parts, as
+// for_each_item does), every item may read any kv head's query and newest cache row, so all
+// must be written before the first item runs; the last part of a head merges it.
+struct DecodeWork {
+  std::function<void(int64_t item)> run;
+  int64_t items = 0;
+  bool split = false;
+};
 
-DecodeHeads decode_heads(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
-                         torch::Tensor v_cache, torch::Tensor block_tables,
-                         torch::Tensor seq_lens, double scale, int64_t sliding_window,
-                         std::optional<torch::Tensor> k_scale,
-                         std::optional<torch::Tensor> v_scale) {
-  auto d = std::make_shared<const PreparedDecode>(
-      prepare_decode(out, q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window,
-                     k_scale, v_scale, std::nullopt, 0));
-  return [d](int64_t b, int kvh0, int kvh1) {
-    const OneItem one{b, kvh0, kvh1};
-    visit_caches(d->k_cache, d->v_cache, [&](const auto* k, const auto* v) {
-      dispatch_head_dim(d->p, k, v, d->batch, &one);
+DecodeWork decode_work(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
+                       torch::Tensor v_cache, torch::Tensor block_tables, torch::Tensor seq_lens,
+                       double scale, int64_t sliding_window, std::optional<torch::Tensor> k_scale,
+                       std::optional<torch::Tensor> v_scale) {
+  struct State {
+    PreparedDecode d;
+    std::vector<OneItem> items;
+    Split split;
+  };
+  auto st = std::make_shared<State>();
+  st->d = prepare_decode(out, q, k_cache, v_cache, block_tables, seq_lens, scale,
+                         sliding_window, k_scale, v_scale, std::nullopt, 0);
+  const int64_t hk = st->d.p.num_kv_heads;
+  const bool split = vector_path(st->d.p) &&
+                     split_items(st->d.p, st->d.batch, 1, st->items, st->split);
+  DecodeWork w;
+  w.items = split ? static_cast<int64_t>(st->items.size()) : st->d.batch * hk;
+  w.split = split;
+  w.run = [st, split, hk](int64_t i) {
+    const OneItem one = split ? st->items[i]
+                              : OneItem{i / hk, static_cast<int>(i % hk),
+                                        static_cast<int>(i % hk) + 1};
+    visit_caches(st->d.k_cache, st->d.v_cache, [&](const auto* k, const auto* v) {
+      dispatch_head_dim(st->d.p, k, v, st->d.batch, &one);
     });
   };
+  return w;
 }
 }  // namespace pagoda_decode
 
@@ -1888,6 +2086,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "set_kv_prefetch_l2", [](bool on) { pagoda_attn::g_kv_prefetch_l2.store(on); },
       "decode attention's K/V prefetches into L2 (prefetcht1) instead of L1 (prefetcht0)");
   m.def("kv_prefetch_l2", [] { return pagoda_attn::g_kv_prefetch_l2.load(); });
+  m.def("decode_parts_run", [] { return g_parts_run.load(); },
+        "part items of split decode ranges run since the extension loaded");
+  m.def("decode_split_cpus", [] { return g_split_cpus; },
+        "the CPU count decode attention's split decision uses (this process's affinity)");
+  m.def("decode_split_len", [] { return g_split_len.load(); },
+        "positions per part of a split decode range (0: ranges are not split)");
+  m.def("set_decode_split_len", [](int64_t len) {
+          TORCH_CHECK(len == 0 || (len > 0 && len % 16 == 0), "the part length must be 0 or a "
+                      "positive multiple of 16, not ", len);
+          return g_split_len.exchange(len);
+        }, "sets decode_split_len (0: no split); returns the old length");
   m.def("set_bf16_dot", &set_bf16_dot,
         "Enable/disable the AVX512_BF16 dot product for bf16 caches; returns the path in use");
 }
