@@ -50,7 +50,8 @@ _SOURCES = [
 _HEADERS = [
     Path(__file__).parent / "csrc" / h
     for h in ("kv_quant_cpu.h", "attention_cpu.h", "fused_ops_cpu.h", "fused_vec_cpu.h",
-              "vec_lanes_cpu.h", "q_gemv_abi.h", "amx_tiles_cpu.h", "index_args_cpu.h")
+              "vec_lanes_cpu.h", "q_gemv_abi.h", "amx_tiles_cpu.h", "index_args_cpu.h",
+              "decode_attention_cpu.h")
 ]
 _LDFLAGS = ("-fopenmp",)
 _MARCH = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")

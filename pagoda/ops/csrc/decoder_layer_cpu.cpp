@@ -19,6 +19,7 @@
 // argument parsing, ~10 small calls per layer, which at one token per step cost as much as
 // a third of the GEMMs' time. residual is updated in place.
 
+#include "decode_attention_cpu.h"
 #include "fused_ops_cpu.h"
 #include "index_args_cpu.h"
 #include "q_gemv_abi.h"
@@ -37,22 +38,6 @@
 #include <variant>
 #include <vector>
 
-namespace pagoda_decode {
-// paged_attention_cpu.cpp
-void decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
-                      torch::Tensor v_cache, torch::Tensor block_tables, torch::Tensor seq_lens,
-                      double scale, int64_t sliding_window, std::optional<torch::Tensor> k_scale,
-                      std::optional<torch::Tensor> v_scale);
-struct DecodeWork {
-  std::function<void(int64_t item)> run;
-  int64_t items = 0;
-  bool split = false;
-};
-DecodeWork decode_work(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
-                       torch::Tensor v_cache, torch::Tensor block_tables, torch::Tensor seq_lens,
-                       double scale, int64_t sliding_window, std::optional<torch::Tensor> k_scale,
-                       std::optional<torch::Tensor> v_scale);
-}  // namespace pagoda_decode
 
 namespace pagoda_layer {
 
@@ -324,16 +309,12 @@ torch::Tensor one_region_stack(const DecoderStack& s, const torch::Tensor& x,
       gemv(plan(l.qkv_w), in, qkv_p, 1, bias_ptr(b[0]), tid, nth);
 #pragma omp barrier
       const pagoda_decode::DecodeWork& wk = work[i];
-      if (!wk.split) {
-        for (int64_t h = tid; h < nkv; h += nth) {
-          pagoda_fused::rotary_cache_group(qkv_p, cos_p, sin_p, dst[i], slot, h, nh, nkv, hd);
-          wk.run(h);  // item h: kv head h
-        }
-      } else {
+      for (int64_t h = tid; h < nkv; h += nth) {
+        pagoda_fused::rotary_cache_group(qkv_p, cos_p, sin_p, dst[i], slot, h, nh, nkv, hd);
+        if (!wk.split) wk.run(h);  // item h: kv head h
+      }
+      if (wk.split) {
         // NOTE: a part of head h may run on another thread than h's rotary and cache write.
-        for (int64_t h = tid; h < nkv; h += nth) {
-          pagoda_fused::rotary_cache_group(qkv_p, cos_p, sin_p, dst[i], slot, h, nh, nkv, hd);
-        }
 #pragma omp barrier
         for (int64_t it = tid; it < wk.items; it += nth) wk.run(it);
       }

@@ -89,6 +89,7 @@
 #include <vector>
 
 #include "attention_cpu.h"
+#include "decode_attention_cpu.h"
 #include "index_args_cpu.h"
 #include "kv_quant_cpu.h"
 
@@ -2009,7 +2010,6 @@ std::vector<std::string> attention_isa() {
 }  // namespace
 
 namespace pagoda_decode {
-// paged_decode_attention for the other sources of the extension (decoder_layer_cpu.cpp).
 void decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
                       torch::Tensor v_cache, torch::Tensor block_tables, torch::Tensor seq_lens,
                       double scale, int64_t sliding_window, std::optional<torch::Tensor> k_scale,
@@ -2017,17 +2017,6 @@ void decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
   paged_decode_attention(out, q, k_cache, v_cache, block_tables, seq_lens, scale,
                          sliding_window, k_scale, v_scale, std::nullopt, 0);
 }
-
-// The same call prepared (its arguments checked) for a caller's OpenMP region, as `items`
-// work items: run(i) runs item i on the calling thread, without throwing. Unsplit, item
-// b * Hk + h is request b's kv head h; with `split` (some range split into parts, as
-// for_each_item does), every item may read any kv head's query and newest cache row, so all
-// must be written before the first item runs; the last part of a head merges it.
-struct DecodeWork {
-  std::function<void(int64_t item)> run;
-  int64_t items = 0;
-  bool split = false;
-};
 
 DecodeWork decode_work(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
                        torch::Tensor v_cache, torch::Tensor block_tables, torch::Tensor seq_lens,
