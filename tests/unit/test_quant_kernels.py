@@ -232,6 +232,43 @@ def test_single_row_products_split_over_threads(qext, threads: int) -> None:
         torch.set_num_threads(before)
 
 
+def test_single_row_streams_give_the_same_bits(qext) -> None:
+    """On AVX-512 a thread walks its share of a single-row product as several streams of
+    panels side by side (2 by default). Each panel is computed alone in the same order, so
+    1 to 4 streams give the same bits: shares of 1 to 38 panels (too short for two a
+    stream, or leaving a remainder), 4- and 8-bit codes, [G, N] scales, 1 to 3 threads."""
+    import dataclasses
+
+    q41 = _gguf_weight(quant_layouts.Q4_1, 600, 96, seed=31).kernel_data["cpp"]
+    by_group = dataclasses.replace(
+        q41, scales=quant_layouts._per_row(q41.scales).T.contiguous(),
+        offsets=quant_layouts._per_row(q41.offsets).T.contiguous())
+    cases = [(q41, 600), (by_group, 600),
+             (_gguf_weight(quant_layouts.Q8_0, 200, 128, seed=32).kernel_data["cpp"], 200),
+             (_gguf_weight(quant_layouts.Q4_0, 37, 64, seed=33).kernel_data["cpp"], 37),
+             (_group_weight(4, 300, 256, 64, perm=False, seed=34).layout, 300)]
+    before = torch.get_num_threads()
+    was = qext.set_gemv_streams(2)
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            for t, n in cases:
+                x = torch.randn(1, t.shape[1], generator=torch.Generator().manual_seed(n))
+                x = x.to(torch.bfloat16)
+                bias = torch.randn(n).to(torch.bfloat16)
+                ys = []
+                for streams in (1, 2, 3, 4):
+                    qext.set_gemv_streams(streams)
+                    ys.append(qext.q_linear(x, t.codes, t.scales, t.offsets, t.bits, t.block,
+                                            t.group, t.zero_form, n, bias))
+                assert all(torch.equal(ys[0], y) for y in ys[1:]), (threads, n)
+        with pytest.raises(RuntimeError, match="1 to 4"):
+            qext.set_gemv_streams(5)
+    finally:
+        qext.set_gemv_streams(was)
+        torch.set_num_threads(before)
+
+
 def test_many_rows_run_in_row_chunks(qext) -> None:
     """Hundreds of rows of a wide K go in row chunks that fit L2 (K = 2048: 128 rows a
     chunk, so 300 rows are 128 + 128 + 44), each chunk over every panel pair."""

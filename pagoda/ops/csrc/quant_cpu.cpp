@@ -273,32 +273,41 @@ inline void decode8(const uint8_t* p, __m512i& w0, __m512i& w1) {
 }
 
 // acc[i][p]: activation row row0 + i times the 16 rows of panel panel0 + p.
+// Its panels are panel0 + p * stride: adjacent (1), or one in each of P streams (a single
+// row's share walked side by side, q_gemv_share). Each panel's arithmetic is its own, in the
+// same order whatever P and stride: the same bits.
 template <int BITS, int BLOCK, int R, int P>
 inline void tile(const Weights& w, int64_t panel0, const QuantActs& a, int64_t row0,
-                 __m512 (&acc)[R][P]) {
+                 __m512 (&acc)[R][P], int64_t stride = 1) {
   // NOTE: one activation row leaves only P chains of dependent vpdpbusd (latency-bound):
   // the columns c..c+3 and c+4..c+7 then sum into two accumulators, added per block.
   constexpr bool kSplit = R == 1;
   const uint8_t* cp[P];
   for (int p = 0; p < P; ++p) {
-    cp[p] = w.codes + (panel0 + p) * w.panel_bytes;
+    cp[p] = w.codes + (panel0 + p * stride) * w.panel_bytes;
     for (int i = 0; i < R; ++i) acc[i][p] = _mm512_setzero_ps();
   }
   const int64_t nb = a.nb, kp = a.kp;
   for (int64_t g = 0; g < w.groups; ++g) {
     __m512 s[P], m[P];
-    for (int p = 0; p < P; ++p) panel_scale_offset(w, g, (panel0 + p) * kPanel, s[p], m[p]);
+    for (int p = 0; p < P; ++p) {
+      panel_scale_offset(w, g, (panel0 + p * stride) * kPanel, s[p], m[p]);
+    }
     const int64_t b1 = g + 1 == w.groups ? nb : std::min(nb, (g + 1) * w.bpg);
     if constexpr (R == 1) {
       // NOTE: a single row streams its codes faster than [G, N] scales' rows arrive on
       // demand (one line per group, N values apart, ahead of any hardware prefetch): ask
-      // for this group's scales and offsets of the panels kScaleAhead further on. Scales
-      // stored panel by panel are a stream of their own, which the prefetcher follows.
-      const int64_t ahead_panel = panel0 + P + kScaleAhead - 1;
-      if (w.sp == kPanel && ahead_panel < w.np / kPanel) {
-        const int64_t ahead = sc_at(w, g, ahead_panel * kPanel);
-        _mm_prefetch(static_cast<const char*>(w.sc) + ahead * kind_bytes(w.sc_kind), _MM_HINT_T0);
-        _mm_prefetch(static_cast<const char*>(w.off) + ahead * kind_bytes(w.off_kind), _MM_HINT_T0);
+      // for this group's scales and offsets of the panels kScaleAhead further on (in each
+      // stream). Scales stored panel by panel are a stream of their own, which the
+      // prefetcher follows.
+      for (int p = 0; p < (stride == 1 ? 1 : P); ++p) {
+        const int64_t ahead_panel =
+            stride == 1 ? panel0 + P + kScaleAhead - 1 : panel0 + p * stride + kScaleAhead;
+        if (w.sp == kPanel && ahead_panel < w.np / kPanel) {
+          const int64_t ahead = sc_at(w, g, ahead_panel * kPanel);
+          _mm_prefetch(static_cast<const char*>(w.sc) + ahead * kind_bytes(w.sc_kind), _MM_HINT_T0);
+          _mm_prefetch(static_cast<const char*>(w.off) + ahead * kind_bytes(w.off_kind), _MM_HINT_T0);
+        }
       }
     }
     for (int64_t b = g * w.bpg; b < b1; ++b) {
@@ -362,11 +371,12 @@ struct Output {
 };
 
 template <int BITS, int BLOCK, int R, int P>
-void run_tile(const Weights& w, const QuantActs& a, int64_t row0, int64_t panel0, const Output& o) {
+void run_tile(const Weights& w, const QuantActs& a, int64_t row0, int64_t panel0, const Output& o,
+              int64_t stride = 1) {
   __m512 acc[R][P];
-  tile<BITS, BLOCK, R, P>(w, panel0, a, row0, acc);
+  tile<BITS, BLOCK, R, P>(w, panel0, a, row0, acc, stride);
   for (int p = 0; p < P; ++p) {
-    const int64_t col0 = (panel0 + p) * kPanel;
+    const int64_t col0 = (panel0 + p * stride) * kPanel;
     const __mmask16 mask = first_lanes(o.n - col0);
     if (mask == 0) continue;
     const __m512 bias = o.bias != nullptr ? _mm512_maskz_loadu_ps(mask, o.bias + col0) : _mm512_setzero_ps();
@@ -754,8 +764,17 @@ void run_rows(int rows, const Weights& w, const QuantActs& a, int64_t row0, int6
   }
 }
 
+// AVX-512: a single row's share is walked as this many streams side by side (1 to 4;
+// set_gemv_streams), each a contiguous run of its panels. NOTE: one stream a core left the
+// memory idle between the core's misses; two kept more reads in flight (the head 0.80-0.84x
+// of the time on a Zen 4) where three and four gained nothing (docs/architecture.md,
+// session 37).
+inline std::atomic<int> g_gemv_streams{2};
+
 // One activation row (decode): each thread takes an equal contiguous share of the tiles,
-// kGemvTiles at a time (one panel on either path: one sequential stream of codes).
+// kGemvTiles at a time (one panel on either path), as g_gemv_streams sequential streams of
+// codes on AVX-512 (its last count % streams panels, and shares shorter than two panels a
+// stream, after them as one), one on AVX2 (whose 16 registers hold one panel's).
 template <int BITS, int BLOCK>
 void q_gemv_share(const Weights& w, const QuantActs& a, const Output& o, int64_t tid,
                   int64_t nth) {
@@ -763,7 +782,20 @@ void q_gemv_share(const Weights& w, const QuantActs& a, const Output& o, int64_t
   static_assert(kPanel / kTileRows == kGemvTiles, "a single-row tile is one panel");
   const int64_t panels = w.np / kPanel;
   const int64_t end = panels * (tid + 1) / nth * kGemvTiles;
-  for (int64_t p = panels * tid / nth * kGemvTiles; p < end; p += kGemvTiles) {
+  int64_t begin = panels * tid / nth * kGemvTiles;
+#if defined(PAGODA_Q_AVX512)
+  const int streams = g_gemv_streams.load(std::memory_order_relaxed);
+  if (streams > 1 && end - begin >= 2 * streams) {
+    const int64_t run = (end - begin) / streams;
+    for (int64_t j = 0; j < run; ++j) {
+      if (streams == 2) run_tile<BITS, BLOCK, 1, 2>(w, a, 0, begin + j, o, run);
+      else if (streams == 3) run_tile<BITS, BLOCK, 1, 3>(w, a, 0, begin + j, o, run);
+      else run_tile<BITS, BLOCK, 1, 4>(w, a, 0, begin + j, o, run);
+    }
+    begin += run * streams;
+  }
+#endif
+  for (int64_t p = begin; p < end; p += kGemvTiles) {
     run_tile<BITS, BLOCK, 1, kGemvTiles>(w, a, 0, p, o);
   }
 }
@@ -1374,6 +1406,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q_linear", &pagoda_quant::q_linear, "x @ w.T for panel-packed codes (int8 activations; bf16 tiles from wide_min_rows rows)");
   m.def("q_linear_tiles", &pagoda_quant::q_linear_tiles,
         "q_linear through per-tile bf16 dequantization and a bf16 GEMM");
+  m.def("set_gemv_streams", [](int64_t n) {
+          TORCH_CHECK(n >= 1 && n <= 4, "the single-row streams must be 1 to 4, not ", n);
+#if defined(PAGODA_Q_AVX512)
+          return static_cast<int64_t>(pagoda_quant::g_gemv_streams.exchange(static_cast<int>(n)));
+#else
+          return int64_t{1};
+#endif
+        }, "streams a single-row product walks side by side per thread on AVX-512 (1-4; "
+           "the same bits at any count; AVX2: always 1); returns the old count");
   m.def("set_wide_min_rows", [](int64_t rows) { pagoda_quant::wide_min_rows.store(rows); },
         "rows from which q_linear's bf16 products take q_linear_tiles");
   m.def("q_linear_amx", &pagoda_quant::q_linear_amx,
