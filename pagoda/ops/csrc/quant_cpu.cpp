@@ -20,7 +20,8 @@
 // dot products with VNNI vpdpbusd (an exact AVX-512 BW madd sequence without VNNI). One
 // decode of a weight register serves up to 4 activation rows; 2 panels (32 output rows)
 // per task. One activation row (decode) instead: each thread an equal share of the panels,
-// 4 at a time, each panel's halves in two accumulators, 4-bit codes prefetched ahead.
+// walked as two streams side by side (AVX-512; one on AVX2), each panel's halves in two
+// accumulators, 4-bit codes prefetched ahead.
 // Rounding: that of the activation int8 rounding, then float32 sums.
 // i8_linear is W8A8 with a per-token scale, summed exactly in int32 and scaled in double,
 // which reproduces wquant.int8_linear_reference bit for bit.
