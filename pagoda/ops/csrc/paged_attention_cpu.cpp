@@ -1841,35 +1841,37 @@ void dispatch_avx(const Problem& p, const KV* k, const KV* v, int64_t batch,
 }
 #endif
 
+// fn(std::integral_constant<int, D>{}) for the head dims D the vector paths are built for;
+// false (fn not called) for any other, or in a build without them. The one list of those
+// dims: dispatch_head_dim runs them, and vector_path (which splits long ranges) asks it.
+template <typename Fn>
+inline bool with_vector_head_dim([[maybe_unused]] int64_t head_dim, [[maybe_unused]] Fn&& fn) {
+#if defined(PAGODA_DECODE_VEC)
+  switch (head_dim) {
+    case 32: fn(std::integral_constant<int, 32>{}); return true;
+    case 64: fn(std::integral_constant<int, 64>{}); return true;
+    case 96: fn(std::integral_constant<int, 96>{}); return true;
+    case 128: fn(std::integral_constant<int, 128>{}); return true;
+    case 256: fn(std::integral_constant<int, 256>{}); return true;
+    default: break;
+  }
+#endif
+  return false;
+}
+
 // Whether dispatch_head_dim takes a vector path (which splits long ranges) for p.
 inline bool vector_path(const Problem& p) {
-#if defined(PAGODA_DECODE_VEC)
-  switch (p.head_dim) {
-    case 32: case 64: case 96: case 128: case 256: return true;
-    default: return false;
-  }
-#else
-  return false;
-#endif
+  return with_vector_head_dim(p.head_dim, [](auto) {});
 }
 
 template <typename KV>
 void dispatch_head_dim(const Problem& p, const KV* k, const KV* v, int64_t batch,
                        const OneItem* one = nullptr) {
 #if defined(PAGODA_DECODE_VEC)
-  switch (p.head_dim) {
-    case 32:
-      return dispatch_avx<KV, 32>(p, k, v, batch, one);
-    case 64:
-      return dispatch_avx<KV, 64>(p, k, v, batch, one);
-    case 96:
-      return dispatch_avx<KV, 96>(p, k, v, batch, one);
-    case 128:
-      return dispatch_avx<KV, 128>(p, k, v, batch, one);
-    case 256:
-      return dispatch_avx<KV, 256>(p, k, v, batch, one);
-    default:
-      break;
+  if (with_vector_head_dim(p.head_dim, [&](auto d) {
+        dispatch_avx<KV, decltype(d)::value>(p, k, v, batch, one);
+      })) {
+    return;
   }
 #endif
   for_each_item<Scratch>(p, batch, p.num_heads / p.num_kv_heads,
