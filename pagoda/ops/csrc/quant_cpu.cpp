@@ -301,10 +301,12 @@ inline void tile(const Weights& w, int64_t panel0, const QuantActs& a, int64_t r
       // for this group's scales and offsets of the panels kScaleAhead further on (in each
       // stream). Scales stored panel by panel are a stream of their own, which the
       // prefetcher follows.
-      for (int p = 0; p < (stride == 1 ? 1 : P); ++p) {
-        const int64_t ahead_panel =
-            stride == 1 ? panel0 + P + kScaleAhead - 1 : panel0 + p * stride + kScaleAhead;
-        if (w.sp == kPanel && ahead_panel < w.np / kPanel) {
+      // Adjacent panels are one stream of P panels; strided ones, P streams of one.
+      const int streams = stride == 1 ? 1 : P;
+      const int64_t span = stride == 1 ? P : 1;
+      for (int p = 0; w.sp == kPanel && p < streams; ++p) {
+        const int64_t ahead_panel = panel0 + p * stride + span + kScaleAhead - 1;
+        if (ahead_panel < w.np / kPanel) {
           const int64_t ahead = sc_at(w, g, ahead_panel * kPanel);
           _mm_prefetch(static_cast<const char*>(w.sc) + ahead * kind_bytes(w.sc_kind), _MM_HINT_T0);
           _mm_prefetch(static_cast<const char*>(w.off) + ahead * kind_bytes(w.off_kind), _MM_HINT_T0);
@@ -770,7 +772,9 @@ void run_rows(int rows, const Weights& w, const QuantActs& a, int64_t row0, int6
 // memory idle between the core's misses; two kept more reads in flight (the head 0.80-0.84x
 // of the time on a Zen 4) where three and four gained nothing (docs/architecture.md,
 // session 37).
+#if defined(PAGODA_Q_AVX512)
 inline std::atomic<int> g_gemv_streams{2};
+#endif
 
 // One activation row (decode): each thread takes an equal contiguous share of the tiles,
 // kGemvTiles at a time (one panel on either path), as g_gemv_streams sequential streams of
