@@ -55,7 +55,9 @@ def _time_ms(fn: Callable[[], object], budget_s: float = 0.3, max_calls: int = 4
     return best * 1e3
 
 
-def _gguf(qtype: int, n: int, k: int, rng: np.random.Generator) -> wquant.GGUFWeight:
+def random_gguf_weight(qtype: int, n: int, k: int,
+                       rng: np.random.Generator) -> wquant.GGUFWeight:
+    """An [n, k] GGUF weight of `qtype`, random, prepared for the CPU kernels."""
     if qtype in (quant_layouts.Q4_0, quant_layouts.Q4_1, quant_layouts.Q8_0):
         from gguf.quants import quantize
 
@@ -102,12 +104,12 @@ def _kernels(k: int, n: int) -> dict[str, Callable[[torch.Tensor], object]]:
     fns: dict[str, Callable[[torch.Tensor], object]] = {
         "bf16 packed": lambda x: packed_linear(x, packed)}
     fns.update(_torch_int4(k, n, 64))
-    q41 = _gguf(quant_layouts.Q4_1, n, k, rng)
+    q41 = random_gguf_weight(quant_layouts.Q4_1, n, k, rng)
     for name, qtype in (("Q4_1", quant_layouts.Q4_1), ("Q8_0", quant_layouts.Q8_0),
                         ("Q4_K", quant_layouts.Q4_K), ("Q6_K", quant_layouts.Q6_K)):
         if k % quant_layouts.GGUF_BLOCK[qtype][0]:
             continue  # K-quant super-blocks are 256 wide: only 1536 -> 576 here
-        w = q41 if qtype == quant_layouts.Q4_1 else _gguf(qtype, n, k, rng)
+        w = q41 if qtype == quant_layouts.Q4_1 else random_gguf_weight(qtype, n, k, rng)
         fns[f"gguf {name}"] = lambda x, w=w: wquant.gguf_linear(x, w)
     if (ext := quant_cpu.resolve()) is not None and "cpp" in q41.kernel_data:
         lay = q41.kernel_data["cpp"]

@@ -16,7 +16,8 @@ The cost model (a decoder-only transformer with a gated MLP, llama-style):
   (QK^T and PV); a token at position i sees i + 1 keys, so a request of prompt p and
   output o has (p + o - 1)(p + o) / 2 pairs.
 * Each engine step reads the weights once (`weight_bytes`): layer projections, norms and
-  the LM head; embedding lookups read only a few rows and are not counted.
+  the LM head, in the run's dtype or, for a GGUF file pagoda runs natively, at the file's
+  bytes per weight; embedding lookups read only a few rows and are not counted.
 * KV cache traffic: every forwarded token writes its K and V once; a prefill reads its
   own prompt's KV once (flash-style); each decode token reads its whole context once.
 
@@ -26,8 +27,11 @@ tokens, so the number of steps is at least the largest of: output tokens / concu
 forwarded tokens / token budget, and the longest single output (a request makes one
 token per step). In the steady state every step has the same mix, so the sum over steps
 of max(compute, memory) equals max(total compute time, total memory time), with compute
-at the peak matmul FLOP/s (the best rate measured at any shape tried, attention included)
-and memory at the measured read bandwidth, both with torch's current thread count.
+at the peak rate (the best measured at any shape tried, attention included) and memory at
+the measured read bandwidth, both with torch's current thread count. The peak is torch's
+matmul in the run's dtype and, where pagoda runs a GGUF file's blocks natively, its GGUF
+kernel on the file's types (`measure_gguf_kernel_ops`): int8 products, faster than a bf16
+GEMM on a CPU without AMX, and a bound must hold for every system it is compared with.
 Anything real is slower: this is a bound to measure against, not a prediction.
 
 The single-request decode floor is one weight read per token: `weight_bytes / bandwidth`.
@@ -180,8 +184,11 @@ def workload_cost(
     dtype_bytes: int,
     concurrency: int,
     max_num_batched_tokens: int,
+    weight_bytes_per_param: float | None = None,
 ) -> WorkloadCost:
-    """FLOPs and bytes a workload of (prompt_len, output_len) pairs needs at the least."""
+    """FLOPs and bytes a workload of (prompt_len, output_len) pairs needs at the least;
+    weights at `weight_bytes_per_param` (a quantized file's) or else `dtype_bytes`."""
+    wbytes = dtype_bytes if weight_bytes_per_param is None else weight_bytes_per_param
     num_forwarded = sum(p + o - 1 for p, o in lengths)
     num_output = sum(o for _, o in lengths)
     num_pairs = sum((p + o - 1) * (p + o) // 2 for p, o in lengths)
@@ -197,7 +204,7 @@ def workload_cost(
         linear_flops=2.0 * shape.linear_params * num_forwarded,
         lm_head_flops=2.0 * shape.lm_head_params * num_output,
         attn_flops=float(shape.attn_flops_per_pair) * num_pairs,
-        weight_bytes=float(num_steps) * shape.weight_params_read_per_step * dtype_bytes,
+        weight_bytes=float(num_steps) * shape.weight_params_read_per_step * wbytes,
         kv_bytes=float(kv_tokens) * shape.kv_elems_per_token * dtype_bytes,
     )
 
@@ -209,13 +216,15 @@ def roofline(
     dtype_bytes: int,
     concurrency: int,
     max_num_batched_tokens: int,
+    weight_bytes_per_param: float | None = None,
 ) -> RooflineEstimate:
     """Lower bound on the workload's run time on a machine with `limits`."""
-    cost = workload_cost(lengths, shape, dtype_bytes, concurrency, max_num_batched_tokens)
+    cost = workload_cost(lengths, shape, dtype_bytes, concurrency, max_num_batched_tokens,
+                         weight_bytes_per_param)
     compute_s = cost.total_flops / limits.flops_per_s
     memory_s = cost.total_bytes / limits.bytes_per_s
     time_s = max(compute_s, memory_s)
-    single_s = shape.weight_params_read_per_step * dtype_bytes / limits.bytes_per_s
+    single_s = cost.weight_bytes / max(1, cost.num_steps) / limits.bytes_per_s
     return RooflineEstimate(
         cost=cost,
         compute_s=compute_s,
@@ -267,6 +276,37 @@ def measure_matmul_flops(m: int, k: int, n: int, dtype: str, min_time_s: float =
     return 2.0 * m * k * n / seconds
 
 
+def measure_gguf_kernel_ops(
+    m: int, k: int, n: int, qtype: int, min_time_s: float = 0.5
+) -> float | None:
+    """Op/s (2 per row x weight) of pagoda's GGUF linear on random blocks of `qtype` at
+    (m x k) @ (k x n) with bf16 activations; None where no CPU kernel runs that type."""
+    import numpy as np
+    import torch
+
+    from pagoda.benchmarks.quant_kernels import random_gguf_weight
+    from pagoda.ops import quant_layouts, wquant
+
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    if (qtype not in quant_layouts.GGUF_BLOCK or k % quant_layouts.GGUF_BLOCK[qtype][0]
+            or wquant.gguf_linear.kernel_for(x) is None):
+        return None
+    w = random_gguf_weight(qtype, n, k, np.random.default_rng(0))
+    seconds = _best_time(lambda: wquant.gguf_linear(x, w), min_time_s)
+    return 2.0 * m * k * n / seconds
+
+
+def gguf_matrices(path: str | Path) -> tuple[list[int], float]:
+    """A GGUF file's matrices (linears and the token table): their ggml types, and their
+    bytes per weight, all together (what a step that runs them natively reads)."""
+    import gguf
+
+    mats = [t for t in gguf.GGUFReader(str(path)).tensors if len(t.shape) == 2]
+    nbytes = sum(int(t.n_bytes) for t in mats)
+    return sorted({int(t.tensor_type) for t in mats}), nbytes / max(1, sum(
+        int(t.n_elements) for t in mats))
+
+
 def measure_read_bandwidth(num_bytes: int = 1 << 30, min_time_s: float = 1.0) -> float:
     """Bytes/s of summing a float32 tensor far larger than the caches."""
     import torch
@@ -277,15 +317,18 @@ def measure_read_bandwidth(num_bytes: int = 1 << 30, min_time_s: float = 1.0) ->
 
 
 def measure_machine(
-    dtype: str, shape: ModelShape | None = None, quick: bool = False
+    dtype: str, shape: ModelShape | None = None, quick: bool = False,
+    gguf_types: Sequence[int] = (),
 ) -> tuple[MachineLimits, dict[str, Any]]:
     """Measure peak matmul FLOP/s (bf16 and fp32) and read bandwidth; limits for `dtype`.
 
     With a shape, also the model's up-projection (hidden -> intermediate) at 1, 16 and 256
-    rows, to show how far a decode step's small matmuls sit below the peak.
+    rows, to show how far a decode step's small matmuls sit below the peak, and pagoda's
+    GGUF kernel on each of `gguf_types` at 256 and 1,024 rows (the types a natively run
+    GGUF file holds: its rate then counts toward the peak).
     """
     min_time = 0.2 if quick else 0.5
-    details: dict[str, Any] = {"matmul_2048": {}, "model_shapes": {}}
+    details: dict[str, Any] = {"matmul_2048": {}, "model_shapes": {}, "gguf_kernel": {}}
     for dt in sorted({"bfloat16", "float32", dtype}):
         details["matmul_2048"][dt] = measure_matmul_flops(2048, 2048, 2048, dt, min_time)
     if shape is not None:
@@ -293,13 +336,28 @@ def measure_machine(
         for m in (1, 16, 256):
             key = f"{m}x{k}x{n}"
             details["model_shapes"][key] = measure_matmul_flops(m, k, n, dtype, min_time)
+        for qtype in gguf_types:
+            for m in (256, 1024):
+                rate = measure_gguf_kernel_ops(m, k, n, qtype, min_time)
+                if rate is not None:
+                    details["gguf_kernel"][f"{_ggml_name(qtype)} {m}x{k}x{n}"] = rate
     num_bytes = (256 << 20) if quick else (1 << 30)
     details["read_bandwidth"] = measure_read_bandwidth(num_bytes, 0.5 if quick else 1.0)
     details["bandwidth_bytes"] = num_bytes
     # NOTE: the peak is the best rate seen at any shape, so the bound stays a bound.
-    peak = max(details["matmul_2048"][dtype], *details["model_shapes"].values())
+    peak = max(details["matmul_2048"][dtype], *details["model_shapes"].values(),
+               *details["gguf_kernel"].values())
     limits = MachineLimits(flops_per_s=peak, bytes_per_s=details["read_bandwidth"])
     return limits, details
+
+
+def _ggml_name(qtype: int) -> str:
+    import gguf
+
+    try:
+        return gguf.GGMLQuantizationType(qtype).name
+    except ValueError:
+        return f"type {qtype}"
 
 
 # ---------------------------------------------------------------- reporting
@@ -349,18 +407,22 @@ def workload_roofline(
     concurrency: int,
     max_num_batched_tokens: int,
     quick: bool = False,
+    gguf_types: Sequence[int] = (),
+    weight_bytes_per_param: float | None = None,
 ) -> dict[str, Any]:
-    """Measure the machine (with torch's current threads), then bound the workload."""
-    limits, details = measure_machine(dtype, shape, quick=quick)
-    estimate = roofline(
-        lengths, shape, limits, DTYPE_BYTES[dtype], concurrency, max_num_batched_tokens
-    )
+    """Measure the machine (with torch's current threads), then bound the workload.
+    A GGUF file that pagoda runs natively: its matrices' `gguf_types` (measure_machine) and
+    `weight_bytes_per_param`, the fewest bytes any system compared reads."""
+    limits, details = measure_machine(dtype, shape, quick=quick, gguf_types=gguf_types)
+    estimate = roofline(lengths, shape, limits, DTYPE_BYTES[dtype], concurrency,
+                        max_num_batched_tokens, weight_bytes_per_param)
     return {
         "shape": {**asdict(shape), "num_params": shape.num_params},
         "limits": asdict(limits),
         "measurements": details,
         "concurrency": concurrency,
         "max_num_batched_tokens": max_num_batched_tokens,
+        "weight_bytes_per_param": weight_bytes_per_param,
         "estimate": estimate.to_dict(),
     }
 
@@ -371,6 +433,9 @@ def format_roofline(report: dict[str, Any]) -> str:
     square = ", ".join(f"{k} {v / 1e9:,.0f}" for k, v in d["matmul_2048"].items())
     shapes = ", ".join(f"{k} {v / 1e9:,.0f}" for k, v in d["model_shapes"].items())
     limits = f"matmul GFLOP/s: 2048^3 {square}; model shapes (M x K x N) {shapes}"
+    if gguf := d.get("gguf_kernel"):
+        rates = ", ".join(f"{k} {v / 1e9:,.0f}" for k, v in gguf.items())
+        limits += f"; pagoda's GGUF kernel (type M x K x N) G op/s {rates}"
     memory = (
         f"read bandwidth {d['read_bandwidth'] / 1e9:.1f} GB/s; "
         f"params {report['shape']['num_params']:,}"

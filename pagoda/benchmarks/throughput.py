@@ -406,8 +406,25 @@ def _add_roofline_fractions(
             rl.DTYPE_BYTES[dtype],
             roof["concurrency"],
             roof["max_num_batched_tokens"],
+            roof.get("weight_bytes_per_param"),
         )
         r["roofline_fraction"] = rl.fraction_of_roofline(bound, r["elapsed_s"])
+
+
+def _native_gguf(args: argparse.Namespace, src: ModelSource) -> dict[str, Any]:
+    """Where pagoda runs in this benchmark and will run a GGUF file's blocks natively, the
+    roofline's arguments for them (`workload_roofline`): its kernel's rate is then part of
+    the peak, and the file's bytes are what a step reads at the least."""
+    import torch
+
+    from pagoda.quant.gguf import native_enabled
+
+    if src.gguf_file is None or "pagoda" not in args.systems:
+        return {}
+    if not native_enabled(args.gguf_native, torch.device("cpu"), getattr(torch, args.dtype)):
+        return {}
+    types, per_param = rl.gguf_matrices(src.folder / src.gguf_file)
+    return {"gguf_types": types, "weight_bytes_per_param": per_param}
 
 
 def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
@@ -444,6 +461,7 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
             min(args.max_num_seqs, len(workload)),
             args.max_num_batched_tokens,
             quick=args.quick,
+            **_native_gguf(args, src),
         )
         print(rl.format_roofline(roof), flush=True)
 

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
+import numpy as np
 import pytest
 
+from pagoda.benchmarks import roofline as rl
 from pagoda.benchmarks.roofline import (
     MachineLimits,
     ModelShape,
@@ -107,3 +110,60 @@ def test_smollm2_single_stream_floor() -> None:
     est = roofline([(100, 10)], SMOLLM2_135M, limits, 2, 1, 2048)
     assert est.single_stream_s_per_token * 1e3 == pytest.approx(5.605, abs=0.01)
     assert math.isfinite(est.output_tokens_per_s)
+
+
+def test_quantized_weights_bound_the_bytes_not_the_flops() -> None:
+    # A GGUF file run natively: weights at its bytes per weight, the KV cache in the dtype.
+    cost = workload_cost([(3, 2)], TINY, 2, 1, 100, weight_bytes_per_param=0.5)
+    assert cost.weight_bytes == 2 * 196 * 0.5
+    assert cost.kv_bytes == (3 + 4 + 4) * 4 * 2
+    assert cost.total_flops == 1472
+    limits = MachineLimits(flops_per_s=1e12, bytes_per_s=392.0)
+    est = roofline([(3, 2)], TINY, limits, 2, 1, 100, weight_bytes_per_param=0.5)
+    assert est.single_stream_s_per_token == pytest.approx(0.25)
+
+
+def test_gguf_matrices_types_and_bytes(tmp_path: Path) -> None:
+    from gguf import GGMLQuantizationType, GGUFWriter
+    from gguf.quants import quantize
+
+    path = tmp_path / "m.gguf"
+    writer = GGUFWriter(path, "llama")
+    rng = np.random.default_rng(0)
+    q8 = quantize(rng.standard_normal((4, 64)).astype(np.float32), GGMLQuantizationType.Q8_0)
+    writer.add_tensor("blk.0.attn_q.weight", q8, raw_dtype=GGMLQuantizationType.Q8_0)
+    writer.add_tensor("token_embd.weight", rng.random((2, 64), dtype=np.float32))
+    writer.add_tensor("blk.0.attn_norm.weight", rng.random(64, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    types, per_param = rl.gguf_matrices(path)
+    assert types == [int(GGMLQuantizationType.F32), int(GGMLQuantizationType.Q8_0)]
+    # 256 Q8_0 weights in 8 blocks of 34 bytes, 128 float32 ones; the norm is no matrix.
+    assert per_param == pytest.approx((8 * 34 + 128 * 4) / 384)
+
+
+def test_gguf_kernel_rate_counts_toward_the_peak(monkeypatch: pytest.MonkeyPatch) -> None:
+    rates = {"bfloat16": 100.0, "float32": 50.0}
+    monkeypatch.setattr(rl, "measure_matmul_flops", lambda m, k, n, dt, t: rates[dt] + m)
+    monkeypatch.setattr(rl, "measure_read_bandwidth", lambda n, t: 7.0)
+    # A type the kernel lacks (None) is left out; the rest count at every row count.
+    monkeypatch.setattr(rl, "measure_gguf_kernel_ops",
+                        lambda m, k, n, qt, t: None if qt == 99 else 1000.0 * qt + m)
+    limits, details = rl.measure_machine("bfloat16", TINY, quick=True, gguf_types=[3, 99])
+    assert details["gguf_kernel"] == {"Q4_1 256x4x8": 3256.0, "Q4_1 1024x4x8": 4024.0}
+    assert limits.flops_per_s == 4024.0
+    limits, details = rl.measure_machine("bfloat16", TINY, quick=True)
+    assert details["gguf_kernel"] == {}
+    assert limits.flops_per_s == 2148.0  # bf16 at 2048^3
+
+
+def test_gguf_kernel_rate_measured() -> None:
+    from pagoda.ops import quant_cpu, quant_layouts
+
+    if quant_cpu.resolve() is None:
+        pytest.skip("no quant CPU kernel on this machine")
+    assert rl.measure_gguf_kernel_ops(16, 64, 32, quant_layouts.Q4_1, 0.01) > 0
+    # Q4_K super-blocks are 256 wide: no kernel call for K = 64.
+    assert rl.measure_gguf_kernel_ops(16, 64, 32, quant_layouts.Q4_K, 0.01) is None
