@@ -224,7 +224,8 @@ def roofline(
     compute_s = cost.total_flops / limits.flops_per_s
     memory_s = cost.total_bytes / limits.bytes_per_s
     time_s = max(compute_s, memory_s)
-    single_s = cost.weight_bytes / max(1, cost.num_steps) / limits.bytes_per_s
+    wbytes = dtype_bytes if weight_bytes_per_param is None else weight_bytes_per_param
+    single_s = shape.weight_params_read_per_step * wbytes / limits.bytes_per_s
     return RooflineEstimate(
         cost=cost,
         compute_s=compute_s,

@@ -121,6 +121,9 @@ def test_quantized_weights_bound_the_bytes_not_the_flops() -> None:
     limits = MachineLimits(flops_per_s=1e12, bytes_per_s=392.0)
     est = roofline([(3, 2)], TINY, limits, 2, 1, 100, weight_bytes_per_param=0.5)
     assert est.single_stream_s_per_token == pytest.approx(0.25)
+    # No requests: no steps, and still the floor of one step's weights.
+    est = roofline([], TINY, limits, 2, 1, 100, weight_bytes_per_param=0.5)
+    assert est.single_stream_s_per_token == pytest.approx(0.25)
 
 
 def test_gguf_matrices_types_and_bytes(tmp_path: Path) -> None:
