@@ -178,6 +178,11 @@ def min_num_steps(
     )
 
 
+def _bytes_per_weight(dtype_bytes: int, weight_bytes_per_param: float | None) -> float:
+    """A weight's bytes: a quantized file's own, else the run's dtype's."""
+    return dtype_bytes if weight_bytes_per_param is None else weight_bytes_per_param
+
+
 def workload_cost(
     lengths: Sequence[tuple[int, int]],
     shape: ModelShape,
@@ -188,7 +193,7 @@ def workload_cost(
 ) -> WorkloadCost:
     """FLOPs and bytes a workload of (prompt_len, output_len) pairs needs at the least;
     weights at `weight_bytes_per_param` (a quantized file's) or else `dtype_bytes`."""
-    wbytes = dtype_bytes if weight_bytes_per_param is None else weight_bytes_per_param
+    wbytes = _bytes_per_weight(dtype_bytes, weight_bytes_per_param)
     num_forwarded = sum(p + o - 1 for p, o in lengths)
     num_output = sum(o for _, o in lengths)
     num_pairs = sum((p + o - 1) * (p + o) // 2 for p, o in lengths)
@@ -224,7 +229,7 @@ def roofline(
     compute_s = cost.total_flops / limits.flops_per_s
     memory_s = cost.total_bytes / limits.bytes_per_s
     time_s = max(compute_s, memory_s)
-    wbytes = dtype_bytes if weight_bytes_per_param is None else weight_bytes_per_param
+    wbytes = _bytes_per_weight(dtype_bytes, weight_bytes_per_param)
     single_s = shape.weight_params_read_per_step * wbytes / limits.bytes_per_s
     return RooflineEstimate(
         cost=cost,
@@ -278,31 +283,34 @@ def measure_matmul_flops(m: int, k: int, n: int, dtype: str, min_time_s: float =
 
 
 def measure_gguf_kernel_ops(
-    m: int, k: int, n: int, qtype: int, min_time_s: float = 0.5
-) -> float | None:
-    """Op/s (2 per row x weight) of pagoda's GGUF linear on random blocks of `qtype` at
-    (m x k) @ (k x n) with bf16 activations; None where no CPU kernel runs that type."""
+    rows: Sequence[int], k: int, n: int, qtype: int, min_time_s: float = 0.5
+) -> dict[int, float]:
+    """Op/s (2 per row x weight) of pagoda's GGUF linear on one random [n, k] weight of
+    `qtype`, per row count m of bf16 activations; empty where no CPU kernel runs that type."""
     import numpy as np
     import torch
 
     from pagoda.benchmarks.quant_kernels import random_gguf_weight
     from pagoda.ops import quant_layouts, wquant
 
-    x = torch.randn(m, k, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    probe = torch.empty(0, dtype=torch.bfloat16)
     if (qtype not in quant_layouts.GGUF_BLOCK or k % quant_layouts.GGUF_BLOCK[qtype][0]
-            or wquant.gguf_linear.kernel_for(x) is None):
-        return None
+            or wquant.gguf_linear.kernel_for(probe) is None):
+        return {}
     w = random_gguf_weight(qtype, n, k, np.random.default_rng(0))
-    seconds = _best_time(lambda: wquant.gguf_linear(x, w), min_time_s)
-    return 2.0 * m * k * n / seconds
+    rates = {}
+    for m in rows:
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+        rates[m] = 2.0 * m * k * n / _best_time(lambda x=x: wquant.gguf_linear(x, w), min_time_s)
+    return rates
 
 
 def gguf_matrices(path: str | Path) -> tuple[list[int], float]:
     """A GGUF file's matrices (linears and the token table): their ggml types, and their
     bytes per weight, all together (what a step that runs them natively reads)."""
-    import gguf
+    from pagoda.models.gguf import open_gguf
 
-    mats = [t for t in gguf.GGUFReader(str(path)).tensors if len(t.shape) == 2]
+    mats = [t for t in open_gguf(Path(path)).tensors if len(t.shape) == 2]
     nbytes = sum(int(t.n_bytes) for t in mats)
     return sorted({int(t.tensor_type) for t in mats}), nbytes / max(1, sum(
         int(t.n_elements) for t in mats))
@@ -338,10 +346,8 @@ def measure_machine(
             key = f"{m}x{k}x{n}"
             details["model_shapes"][key] = measure_matmul_flops(m, k, n, dtype, min_time)
         for qtype in gguf_types:
-            for m in (256, 1024):
-                rate = measure_gguf_kernel_ops(m, k, n, qtype, min_time)
-                if rate is not None:
-                    details["gguf_kernel"][f"{_ggml_name(qtype)} {m}x{k}x{n}"] = rate
+            for m, rate in measure_gguf_kernel_ops((256, 1024), k, n, qtype, min_time).items():
+                details["gguf_kernel"][f"{_ggml_name(qtype)} {m}x{k}x{n}"] = rate
     num_bytes = (256 << 20) if quick else (1 << 30)
     details["read_bandwidth"] = measure_read_bandwidth(num_bytes, 0.5 if quick else 1.0)
     details["bandwidth_bytes"] = num_bytes
@@ -355,10 +361,7 @@ def measure_machine(
 def _ggml_name(qtype: int) -> str:
     import gguf
 
-    try:
-        return gguf.GGMLQuantizationType(qtype).name
-    except ValueError:
-        return f"type {qtype}"
+    return gguf.GGMLQuantizationType(qtype).name
 
 
 # ---------------------------------------------------------------- reporting

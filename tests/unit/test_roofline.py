@@ -153,7 +153,8 @@ def test_gguf_kernel_rate_counts_toward_the_peak(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(rl, "measure_read_bandwidth", lambda n, t: 7.0)
     # A type the kernel lacks (None) is left out; the rest count at every row count.
     monkeypatch.setattr(rl, "measure_gguf_kernel_ops",
-                        lambda m, k, n, qt, t: None if qt == 99 else 1000.0 * qt + m)
+                        lambda rows, k, n, qt, t: {} if qt == 99 else {
+                            m: 1000.0 * qt + m for m in rows})
     limits, details = rl.measure_machine("bfloat16", TINY, quick=True, gguf_types=[3, 99])
     assert details["gguf_kernel"] == {"Q4_1 256x4x8": 3256.0, "Q4_1 1024x4x8": 4024.0}
     assert limits.flops_per_s == 4024.0
@@ -167,6 +168,7 @@ def test_gguf_kernel_rate_measured() -> None:
 
     if quant_cpu.resolve() is None:
         pytest.skip("no quant CPU kernel on this machine")
-    assert rl.measure_gguf_kernel_ops(16, 64, 32, quant_layouts.Q4_1, 0.01) > 0
+    rates = rl.measure_gguf_kernel_ops((16, 32), 64, 32, quant_layouts.Q4_1, 0.01)
+    assert list(rates) == [16, 32] and min(rates.values()) > 0
     # Q4_K super-blocks are 256 wide: no kernel call for K = 64.
-    assert rl.measure_gguf_kernel_ops(16, 64, 32, quant_layouts.Q4_K, 0.01) is None
+    assert rl.measure_gguf_kernel_ops((16,), 64, 32, quant_layouts.Q4_K, 0.01) == {}
