@@ -160,6 +160,9 @@ class SchedulerConfig:
     sla_ttft_targets_s: dict[str, float]
     # Schedule step N+1 while step N runs (engine/step_pipeline.py).
     async_scheduling: bool = False
+    # Most decode steps a lone greedy request runs in one engine step (core/scheduler.py,
+    # decode bursts; 1: off).
+    decode_burst: int = 1
 
 
 @dataclass
@@ -193,6 +196,8 @@ class EngineConfig:
             )
         if s.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {s.max_num_seqs}")
+        if s.decode_burst < 1:
+            raise ValueError(f"decode_burst must be >= 1, got {s.decode_burst}")
         if s.max_num_batched_tokens < 1:
             raise ValueError(
                 f"max_num_batched_tokens must be >= 1, got {s.max_num_batched_tokens}"
@@ -318,6 +323,9 @@ class EngineArgs:
     speculative_config: dict | str | None = None
     # async: schedule the next step (and detokenize the last) while a step's forward runs.
     async_scheduling: bool = False
+    # A lone greedy request runs up to this many decode steps per engine step, in one
+    # extension call (1: off; see docs/architecture.md, "Decode bursts").
+    decode_burst: int = 8
     # split (issue 10): `pagoda serve` runs the engine in a child process (the API server
     # keeps HTTP and tokenization); the server's only (LLM(...) runs in-process). On by
     # default since session 22 (docs/architecture.md, "Engine-core process").
@@ -401,6 +409,12 @@ class EngineArgs:
         p.add_argument("--async-scheduling", action=bool_flag, default=d.async_scheduling,
                        help="schedule step N+1, and commit and detokenize step N - 1, while "
                        "step N's forward runs (the forward on a worker thread)")
+        p.add_argument("--decode-burst", type=int, default=d.decode_burst,
+                       help="a request running alone (greedy, no logprobs or penalties) "
+                       "takes up to this many decode steps per engine step, in one call: "
+                       "the same tokens with less host work per token, streamed in chunks "
+                       "of up to this many; a request arriving meanwhile waits for the "
+                       "burst to end (1: off)")
         p.add_argument("--engine-process", action=bool_flag, default=d.engine_process,
                        help="serve: run the engine (model, scheduler, detokenization) in a "
                        "child process of its own, apart from the HTTP server's (the default; "
@@ -445,6 +459,7 @@ class EngineArgs:
                 sla_ttft_targets_s={**DEFAULT_SLA_TTFT_TARGETS_S,
                                     **(self.sla_ttft_targets_s or {})},
                 async_scheduling=self.async_scheduling,
+                decode_burst=self.decode_burst,
             ),
             device=self.device,
             distributed_executor_backend=self.distributed_executor_backend,

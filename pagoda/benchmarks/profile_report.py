@@ -38,12 +38,19 @@ def _case(title: str, case: dict[str, Any]) -> list[str]:
         lines.append(f"{'step total, one call':<22}{one_call:>10.2f}   (median of "
                      f"{case.get('one_call_steps', case['num_steps'])} steps as the engine "
                      "runs them: every layer and its attention in one C++ call)")
+    if (burst := case.get("burst_ms_per_token")) is not None:
+        lines.append(f"{'per token, bursts':<22}{burst:>10.2f}   ({case['burst_tokens']} "
+                     f"tokens in {case['burst_steps']} steps of up to {case['decode_burst']} "
+                     "decode steps in one call: decode bursts)")
     floor = case.get("weight_floor")
     if floor:
         lines.append(
             f"weight-bandwidth floor: {floor['weight_bytes'] / 1e6:.0f} MB of weights / "
             f"{floor['read_bandwidth_gb_s']:.1f} GB/s = {floor['floor_ms']:.2f} ms; "
             f"the step is {floor['ratio']:.2f}x the floor (target <= 1.5x)")
+        if "burst_ratio" in floor:
+            lines.append(f"with decode bursts a token takes {floor['burst_ratio']:.2f}x the "
+                         "floor")
     return lines
 
 

@@ -13,6 +13,8 @@ a warm-up step that also records the dispatch):
   floor (the bytes of weights a step reads / the measured read bandwidth). Its one-call
   figure is the median of `--single-steps` steps (200): a step takes a few ms, and on a
   host whose memory bandwidth drifts a mean of five was off by 10-20% from run to run.
+  Decode bursts are off for those steps; then `--single-steps` more tokens run with them
+  (the engine's `decode_burst`, where the model runs bursts): ms per token over that run.
 
 Each step is broken down by phase (step_timer.py): scheduling, input preparation, the
 forward by op class (GEMMs, attention, fused ops, other), lm_head, sampling, output
@@ -83,7 +85,7 @@ def _engine(args: argparse.Namespace) -> Any:
 
     per_prefill = -(-args.prefill_tokens // args.prefill_seqs)
     max_len = max(args.context_len + _decode_max_tokens(args), per_prefill + 1,
-                  args.single_context_len + args.steps + args.single_steps + 8)
+                  args.single_context_len + args.steps + 2 * args.single_steps + 8)
     llm = LLM(model=args.model, dtype=args.dtype, seed=args.seed, enable_prefix_caching=False,
               gguf_native=args.gguf_native,
               max_num_seqs=max(args.num_seqs, args.prefill_seqs),
@@ -134,31 +136,50 @@ def _timed_steps(engine: Any, inst: StepInstrumentation, steps: int) -> dict[str
 
 def profile_decode(engine: Any, inst: StepInstrumentation, num_seqs: int, context_len: int,
                    steps: int, seed: int, tag: str, max_tokens: int,
-                   one_call_steps: int | None = None) -> dict[str, Any]:
+                   one_call_steps: int | None = None,
+                   burst_tokens: int = 0) -> dict[str, Any]:
     """`steps` decode steps of `num_seqs` sequences at about `context_len` tokens, then
     `one_call_steps` (default `steps`) more as the engine runs them, each timed: their
-    median is `one_call_step_ms`."""
+    median is `one_call_step_ms`. Decode bursts are off for those; then, where the engine
+    runs them (a lone request), `burst_tokens` more tokens with them on: ms per token
+    over that run (`burst_ms_per_token`)."""
     ids = _add(engine, tag, _prompts(engine, num_seqs, context_len, seed), max_tokens)
     sched = engine.scheduler
-    while sched.waiting or any(r.num_computed_tokens < r.num_prompt_tokens
-                               for r in sched.running):
-        engine.step()
-    with inst:
-        result = _timed_steps(engine, inst, steps)
-    result.update(num_seqs=num_seqs, context_len=context_len)
-    stack = engine.executor.worker.model.fused_stack()
-    if stack is not None:
-        # NOTE: the timed steps ran layer by layer (step_timer.py); the same number of
-        # steps again, untimed inside, as the engine runs them: decode in one call.
-        n = one_call_steps or steps
-        before, times = stack.decode_steps, []
-        for _ in range(n):
-            start = time.perf_counter()
+    # NOTE: a burst is several steps in one call: the per-step figures are one step each.
+    burst, sched.decode_burst = sched.decode_burst, 1
+    try:
+        while sched.waiting or any(r.num_computed_tokens < r.num_prompt_tokens
+                                   for r in sched.running):
             engine.step()
-            times.append(time.perf_counter() - start)
-        if stack.decode_steps - before == n:
-            result["one_call_step_ms"] = 1000 * statistics.median(times)
-            result["one_call_steps"] = n
+        with inst:
+            result = _timed_steps(engine, inst, steps)
+        result.update(num_seqs=num_seqs, context_len=context_len)
+        stack = engine.executor.worker.model.fused_stack()
+        if stack is not None:
+            # NOTE: the timed steps ran layer by layer (step_timer.py); the same number of
+            # steps again, untimed inside, as the engine runs them: decode in one call.
+            n = one_call_steps or steps
+            before, times = stack.decode_steps, []
+            for _ in range(n):
+                start = time.perf_counter()
+                engine.step()
+                times.append(time.perf_counter() - start)
+            if stack.decode_steps - before == n:
+                result["one_call_step_ms"] = 1000 * statistics.median(times)
+                result["one_call_steps"] = n
+    finally:
+        sched.decode_burst = burst
+    result["decode_burst"] = burst
+    if burst_tokens and burst > 1 and len(sched.running) == 1:
+        req = sched.running[0]
+        first, steps_run = req.num_output_tokens, 0
+        start = time.perf_counter()
+        while req.num_output_tokens - first < burst_tokens and not req.is_finished:
+            engine.step()
+            steps_run += 1
+        tokens = req.num_output_tokens - first
+        result.update(burst_ms_per_token=1000 * (time.perf_counter() - start) / tokens,
+                      burst_tokens=tokens, burst_steps=steps_run)
     engine.abort_request(ids)
     return result
 
@@ -272,12 +293,14 @@ def run_step_profile(args: argparse.Namespace) -> dict[str, Any]:
     report["prefill"] = profile_prefill(engine, inst, args.prefill_tokens, args.prefill_seqs,
                                         args.steps, args.seed)
     report["single"] = profile_decode(engine, inst, 1, args.single_context_len, args.steps,
-                                      args.seed, "s", args.steps + args.single_steps + 3,
-                                      args.single_steps)
+                                      args.seed, "s", args.steps + 2 * args.single_steps + 3,
+                                      args.single_steps, burst_tokens=args.single_steps)
     if not args.no_bandwidth:
         floor = _weight_floor(engine)
         single = report["single"]
         floor["ratio"] = single.get("one_call_step_ms", single["step_ms"]) / floor["floor_ms"]
+        if "burst_ms_per_token" in single:
+            floor["burst_ratio"] = single["burst_ms_per_token"] / floor["floor_ms"]
         report["single"]["weight_floor"] = floor
     report["dispatch"] = {"ops": {k: sorted(v) for k, v in sorted(inst.dispatch.items())},
                           "gemms": gemm_dispatch(engine),

@@ -35,6 +35,17 @@ rejected ones and blocks that only rejected tokens used are freed. Drafts are ne
 `all_token_ids` before they are accepted, so no block hash (hence no prefix-cache entry)
 ever covers a rejected token.
 
+Decode bursts (`decode_burst` > 1): a request that is alone (nothing else running or
+waiting, no step in flight, speculative decoding off), in decode, greedy with nothing that
+touches the logits and past its min_tokens, may run several decode steps in one: the step
+schedules its one token as usual, allocates slots for up to `decode_burst` tokens (cut to
+its max_tokens and max_model_len) and names its stop tokens; the runner chooses the tokens
+one after another in one call and stops after a stop token. At commit
+`num_computed_tokens` moves on by the extra tokens computed, blocks past them go back, and
+the tokens are appended with stop checks as any step's are. Only the host work between the
+steps goes: the tokens are those of one step at a time. A burst ends when it ends, so a
+request that arrives meanwhile waits for it (at most `decode_burst` steps).
+
 Preemption (carried out by core/preemption.py, victims chosen by the policy in
 core/request_queue.py):
 - KV pressure while growing a running request: the policy's last running request (FCFS:
@@ -82,6 +93,7 @@ class Scheduler(WaitingAdmission):
         sla_ttft_targets_s: Mapping[str, float] | None = None,
         stop_at_max_model_len: bool = True,
         draft_length_policy: DraftLengthPolicy | None = None,
+        decode_burst: int = 1,
     ) -> None:
         self.kv = kv_cache_manager
         # NOTE: False with attention sinks: a stream may outgrow max_model_len.
@@ -105,6 +117,8 @@ class Scheduler(WaitingAdmission):
         # None: speculative decoding is off.
         self.draft_length_policy = draft_length_policy
         self._num_drafts_this_step = 0
+        # Most decode steps a lone greedy request may run in one step (1: no bursts).
+        self.decode_burst = decode_burst
         # Steps scheduled and not yet committed or rolled back, by id(SchedulerOutput):
         # the output and its Request objects (a finished request's id may be reused by a
         # new one before the step that still ran it is committed).
@@ -206,13 +220,14 @@ class Scheduler(WaitingAdmission):
                 i += 1
                 continue
             drafts = self._drafts_to_verify(req, n, budget)
+            burst = self._burst_steps(req, n)
             while True:
-                new_blocks = self.kv.allocate_slots(req, n + len(drafts))
+                new_blocks = self.kv.allocate_slots(req, n + len(drafts) + burst - 1)
                 if new_blocks is not None:
                     break
-                if drafts:
-                    # NOTE: drafts are optional: give them up before preempting anyone.
-                    drafts = []
+                if drafts or burst > 1:
+                    # NOTE: drafts and bursts are optional: give them up before preempting.
+                    drafts, burst = [], 1
                     continue
                 # NOTE: preempt inside the retry loop: the policy's last running request
                 # (not yet scheduled this step) gives its blocks back; if that is this
@@ -227,6 +242,8 @@ class Scheduler(WaitingAdmission):
             if drafts:
                 out.scheduled_spec_decode_tokens[req.req_id] = drafts
                 n += len(drafts)
+            if burst > 1:
+                out.decode_bursts[req.req_id] = (burst, self._stop_token_ids(req))
             out.scheduled_cached_reqs.append(
                 CachedRequestData(req.req_id, self.kv.group_ids(new_blocks),
                                   req.num_computed_tokens,
@@ -253,6 +270,30 @@ class Scheduler(WaitingAdmission):
                 self.max_model_len - req.num_tokens - 1)
         return req.spec_token_ids[:k] if k > 0 else []
 
+
+    def _burst_steps(self, req: Request, n: int) -> int:
+        """The decode steps running `req` may take in this one (1: an ordinary step); see
+        the module's note on decode bursts."""
+        if (self.decode_burst <= 1 or n != 1 or len(self.running) != 1 or len(self.waiting)
+                or self._uncommitted or self.draft_length_policy is not None
+                or not self.stop_at_max_model_len or req.num_output_placeholders
+                or req.num_computed_tokens != req.num_tokens - 1):
+            return 1
+        params = req.sampling_params
+        if not params.plain_greedy or req.num_output_tokens < params.min_tokens:
+            return 1
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len
+        return max(1, min(self.decode_burst, max_tokens - req.num_output_tokens,
+                          self.max_model_len - req.num_tokens))
+
+    @staticmethod
+    def _stop_token_ids(req: Request) -> list[int]:
+        """The tokens `_check_stop` ends `req` on (past its min_tokens)."""
+        params = req.sampling_params
+        ids = set(params.stop_token_ids or ())
+        if not params.ignore_eos and req.eos_token_id is not None:
+            ids.add(req.eos_token_id)
+        return sorted(ids)
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         """Give `req`'s device blocks back (swap or recompute) and requeue it; the
@@ -289,6 +330,12 @@ class Scheduler(WaitingAdmission):
                 drafts = sched_out.scheduled_spec_decode_tokens.get(req_id)
                 if drafts:
                     self._reject_drafts(req, len(drafts), len(token_ids))
+                burst = sched_out.decode_bursts.get(req_id)
+                if burst is not None:
+                    # NOTE: each token but the last was computed too (the next one's input).
+                    req.num_computed_tokens += max(len(token_ids or ()), 1) - 1
+                    if len(token_ids or ()) < burst[0]:
+                        self.kv.free_uncomputed_tail(req)
                 # NOTE: the blocks of later steps in flight may not be written yet.
                 self.kv.cache_blocks(req, req.num_computed_tokens - req.num_tokens_in_flight)
                 req.spec_token_ids = draft_token_ids.get(req_id, [])

@@ -66,6 +66,10 @@ class SchedulerOutput:
     # the next step (0: none).
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     num_spec_tokens: int = 0
+    # Decode bursts: a lone greedy request in decode may run up to `steps` decode steps in
+    # this one (its one scheduled token, then each token it chooses), its slots allocated
+    # for all of them; it stops after a token of `stop_ids`. req_id -> (steps, stop_ids).
+    decode_bursts: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

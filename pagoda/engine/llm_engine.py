@@ -125,6 +125,10 @@ class LLMEngine:
             None if swap_pool is None else swap_pool.num_blocks,
             None if host_tier is None else host_tier.num_slots,
         )
+        # NOTE: with steps in flight or drafts the scheduler never bursts anyway.
+        if (s.decode_burst > 1 and not s.async_scheduling and config.speculative is None
+                and self.executor.supports_decode_burst()):
+            self.scheduler.decode_burst = s.decode_burst
         self.output_processor = OutputProcessor(self.tokenizer)
         # None: one step at a time (the default); else async scheduling.
         self.pipeline = StepPipeline(self.scheduler, self.executor) if (

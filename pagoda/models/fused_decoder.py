@@ -35,9 +35,13 @@ from torch import nn
 from pagoda import ops
 from pagoda.attention.torch_paged import TorchPagedAttention
 from pagoda.ops import gemm_dispatch, quant_cpu
-from pagoda.quant.gguf import GGUFLinearMethod
+from pagoda.quant.gguf import GGUFEmbeddingMethod, GGUFLinearMethod
 from pagoda.quant.group_quant import GroupQuantLinearMethod
-from pagoda.quant.unquantized import UnquantizedLinearMethod, is_packed
+from pagoda.quant.unquantized import (
+    UnquantizedEmbeddingMethod,
+    UnquantizedLinearMethod,
+    is_packed,
+)
 
 KVCache = tuple[torch.Tensor, ...]
 
@@ -105,6 +109,9 @@ class FusedDecoderStack:
         )
         self._decode_kernel: dict[tuple[torch.dtype, int], bool] = {}
         self.decode_steps = 0  # steps run by decode_stack (tests, diagnostics)
+        self.decode_burst: Callable[..., Any] = ext.decoder_decode_burst
+        self._ext = ext
+        self._token_weights: tuple[Any, Any] | None | bool = False  # False: not built
 
     @staticmethod
     def _gemv_fn() -> int:
@@ -113,14 +120,14 @@ class FusedDecoderStack:
         qext = quant_cpu.resolve()
         return 0 if qext is None else int(qext.gemv_part_address())
 
-    def _weight(self, ext: Any, linear: nn.Module) -> Any:
+    def _weight(self, ext: Any, linear: nn.Module, k: int | None = None) -> Any:
         lay = _quant_layout(linear)
         if lay is None:
             return linear.weight
         plan = quant_cpu.resolve().GemvPlan(
             codes=lay.codes, scales=lay.scales, offsets=lay.offsets, bits=lay.bits,
             block=lay.block, group=lay.group, zero_form=lay.zero_form, n=lay.shape[0],
-            k=linear.input_size)
+            k=linear.input_size if k is None else k)
         self._plans.append(plan)
         # NOTE: quant/gguf.py's dense copy, for the products of the rows it serves
         dense, rows = getattr(linear, "dense_weight", None), getattr(linear, "dense_rows", None)
@@ -129,6 +136,63 @@ class FusedDecoderStack:
                                zero_form=lay.zero_form, n=lay.shape[0], plan=plan.address,
                                dense=dense, dense_min_rows=rows[0] if dense is not None else 0,
                                dense_max_rows=rows[1] if dense is not None else 0)
+
+    def token_weights(self, embed: nn.Module, head: nn.Module) -> tuple[Any, Any] | None:
+        """(the LM head, the token table) as the extension's weights for a decode burst
+        (`decoder_decode_burst`): the products `compute_logits` and the lookups
+        `embed_tokens` run, built once. None where either takes a path the burst does not
+        repeat (a float32 model, a head that is not packed, a K-quant table)."""
+        if self._token_weights is False:
+            with torch.no_grad():
+                self._token_weights = self._build_token_weights(embed, head)
+        return self._token_weights
+
+    def _build_token_weights(self, embed: nn.Module, head: nn.Module) -> tuple[Any, Any] | None:
+        ext, dtype = self._ext, self.dtype
+        if dtype != torch.bfloat16 or embed.tp_size != 1 or head.tp_size != 1:
+            return None
+        method = head.quant_method
+        if _quant_layout(head) is not None:
+            head_w = self._weight(ext, head, k=head.embedding_dim)
+        elif type(method) is UnquantizedEmbeddingMethod and head.packed_logits_weight is not None:
+            head_w = head.packed_logits_weight
+        elif type(method) is UnquantizedLinearMethod and is_packed(head.weight):
+            head_w = head.weight
+        else:
+            return None
+        method, table = embed.quant_method, getattr(embed, "quant_weight", None)
+        if type(method) is GGUFEmbeddingMethod and table is not None and table.raw is None:
+            # NOTE: the lookups quant_cpu.dequantize_rows serves (its conditions).
+            lay = table.layout
+            if quant_cpu.resolve() is None or lay.group != lay.block:
+                return None
+            embed_w = ext.QuantWeight(codes=lay.codes, scales=lay.scales, offsets=lay.offsets,
+                                      bits=lay.bits, block=lay.block, group=lay.group,
+                                      zero_form=lay.zero_form, n=lay.shape[0])
+        elif (type(method) is UnquantizedEmbeddingMethod and embed.weight.dtype == dtype
+              and embed.weight.is_contiguous()):
+            embed_w = embed.weight.detach()
+        else:
+            return None
+        return head_w, embed_w
+
+    def burst(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+        kv_caches: Sequence[KVCache], mds: Sequence[Any], block_table: torch.Tensor,
+        block_size: int, max_steps: int, stop_ids: torch.Tensor, norm: nn.Module,
+        token_weights: tuple[Any, Any],
+    ) -> list[int] | None:
+        """Up to `max_steps` greedy tokens of one decode row in one call
+        (`decoder_decode_burst`), from x, its token's embedding; None where this step would
+        not run as `decoder_decode_stack` (the caller then runs it as usual)."""
+        if x.shape[0] != 1 or not self._decodes_in_one_call(x, kv_caches, mds):
+            return None
+        head_w, embed_w = token_weights
+        tokens = self.decode_burst(self.decode, x, cos, sin, int(positions[0]), kv_caches,
+                                   block_table, block_size, norm.weight, norm.eps, head_w,
+                                   embed_w, stop_ids, max_steps)
+        self.decode_steps += len(tokens)
+        return tokens.tolist()
 
     def _layer(self, ext: Any, layer: nn.Module) -> Any:
         attn, mlp = layer.self_attn, layer.mlp

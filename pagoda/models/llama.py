@@ -335,6 +335,46 @@ class LlamaForCausalLM(nn.Module):
         x, _ = self.model.norm.forward_residual(x, residual)
         return x
 
+    def decode_burst(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+        md: AttentionMetadata | list[AttentionMetadata], block_table: torch.Tensor,
+        block_size: int, max_steps: int, stop_ids: torch.Tensor,
+    ) -> list[int] | None:
+        """Up to `max_steps` greedy decode steps of one request in one extension call: the
+        tokens `forward`, `compute_logits` and an argmax would choose step after step (the
+        same kernels), ending after a token of `stop_ids`. `input_ids` / `positions` /
+        `md`: the first step's (one token); `block_table` [1, M]: the request's blocks for
+        every step. None where the steps would not run through the fused decode stack
+        (the caller runs one step as usual)."""
+        if not self.supports_decode_burst() or input_ids.shape[0] != 1:
+            return None
+        x = self.model.embed_tokens(input_ids)
+        cache_dtype = kv_caches[0][0].dtype
+        stack, cos, sin = self.fused_stack(), self.rotary.cos, self.rotary.sin
+        if (not (cache_dtype == x.dtype or is_quantized(cache_dtype))
+                or fused_ops_for(x) is None or not stack.dtype == x.dtype == cos.dtype
+                or stack.widens(x) or len(kv_caches) != len(stack.layers)):
+            return None
+        # NOTE: the rotary tables end at max_model_len, which the scheduler's steps respect.
+        max_steps = min(max_steps, cos.shape[0] - int(positions[0]))
+        if max_steps < 1:
+            return None
+        layer_mds = md if isinstance(md, list) else [md] * len(kv_caches)
+        return stack.burst(x, cos, sin, positions, kv_caches, layer_mds, block_table,
+                           block_size, max_steps, stop_ids, self.model.norm,
+                           self._token_weights())
+
+    def supports_decode_burst(self) -> bool:
+        """Whether `decode_burst` can run here: the fused decode stack is built and the head
+        and the token table take kernels the burst repeats."""
+        return self._token_weights() is not None
+
+    def _token_weights(self) -> tuple | None:
+        stack = self.fused_stack()
+        if stack is None or stack.decode is None:
+            return None
+        return stack.token_weights(self.model.embed_tokens, self.lm_head)
+
     def fused_stack(self) -> FusedDecoderStack | None:
         """The layers as whole-layer kernel calls (models/fused_decoder.py), built once for
         the current weights; None: the layers run op by op."""

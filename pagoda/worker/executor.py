@@ -57,6 +57,11 @@ class Executor(ABC):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step on every worker; the block copies it lists happen first."""
 
+    def supports_decode_burst(self) -> bool:
+        """Whether the workers run decode bursts (`SchedulerOutput.decode_bursts`); after
+        `initialize_kv_cache`."""
+        return False
+
     def submit_model(self, scheduler_output: SchedulerOutput) -> Future:
         """Start one step and return the future of its ModelRunnerOutput: steps run one
         after another in submission order, each after the previous one's forward (the
@@ -126,6 +131,9 @@ class UniProcExecutor(Executor):
 
     def determine_num_blocks(self) -> int:
         return self._on_worker(self.worker.determine_num_blocks)
+
+    def supports_decode_burst(self) -> bool:
+        return self._on_worker(self.worker.supports_decode_burst)
 
     def initialize_kv_cache(
         self, num_blocks: int, num_swap_blocks: int | None, num_host_tier_blocks: int | None

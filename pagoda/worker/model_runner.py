@@ -154,6 +154,9 @@ class ModelRunner:
         if self.streaming:
             self.model.ensure_rotary_positions(int((step.starts + step.query_lens).max()))
         input_ids, positions, md = self._prepare_inputs(step)
+        if out.decode_bursts and self._decode_burst(out, step, input_ids, positions, md,
+                                                    result):
+            return result
         hidden = self.model(input_ids, positions, self.kv_caches, md)
         self._prompt_logprobs(step, hidden, result)
         if len(step.sample_rows):
@@ -170,6 +173,40 @@ class ModelRunner:
             if self.proposer is not None and out.num_spec_tokens > 0:
                 self._propose(step, out.num_spec_tokens, result)
         return result
+
+    def _decode_burst(
+        self, out: SchedulerOutput, step: StepBatch, input_ids: torch.Tensor,
+        positions: torch.Tensor, md: AttentionMetadata | list[AttentionMetadata],
+        result: ModelRunnerOutput,
+    ) -> bool:
+        """The step's lone decode row, given several steps by the scheduler
+        (`SchedulerOutput.decode_bursts`), through the model's `decode_burst`: its tokens
+        appended to the batch and `result`. False where the model does not run it (the
+        step then runs as usual, one token)."""
+        batch, bs = self.input_batch, self.block_size
+        if (len(step.req_ids) != 1 or len(step.sample_rows) != 1 or step.num_drafts[0]
+                or step.query_lens[0] != 1 or len(self.retentions) != 1 or self.streaming
+                or not hasattr(self.model, "decode_burst")):
+            return False
+        req_id, slot = step.req_ids[0], int(step.slots[0])
+        burst = out.decode_bursts.get(req_id)
+        if burst is None or not self._all_plain_greedy(step.slots, [batch.slots[slot]]):
+            return False
+        max_steps, stop_ids = burst
+        num_blocks = -(-(int(step.starts[0]) + max_steps) // bs)
+        if num_blocks > batch.num_blocks[slot]:
+            raise RuntimeError(f"request {req_id!r} needs {num_blocks} blocks for a burst of "
+                               f"{max_steps} steps but was given {batch.num_blocks[slot]}")
+        # NOTE: the window only moves on during the burst: blocks freed before it stay unread.
+        table = torch.from_numpy(self._block_tables(0, step.slots, step.starts, num_blocks))
+        tokens = self.model.decode_burst(input_ids, positions, self.kv_caches, md, table, bs,
+                                         max_steps, torch.tensor(stop_ids, dtype=torch.int64))
+        if tokens is None:
+            return False
+        self.generators.checkpoint(req_id, int(batch.num_tokens[slot]))
+        batch.extend_tokens(slot, tokens)
+        result.sampled_token_ids[req_id] = tokens
+        return True
 
     def _logit_positions(self, step: StepBatch, plain: np.ndarray,
                          verifying: np.ndarray) -> np.ndarray:
@@ -237,16 +274,7 @@ class ModelRunner:
                 out=slot_mapping)
         slot_mapping *= bs
         slot_mapping += positions % bs
-        block_tables = table[step.slots, :max_blocks]
-        retention = self.retentions[group]
-        if not retention.keeps_all:
-            # NOTE: the scheduler freed the blocks this step's queries do not read (the
-            # runner's rows keep their old ids): null them, so nothing reads a reused block.
-            first = np.fromiter((retention.first_window_block(c, bs) for c in step.starts.tolist()),
-                                np.int64, len(step.starts))
-            cols = np.arange(max_blocks)
-            freed = (cols >= retention.num_sink_blocks(bs)) & (cols < first[:, None])
-            block_tables[freed] = 0
+        block_tables = self._block_tables(group, step.slots, step.starts, max_blocks)
         common = CommonAttentionMetadata(
             query_start_loc=step.query_start_loc,
             seq_lens=seq_lens,
@@ -260,6 +288,23 @@ class ModelRunner:
             device=self.device,
         )
         return self.attn_backend.build_metadata(common)
+
+    def _block_tables(self, group: int, slots: np.ndarray, starts: np.ndarray,
+                      max_blocks: int) -> np.ndarray:
+        """The rows' first `max_blocks` block ids in `group` (a copy), those a windowed
+        group's scheduler freed before `starts` nulled."""
+        bs = self.block_size
+        block_tables = self.input_batch.block_tables[group][slots, :max_blocks]
+        retention = self.retentions[group]
+        if not retention.keeps_all:
+            # NOTE: the scheduler freed the blocks this step's queries do not read (the
+            # runner's rows keep their old ids): null them, so nothing reads a reused block.
+            first = np.fromiter((retention.first_window_block(c, bs) for c in starts.tolist()),
+                                np.int64, len(starts))
+            cols = np.arange(max_blocks)
+            freed = (cols >= retention.num_sink_blocks(bs)) & (cols < first[:, None])
+            block_tables[freed] = 0
+        return block_tables
 
     def _check_blocks(self, step: StepBatch, seq_lens: np.ndarray) -> int:
         """The most blocks a row needs this step; RuntimeError if a row lacks some.

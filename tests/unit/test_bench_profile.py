@@ -119,6 +119,12 @@ def test_cases_time_the_right_steps(report):
         assert report["decode"]["one_call_steps"] == 2
         assert "step total, one call" in format_report(report)
         assert "median of 6 steps" in format_report(report)
+        # NOTE: then 6 more tokens with decode bursts (the engine's default of 8).
+        single = report["single"]
+        assert single["decode_burst"] == 8
+        assert single["burst_tokens"] >= 6 and single["burst_steps"] < single["burst_tokens"]
+        assert single["burst_ms_per_token"] > 0 and single["weight_floor"]["burst_ratio"] > 0
+        assert "per token, bursts" in format_report(report)
 
 
 def test_dispatch_names_every_op_and_gemm(report):

@@ -28,6 +28,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <omp.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <cstring>
@@ -387,6 +388,89 @@ torch::Tensor decoder_decode_stack(const DecoderStack& s, const torch::Tensor& x
   }
 }
 
+using DequantRowsFn = void(at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                           int64_t, int64_t, bool, int64_t, const at::Tensor&);
+
+// Token `token`'s row of a token table [1, hidden] in bf16: a dense table's row as
+// F.embedding copies it, or a quantized table's row through the quant extension's
+// dequant_rows (what quant_cpu.dequantize_rows calls for a lookup).
+at::Tensor embed_row(const Weight& table, int64_t token, int64_t hidden) {
+  const auto* q = std::get_if<QuantWeight>(&table);
+  if (q == nullptr) return std::get<torch::Tensor>(table).narrow(0, token, 1).clone();
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("pagoda_quant::dequant_rows", "")
+                             .typed<DequantRowsFn>();
+  auto out = at::empty({1, hidden}, at::TensorOptions().dtype(at::kBFloat16));
+  op.call(out, q->codes, q->scales, q->offsets, q->bits, q->group, q->zero_form, q->n,
+          at::full({1}, token, at::TensorOptions().dtype(at::kLong)));
+  return out;
+}
+
+// Up to `max_steps` greedy decode steps of one request in one call: per step the stack
+// (decoder_decode_stack), the final add + RMSNorm, the head's product and the row's first
+// maximum, then the chosen token's embedding is the next step's input. The same kernels
+// on the same tensors as a step through the engine (the model's forward, compute_logits,
+// Sampler.greedy, the embedding's lookup), so the same tokens; what a step saves is the
+// engine's and the runner's host work, which at one token a step runs on cold caches.
+// x: the first token's embedding [1, hidden] bf16 (the caller's lookup); pos0: its
+// position; block_table [1, M] int64: the request's blocks, covering pos0 + max_steps - 1;
+// stop_ids: tokens that end the request (after which no step runs). Returns the tokens
+// chosen, at most max_steps, the last one a stop token or the max_steps-th.
+torch::Tensor decoder_decode_burst(const DecoderStack& s, const torch::Tensor& x,
+                                   const torch::Tensor& cos, const torch::Tensor& sin,
+                                   int64_t pos0,
+                                   const std::vector<std::vector<torch::Tensor>>& kv,
+                                   const torch::Tensor& block_table, int64_t block_size,
+                                   const torch::Tensor& norm_w, double norm_eps,
+                                   const Weight& head, const Weight& embed,
+                                   const torch::Tensor& stop_ids, int64_t max_steps) {
+  const int64_t hidden = s.layers[0].input_norm.size(0);
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(0) == 1 &&
+                  x.size(1) == hidden,
+              "decoder_decode_burst: x must be bf16 [1, ", hidden, "]");
+  TORCH_CHECK(max_steps >= 1 && pos0 >= 0 && block_size >= 1, "decoder_decode_burst: ",
+              max_steps, " steps from position ", pos0, " with blocks of ", block_size);
+  TORCH_CHECK(block_table.scalar_type() == at::kLong && block_table.dim() == 2 &&
+                  block_table.size(0) == 1 && block_table.is_contiguous(),
+              "decoder_decode_burst: block_table must be a contiguous int64 [1, M]");
+  TORCH_CHECK((pos0 + max_steps - 1) / block_size < block_table.size(1),
+              "decoder_decode_burst: ", block_table.size(1), " blocks of ", block_size,
+              " do not hold position ", pos0 + max_steps - 1);
+  TORCH_CHECK(stop_ids.scalar_type() == at::kLong && stop_ids.dim() == 1 &&
+                  stop_ids.is_contiguous(),
+              "decoder_decode_burst: stop_ids must be a contiguous int64 [S]");
+  TORCH_CHECK(norm_w.dim() == 1 && norm_w.size(0) == hidden,
+              "decoder_decode_burst: the final norm's weight must be [", hidden, "]");
+  if (const auto* dense = std::get_if<torch::Tensor>(&embed)) {
+    TORCH_CHECK(dense->scalar_type() == at::kBFloat16 && dense->dim() == 2 &&
+                    dense->size(1) == hidden,
+                "decoder_decode_burst: a dense token table must be bf16 [V, ", hidden, "]");
+  }
+  const auto longs = at::TensorOptions().dtype(at::kLong);
+  auto positions = at::empty({1}, longs), slots = at::empty({1}, longs),
+       seq_lens = at::empty({1}, longs);
+  const int64_t* table = block_table.data_ptr<int64_t>();
+  const int64_t* stops = stop_ids.data_ptr<int64_t>();
+  const int64_t num_stops = stop_ids.size(0);
+  std::vector<int64_t> tokens;
+  auto residual = x.clone();  // NOTE: the stack's input, which it updates as the residual
+  for (int64_t i = 0; i < max_steps; ++i) {
+    const int64_t pos = pos0 + i;
+    positions.data_ptr<int64_t>()[0] = pos;
+    slots.data_ptr<int64_t>()[0] = table[pos / block_size] * block_size + pos % block_size;
+    seq_lens.data_ptr<int64_t>()[0] = pos + 1;
+    auto out = decoder_decode_stack(s, residual, residual, cos, sin, positions, kv, slots,
+                                    block_table, seq_lens);
+    pagoda_fused::fused_add_rms_norm(out, residual, norm_w, norm_eps);
+    const int64_t token =
+        pagoda_fused::argmax_rows(project(out, head, std::nullopt)).data_ptr<int64_t>()[0];
+    tokens.push_back(token);
+    if (std::find(stops, stops + num_stops, token) != stops + num_stops) break;
+    if (i + 1 < max_steps) residual = embed_row(embed, token, hidden);
+  }
+  return torch::tensor(tokens, longs);
+}
+
 DecoderLayer make_layer(torch::Tensor input_norm, torch::Tensor post_norm, Weight qkv_w,
                         Weight o_w, Weight gate_up_w, Weight down_w,
                         std::optional<torch::Tensor> qkv_b, std::optional<torch::Tensor> o_b,
@@ -455,4 +539,7 @@ void register_decoder_layer(pybind11::module& m) {
   m.def("decoder_decode_stack", &pagoda_layer::decoder_decode_stack, release(),
         "a decode-only step's layers, attention included, in one call; returns the last "
         "layer's output (residual updated in place)");
+  m.def("decoder_decode_burst", &pagoda_layer::decoder_decode_burst, release(),
+        "up to max_steps greedy decode steps of one request (stack, final norm, head, "
+        "argmax, the next token's embedding); returns the tokens chosen");
 }

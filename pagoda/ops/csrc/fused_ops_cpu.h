@@ -20,6 +20,9 @@ void rotary_and_cache(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
 
 torch::Tensor silu_and_mul(torch::Tensor x);
 
+// Each row's first maximum (int64 [rows]): the greedy token of a row of logits.
+torch::Tensor argmax_rows(torch::Tensor x);
+
 // Where rotary_and_cache writes: plain caches of T, or codes (int8 / fp8 bits) and scales.
 struct CacheDst {
   void* k;

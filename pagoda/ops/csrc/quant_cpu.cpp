@@ -1405,6 +1405,8 @@ std::vector<std::string> fp8_isa();
 TORCH_LIBRARY(pagoda_quant, m) {
   m.def("q_linear", &pagoda_quant::q_linear);
   m.def("q_linear_panels", &pagoda_quant::q_linear_panels);
+  // NOTE: a token table's lookups in the other extension's decode bursts.
+  m.def("dequant_rows", &pagoda_quant::dequant_rows);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

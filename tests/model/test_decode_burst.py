@@ -1,0 +1,256 @@
+"""Decode bursts (`decode_burst`, core/scheduler.py): a lone greedy request runs several
+decode steps in one engine step, in one extension call (`decoder_decode_burst`). Its tokens
+are those of one step at a time: token ids, text, finish and stop reasons equal with bursts
+on and off, on the embedded SmolLM2 GGUF (quantized head and token table) and on tiny bf16
+models (dense packed heads, tied and untied, a sliding window, int4 projections in one
+OpenMP region), through stop tokens, max_tokens, max_model_len, a request arriving during a
+run, an abort, prefix caching, and a model step that declines a burst. The block accounting
+holds after every step and nothing is left when the requests end."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagoda import LLM, SamplingParams
+from pagoda.config import EngineArgs
+from pagoda.engine.output_processor import OutputKind
+from pagoda.ops import cpu_kernels, quant_cpu
+from tests.helpers import bf16_packs
+
+BURST = 8
+
+
+def _needs_kernels(dense: bool = False) -> None:
+    if cpu_kernels.kernels_disabled() or cpu_kernels.kernel_for("fused_ops") is None:
+        pytest.skip("the fused-op kernels do not run here: no decode stack, so no bursts")
+    if dense and not bf16_packs():
+        pytest.skip("oneDNN packs no bf16 weight on this CPU: a dense model has no stack")
+
+
+def _engine(model: str | None, burst: int, **kwargs):
+    engine = LLM(model, dtype="bfloat16", enable_prefix_caching=kwargs.pop("prefix", False),
+                 decode_burst=burst, **kwargs).llm_engine
+    return engine
+
+
+def run(engine, requests, arrivals=None, abort_at=None):
+    """requests: [(prompt ids, SamplingParams)]; request i joins once arrivals[i] holds:
+    None (at once), (j, n) (request j holds n tokens) or (j, None) (request j has ended);
+    it is aborted once it holds abort_at[i] tokens. check_integrity after every step.
+    Returns (per request (tokens, text, finish_reason, stop_reason), engine steps run,
+    tokens produced).
+
+    NOTE: conditions on token counts of the form 1 + 8 k hold at the same step with bursts
+    on and off (a burst of 8 follows the first token), so the requests share the same
+    steps in both runs and bf16 rounding cannot tell the runs apart."""
+    arrivals = arrivals or [None] * len(requests)
+    abort_at = abort_at or {}
+    finals, counts, steps, added = {}, {}, 0, set()
+
+    def due(cond) -> bool:
+        if cond is None:
+            return True
+        j, n = cond
+        return str(j) in finals if n is None else counts.get(str(j), 0) >= n
+
+    while len(added) < len(requests) or engine.has_unfinished_requests():
+        for i, (prompt, params) in enumerate(requests):
+            if i not in added and due(arrivals[i]):
+                engine.add_request(str(i), {"prompt_token_ids": prompt}, params,
+                                   output_kind=OutputKind.CUMULATIVE)
+                added.add(i)
+        for out in engine.step():
+            n = counts[out.request_id] = len(out.outputs[0].token_ids)
+            if out.finished:
+                finals[out.request_id] = out
+            elif n >= abort_at.get(int(out.request_id), 1 << 30):
+                (finals[out.request_id],) = engine.abort_request(out.request_id)
+        steps += 1
+        engine.check_integrity()
+        for req in engine.scheduler.running:
+            # NOTE: past its prompt a request has computed every token but its last: a
+            # burst's extra tokens count as computed (none is computed twice).
+            if req.num_computed_tokens >= req.num_prompt_tokens:
+                assert req.num_computed_tokens == req.num_tokens - 1
+    assert engine.kv_cache_manager.usage == 0.0
+    results = [(list(c.token_ids), c.text, c.finish_reason, c.stop_reason)
+               for c in (finals[str(i)].outputs[0] for i in range(len(requests)))]
+    return results, steps, sum(len(r[0]) for r in results)
+
+
+def _prompts(n: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 49152, (int(k),), generator=gen).tolist()
+            for k in torch.randint(5, 60, (n,), generator=gen)]
+
+
+def _one_at_a_time(engine, requests):
+    """Each request alone (arrivals far apart), so every one of them may burst."""
+    got = []
+    for prompt, params in requests:
+        results, steps, tokens = run(engine, [(prompt, params)])
+        got.append((results[0], steps, tokens))
+    return got
+
+
+def _check_equal_with_bursts(model: str | None, requests, **kwargs) -> None:
+    on = _engine(model, BURST, **kwargs)
+    assert on.scheduler.decode_burst == BURST, "the model should run decode bursts here"
+    burst = _one_at_a_time(on, requests)
+    off = _engine(model, 1, **kwargs)
+    assert off.scheduler.decode_burst == 1
+    plain = _one_at_a_time(off, requests)
+    assert [r for r, _, _ in burst] == [r for r, _, _ in plain]
+    # Without bursts every decode step is one token; with them, a run of many tokens
+    # takes fewer steps than it has tokens.
+    assert all(steps == tokens for _, steps, tokens in plain)
+    long_runs = [(steps, tokens) for _, steps, tokens in burst if tokens > 2 * BURST]
+    assert long_runs and all(steps < tokens for steps, tokens in long_runs)
+
+
+def test_smollm2_gguf_bursts_equal_step_by_step() -> None:
+    """The default model: a Q8_0 tied head (the token table's lookups through the quant
+    extension's dequant_rows) and Q4_1 projections in one OpenMP region."""
+    _needs_kernels()
+    if quant_cpu.resolve() is None:
+        pytest.skip("the quant CPU kernels do not run here")
+    reference = _engine(None, 1)
+    prompt = reference.tokenizer.encode("The capital of France is")
+    (free_run,), _, _ = run(reference, [(prompt, SamplingParams(max_tokens=40,
+                                                                temperature=0))])
+    # NOTE: a token that first appears mid-run, past the first burst: a stop inside one.
+    tokens = free_run[0]
+    stop = next(t for i, t in enumerate(tokens) if i >= 10 and i % 8 != 1
+                and t not in tokens[:i])
+    requests = [
+        (prompt, SamplingParams(max_tokens=40, temperature=0)),
+        (prompt, SamplingParams(max_tokens=40, temperature=0, stop_token_ids=[stop])),
+        (prompt, SamplingParams(max_tokens=13, temperature=0, ignore_eos=True)),
+        (prompt, SamplingParams(max_tokens=1, temperature=0)),
+        (reference.tokenizer.encode("1, 2, 3,"), SamplingParams(max_tokens=30, temperature=0,
+                                                                stop=[" 9"])),
+    ]
+    del reference
+    _check_equal_with_bursts(None, requests)
+
+
+# (arch, config overrides, engine kwargs): dense bf16 models, whose stack runs the per-op
+# calls inside the burst, with an untied and a tied head and a sliding window.
+DENSE_CASES = [
+    ("LlamaForCausalLM", {}, {}),
+    ("LlamaForCausalLM", {"tie_word_embeddings": True}, {}),
+    ("MistralForCausalLM", {"sliding_window": 32}, {}),
+]
+
+
+@pytest.mark.parametrize(("arch", "overrides", "kwargs"), DENSE_CASES)
+def test_dense_bf16_bursts_equal_step_by_step(arch, overrides, kwargs, tiny_model) -> None:
+    _needs_kernels(dense=True)
+    model = str(tiny_model(arch, **overrides))
+    prompts = _prompts(3, seed=5)
+    requests = [(p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+                for p, n in zip(prompts, (70, 19, 2), strict=True)]
+    _check_equal_with_bursts(model, requests, max_model_len=256, **kwargs)
+
+
+def test_int4_one_region_bursts_equal_step_by_step(tiny_model, tmp_path: Path) -> None:
+    """RTN int4 projections (one OpenMP region a step) with a dense head."""
+    from pagoda.quant.calibrate.command import quantize_to_dir
+
+    _needs_kernels()
+    if quant_cpu.resolve() is None:
+        pytest.skip("the quant CPU kernels do not run here")
+    out = tmp_path / "rtn"
+    quantize_to_dir(str(tiny_model("LlamaForCausalLM")), out, "rtn", 4, 32)
+    requests = [(p, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+                for p in _prompts(2, seed=6)]
+    _check_equal_with_bursts(str(out), requests, max_model_len=256)
+
+
+def test_bursts_with_arrivals_aborts_max_model_len_and_prefix_cache(tiny_model) -> None:
+    """Requests that overlap (no burst while two run), one aborted, one that ends at
+    max_model_len inside a burst, and prefix caching with a prompt repeated after its
+    first run (blocks its bursts computed, registered at commit): the same outputs as
+    without bursts."""
+    _needs_kernels(dense=True)
+    model = str(tiny_model("LlamaForCausalLM"))
+    a, b = _prompts(2, seed=7)
+    greedy = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    requests = [(a, greedy), (b, greedy), (a, greedy), (a[:40] + b[:20], greedy),
+                (b, SamplingParams(max_tokens=None, temperature=0, ignore_eos=True))]
+    # 1 joins once 0 holds 17 tokens; 2 repeats 0's prompt once 0 has ended; 3 (aborted at
+    # 17 tokens) once 1 has ended; 4 runs alone into max_model_len (128) once 3 has ended.
+    arrivals = [None, (0, 17), (0, None), (1, None), (3, None)]
+    kwargs = {"max_model_len": 128, "prefix": True}
+    got = run(_engine(model, BURST, **kwargs), requests, arrivals, {3: 17})
+    want = run(_engine(model, 1, **kwargs), requests, arrivals, {3: 17})
+    assert got[0] == want[0]
+    assert got[1] < want[1], "no step ran a burst"
+    assert got[0][3][2] == "abort" and len(got[0][3][0]) == 17
+    assert got[0][4][2] == "length" and len(b) + len(got[0][4][0]) == 128
+    assert got[0][2][0] == got[0][0][0]  # the prefix hit changes nothing
+
+
+def test_declined_burst_gives_its_slots_back(tiny_model, monkeypatch) -> None:
+    """A model step that declines the burst (one token back): the scheduler frees the
+    blocks it allocated ahead, so a request holds only the blocks its computed tokens
+    fill, and the output is unchanged."""
+    _needs_kernels(dense=True)
+    model = str(tiny_model("LlamaForCausalLM"))
+    prompt = _prompts(1, seed=8)[0]
+    params = SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)
+    want = run(_engine(model, 1), [(prompt, params)])[0]
+    engine = _engine(model, BURST, block_size=16)
+    monkeypatch.setattr(type(engine.executor.worker.model), "decode_burst",
+                        lambda self, *args: None)
+    engine.add_request("0", {"prompt_token_ids": prompt}, params,
+                       output_kind=OutputKind.CUMULATIVE)
+    final = None
+    while engine.has_unfinished_requests():
+        req = engine.scheduler.requests["0"]
+        for out in engine.step():
+            final = out
+        if not req.is_finished:
+            blocks = engine.kv_cache_manager.get_block_ids("0")
+            assert len(blocks) == -(-req.num_computed_tokens // 16)
+        engine.check_integrity()
+    assert engine.kv_cache_manager.usage == 0.0
+    assert list(final.outputs[0].token_ids) == want[0][0]
+
+
+def test_no_bursts_where_the_logits_are_touched(tiny_model) -> None:
+    """Sampling, logprobs and penalties see every step's logits: one token a step."""
+    _needs_kernels(dense=True)
+    model = str(tiny_model("LlamaForCausalLM"))
+    engine = _engine(model, BURST)
+    prompt = _prompts(1, seed=9)[0]
+    for params in (SamplingParams(max_tokens=20, temperature=0.8, seed=1, ignore_eos=True),
+                   SamplingParams(max_tokens=20, temperature=0, logprobs=1, ignore_eos=True),
+                   SamplingParams(max_tokens=20, temperature=0, repetition_penalty=1.3,
+                                  ignore_eos=True),
+                   SamplingParams(max_tokens=20, temperature=0, min_tokens=20)):
+        _, steps, tokens = run(engine, [(prompt, params)])
+        assert steps == tokens == 20
+
+
+def test_decode_burst_checks_its_block_table(tiny_model) -> None:
+    """The extension call refuses a block table that does not hold every step's position."""
+    _needs_kernels(dense=True)
+    engine = _engine(str(tiny_model("LlamaForCausalLM")), BURST)
+    model = engine.executor.worker.model
+    stack = model.fused_stack()
+    kv = engine.executor.worker.kv_caches
+    x = torch.zeros(1, model.spec.hidden_size, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="do not hold position"):
+        stack.decode_burst(stack.decode, x, model.rotary.cos, model.rotary.sin, 15, kv,
+                           torch.ones(1, 1, dtype=torch.int64), 16, model.model.norm.weight,
+                           1e-5, *model._token_weights(), torch.zeros(0, dtype=torch.int64),
+                           2)
+
+
+def test_decode_burst_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="decode_burst must be >= 1"):
+        EngineArgs(decode_burst=0).create_engine_config()
