@@ -39,9 +39,9 @@ def _case(title: str, case: dict[str, Any]) -> list[str]:
                      f"{case.get('one_call_steps', case['num_steps'])} steps as the engine "
                      "runs them: every layer and its attention in one C++ call)")
     if (burst := case.get("burst_ms_per_token")) is not None:
-        lines.append(f"{'per token, bursts':<22}{burst:>10.2f}   ({case['burst_tokens']} "
-                     f"tokens in {case['burst_steps']} steps of up to {case['decode_burst']} "
-                     "decode steps in one call: decode bursts)")
+        lines.append(f"{'per token, bursts':<22}{burst:>10.2f}   (median of "
+                     f"{case['burst_steps']} steps, {case['burst_tokens']} tokens, each step "
+                     f"up to {case['decode_burst']} decode steps in one call: decode bursts)")
     floor = case.get("weight_floor")
     if floor:
         lines.append(

@@ -14,7 +14,8 @@ a warm-up step that also records the dispatch):
   figure is the median of `--single-steps` steps (200): a step takes a few ms, and on a
   host whose memory bandwidth drifts a mean of five was off by 10-20% from run to run.
   Decode bursts are off for those steps; then `--single-steps` more tokens run with them
-  (the engine's `decode_burst`, where the model runs bursts): ms per token over that run.
+  (the engine's `decode_burst`, where the model runs bursts): the median of each step's ms
+  per token.
 
 Each step is broken down by phase (step_timer.py): scheduling, input preparation, the
 forward by op class (GEMMs, attention, fused ops, other), lm_head, sampling, output
@@ -141,8 +142,8 @@ def profile_decode(engine: Any, inst: StepInstrumentation, num_seqs: int, contex
     """`steps` decode steps of `num_seqs` sequences at about `context_len` tokens, then
     `one_call_steps` (default `steps`) more as the engine runs them, each timed: their
     median is `one_call_step_ms`. Decode bursts are off for those; then, where the engine
-    runs them (a lone request), `burst_tokens` more tokens with them on: ms per token
-    over that run (`burst_ms_per_token`)."""
+    runs them (a lone request), `burst_tokens` more tokens with them on: the median over
+    those steps of each one's ms per token (`burst_ms_per_token`)."""
     ids = _add(engine, tag, _prompts(engine, num_seqs, context_len, seed), max_tokens)
     sched = engine.scheduler
     # NOTE: a burst is several steps in one call: the per-step figures are one step each.
@@ -171,15 +172,15 @@ def profile_decode(engine: Any, inst: StepInstrumentation, num_seqs: int, contex
         sched.decode_burst = burst
     result["decode_burst"] = burst
     if burst_tokens and burst > 1 and len(sched.running) == 1:
-        req = sched.running[0]
-        first, steps_run = req.num_output_tokens, 0
-        start = time.perf_counter()
+        # NOTE: per step its ms per token; their median, as the one-call figure's.
+        req, per_token = sched.running[0], []
+        first = req.num_output_tokens
         while req.num_output_tokens - first < burst_tokens and not req.is_finished:
+            before, start = req.num_output_tokens, time.perf_counter()
             engine.step()
-            steps_run += 1
-        tokens = req.num_output_tokens - first
-        result.update(burst_ms_per_token=1000 * (time.perf_counter() - start) / tokens,
-                      burst_tokens=tokens, burst_steps=steps_run)
+            per_token.append((time.perf_counter() - start) / (req.num_output_tokens - before))
+        result.update(burst_ms_per_token=1000 * statistics.median(per_token),
+                      burst_tokens=req.num_output_tokens - first, burst_steps=len(per_token))
     engine.abort_request(ids)
     return result
 
