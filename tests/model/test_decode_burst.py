@@ -254,3 +254,42 @@ def test_decode_burst_checks_its_block_table(tiny_model) -> None:
 def test_decode_burst_must_be_positive() -> None:
     with pytest.raises(ValueError, match="decode_burst must be >= 1"):
         EngineArgs(decode_burst=0).create_engine_config()
+
+
+def test_failed_burst_rolls_back_and_the_request_goes_on(tiny_model, monkeypatch) -> None:
+    """A burst that raises after writing its K/V (as a kernel error would): the step rolls
+    back, no block it wrote is findable in the prefix cache, and the request, computed
+    again from its committed tokens, ends with a fault-free run's tokens."""
+    from pagoda.models.fused_decoder import FusedDecoderStack
+
+    _needs_kernels(dense=True)
+    model = str(tiny_model("LlamaForCausalLM"))
+    prompt = _prompts(1, seed=10)[0]
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    (want,), _, _ = run(_engine(model, 1, prefix=True), [(prompt, params)])
+    engine = _engine(model, BURST, prefix=True)
+    real, calls = FusedDecoderStack.burst, []
+
+    def failing(self, *args, **kwargs):
+        tokens = real(self, *args, **kwargs)
+        calls.append(tokens)
+        if len(calls) == 2:
+            raise RuntimeError("injected burst fault")
+        return tokens
+
+    monkeypatch.setattr(FusedDecoderStack, "burst", failing)
+    engine.add_request("0", {"prompt_token_ids": prompt}, params,
+                       output_kind=OutputKind.CUMULATIVE)
+    final, failed = None, False
+    while engine.has_unfinished_requests():
+        try:
+            for out in engine.step():
+                final = out
+        except RuntimeError as e:
+            assert "injected burst fault" in str(e) and not failed
+            failed = True
+            assert engine.failed_request_ids == ["0"]
+        engine.check_integrity()
+    assert failed and len(calls) > 2  # NOTE: bursts ran again after the fault
+    assert engine.kv_cache_manager.usage == 0.0
+    assert list(final.outputs[0].token_ids) == want[0]
