@@ -1,9 +1,9 @@
 """Decode bursts (`decode_burst`, core/scheduler.py): a lone greedy request runs several
 decode steps in one engine step, in one extension call (`decoder_decode_burst`). Its tokens
 are those of one step at a time: token ids, text, finish and stop reasons equal with bursts
-on and off, on the embedded SmolLM2 GGUF (quantized head and token table) and on tiny bf16
-models (dense packed heads, tied and untied, a sliding window, int4 projections in one
-OpenMP region), through stop tokens, max_tokens, max_model_len, a request arriving during a
+on and off, on the embedded SmolLM2 GGUF (quantized head and token table), tiny GGUF files
+with Q4_0 / Q4_1 / Q8_0 tied tables, and tiny bf16 models (dense packed heads, tied and
+untied, a sliding window, int4 projections in one OpenMP region), through stop tokens, max_tokens, max_model_len, a request arriving during a
 run, an abort, prefix caching, and a model step that declines a burst. The block accounting
 holds after every step and nothing is left when the requests end."""
 
@@ -293,3 +293,28 @@ def test_failed_burst_rolls_back_and_the_request_goes_on(tiny_model, monkeypatch
     assert failed and len(calls) > 2  # NOTE: bursts ran again after the fault
     assert engine.kv_cache_manager.usage == 0.0
     assert list(final.outputs[0].token_ids) == want[0]
+
+
+@pytest.mark.parametrize("table_type", ["Q4_0", "Q4_1", "Q8_0"])
+def test_gguf_token_tables_burst_equal_step_by_step(table_type, tiny_model,
+                                                    tmp_path: Path) -> None:
+    """A tied GGUF head of each type the layout rebuilds (its lookups through the quant
+    extension's dequant_rows inside the burst) over Q8_0 projections (one OpenMP region)."""
+    from gguf import GGMLQuantizationType
+
+    from tests.gguf_helpers import write_llama_gguf
+
+    _needs_kernels()
+    if quant_cpu.resolve() is None:
+        pytest.skip("the quant CPU kernels do not run here")
+    hf_dir = tiny_model("LlamaForCausalLM", tie_word_embeddings=True)
+    path = write_llama_gguf(hf_dir, tmp_path / "tiny.gguf", qtype=GGMLQuantizationType.Q8_0,
+                            qtypes={"token_embd.weight": GGMLQuantizationType[table_type]})
+    requests = [(p, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
+                for p in _prompts(2, seed=11)]
+    _check_equal_with_bursts(str(path), requests, max_model_len=256, gguf_native="on")
+    engine = _engine(str(path), BURST, max_model_len=256, gguf_native="on")
+    model = engine.executor.worker.model
+    assert model.fused_stack().decode.one_region
+    head, table = model._token_weights()
+    assert type(table).__name__ == "QuantWeight" and type(head).__name__ == "QuantWeight"
