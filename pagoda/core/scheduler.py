@@ -332,9 +332,10 @@ class Scheduler(WaitingAdmission):
                     self._reject_drafts(req, len(drafts), len(token_ids))
                 burst = sched_out.decode_bursts.get(req_id)
                 if burst is not None:
+                    num_tokens = len(token_ids or ())
                     # NOTE: each token but the last was computed too (the next one's input).
-                    req.num_computed_tokens += max(len(token_ids or ()), 1) - 1
-                    if len(token_ids or ()) < burst[0]:
+                    req.num_computed_tokens += max(num_tokens - 1, 0)
+                    if num_tokens < burst[0]:
                         self.kv.free_uncomputed_tail(req)
                 # NOTE: the blocks of later steps in flight may not be written yet.
                 self.kv.cache_blocks(req, req.num_computed_tokens - req.num_tokens_in_flight)

@@ -65,6 +65,16 @@ def _quant_layout(linear: nn.Module) -> Any:
     return weight.kernel_data.get(quant_cpu.NAME) if quant_cpu.resolve() is not None else None
 
 
+def _layout_weight(ext: Any, lay: Any, plan: int = 0, dense: torch.Tensor | None = None,
+                   dense_rows: tuple[int, int] = (0, 0)) -> Any:
+    """A panel layout as the extension's `QuantWeight` (the q_linear / dequant_rows
+    arguments), with its GemvPlan's address and its dense copy, if any."""
+    return ext.QuantWeight(codes=lay.codes, scales=lay.scales, offsets=lay.offsets,
+                           bits=lay.bits, block=lay.block, group=lay.group,
+                           zero_form=lay.zero_form, n=lay.shape[0], plan=plan, dense=dense,
+                           dense_min_rows=dense_rows[0], dense_max_rows=dense_rows[1])
+
+
 def _linears(layer: nn.Module) -> tuple[nn.Module, ...]:
     attn, mlp = layer.self_attn, layer.mlp
     return (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
@@ -131,11 +141,8 @@ class FusedDecoderStack:
         self._plans.append(plan)
         # NOTE: quant/gguf.py's dense copy, for the products of the rows it serves
         dense, rows = getattr(linear, "dense_weight", None), getattr(linear, "dense_rows", None)
-        return ext.QuantWeight(codes=lay.codes, scales=lay.scales, offsets=lay.offsets,
-                               bits=lay.bits, block=lay.block, group=lay.group,
-                               zero_form=lay.zero_form, n=lay.shape[0], plan=plan.address,
-                               dense=dense, dense_min_rows=rows[0] if dense is not None else 0,
-                               dense_max_rows=rows[1] if dense is not None else 0)
+        return _layout_weight(ext, lay, plan=plan.address, dense=dense,
+                              dense_rows=rows if dense is not None else (0, 0))
 
     def token_weights(self, embed: nn.Module, head: nn.Module) -> tuple[Any, Any] | None:
         """(the LM head, the token table) as the extension's weights for a decode burst
@@ -166,9 +173,7 @@ class FusedDecoderStack:
             lay = table.layout
             if quant_cpu.resolve() is None or lay.group != lay.block:
                 return None
-            embed_w = ext.QuantWeight(codes=lay.codes, scales=lay.scales, offsets=lay.offsets,
-                                      bits=lay.bits, block=lay.block, group=lay.group,
-                                      zero_form=lay.zero_form, n=lay.shape[0])
+            embed_w = _layout_weight(ext, lay)
         elif (type(method) is UnquantizedEmbeddingMethod and embed.weight.dtype == dtype
               and embed.weight.is_contiguous()):
             embed_w = embed.weight.detach()

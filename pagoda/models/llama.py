@@ -315,16 +315,10 @@ class LlamaForCausalLM(nn.Module):
         """Flat batch [T] -> final hidden states [T, hidden] (normed). `md`: one metadata
         for every layer, or one per layer (models with several KV cache groups)."""
         x = self.model.embed_tokens(input_ids)
-        # NOTE: the fused rotary + cache write needs the cache in the activations' dtype
-        # or quantized (--kv-cache-dtype can differ); otherwise rotary and the write run apart.
-        cache_dtype = kv_caches[0][0].dtype
-        fused = fused_ops_for(x) if cache_dtype == x.dtype or is_quantized(cache_dtype) else None
+        fused, stack = self._fused_paths(x, kv_caches)
         layer_mds = md if isinstance(md, list) else [md] * len(kv_caches)
         cos, sin = self.rotary.cos, self.rotary.sin
-        stack = self.fused_stack() if fused is not None else None
-        if stack is not None and stack.dtype == x.dtype == cos.dtype and not stack.widens(x):
-            if len(kv_caches) != len(stack.layers):
-                raise ValueError(f"{len(kv_caches)} KV caches for {len(stack.layers)} layers")
+        if stack is not None:
             x, residual = stack.run(x, cos, sin, positions, kv_caches, layer_mds)
         else:
             rope = RopeInputs(positions, cos, sin, fused)
@@ -334,6 +328,21 @@ class LlamaForCausalLM(nn.Module):
                 x, residual = layer(x, residual, rope, kv_cache, layer_md)
         x, _ = self.model.norm.forward_residual(x, residual)
         return x
+
+    def _fused_paths(self, x: torch.Tensor,
+                     kv_caches: list[KVCache]) -> tuple[object | None, FusedDecoderStack | None]:
+        """For activations x: the fused ops the layers call (None: PyTorch's ops) and the
+        fused decoder stack where it runs this step (None: the layers run op by op)."""
+        # NOTE: the fused rotary + cache write needs the cache in the activations' dtype
+        # or quantized (--kv-cache-dtype can differ); otherwise rotary and the write run apart.
+        cache_dtype = kv_caches[0][0].dtype
+        fused = fused_ops_for(x) if cache_dtype == x.dtype or is_quantized(cache_dtype) else None
+        stack = self.fused_stack() if fused is not None else None
+        if stack is None or not stack.dtype == x.dtype == self.rotary.cos.dtype or stack.widens(x):
+            return fused, None
+        if len(kv_caches) != len(stack.layers):
+            raise ValueError(f"{len(kv_caches)} KV caches for {len(stack.layers)} layers")
+        return fused, stack
 
     def decode_burst(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
@@ -349,12 +358,10 @@ class LlamaForCausalLM(nn.Module):
         if not self.supports_decode_burst() or input_ids.shape[0] != 1:
             return None
         x = self.model.embed_tokens(input_ids)
-        cache_dtype = kv_caches[0][0].dtype
-        stack, cos, sin = self.fused_stack(), self.rotary.cos, self.rotary.sin
-        if (not (cache_dtype == x.dtype or is_quantized(cache_dtype))
-                or fused_ops_for(x) is None or not stack.dtype == x.dtype == cos.dtype
-                or stack.widens(x) or len(kv_caches) != len(stack.layers)):
+        _, stack = self._fused_paths(x, kv_caches)
+        if stack is None:
             return None
+        cos, sin = self.rotary.cos, self.rotary.sin
         # NOTE: the rotary tables end at max_model_len, which the scheduler's steps respect.
         max_steps = min(max_steps, cos.shape[0] - int(positions[0]))
         if max_steps < 1:

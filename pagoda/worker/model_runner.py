@@ -174,6 +174,13 @@ class ModelRunner:
                 self._propose(step, out.num_spec_tokens, result)
         return result
 
+    def supports_decode_burst(self) -> bool:
+        """Whether decode bursts run here: one KV cache group, no attention sinks, and a
+        model whose `decode_burst` runs (its fused decode stack, head and token table)."""
+        supports = getattr(self.model, "supports_decode_burst", None)
+        return (len(self.retentions) == 1 and not self.streaming and supports is not None
+                and supports())
+
     def _decode_burst(
         self, out: SchedulerOutput, step: StepBatch, input_ids: torch.Tensor,
         positions: torch.Tensor, md: AttentionMetadata | list[AttentionMetadata],
@@ -185,8 +192,7 @@ class ModelRunner:
         step then runs as usual, one token)."""
         batch, bs = self.input_batch, self.block_size
         if (len(step.req_ids) != 1 or len(step.sample_rows) != 1 or step.num_drafts[0]
-                or step.query_lens[0] != 1 or len(self.retentions) != 1 or self.streaming
-                or not hasattr(self.model, "decode_burst")):
+                or step.query_lens[0] != 1 or not self.supports_decode_burst()):
             return False
         req_id, slot = step.req_ids[0], int(step.slots[0])
         burst = out.decode_bursts.get(req_id)

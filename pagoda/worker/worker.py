@@ -165,12 +165,8 @@ class Worker:
         )
 
     def supports_decode_burst(self) -> bool:
-        """Whether the model runs decode bursts over this cache: one group of layers, no
-        attention sinks, and the model's fused decode stack with its head and token table
-        (`decode_burst`)."""
-        supports = getattr(self.model, "supports_decode_burst", None)
-        return (supports is not None and len(self.kv_cache_specs()) == 1
-                and self.config.cache.streaming_window is None and supports())
+        """Whether the runner runs decode bursts (`ModelRunner.supports_decode_burst`)."""
+        return self.runner.supports_decode_burst()
 
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """The step's block copies, then its forward and sampling."""
