@@ -413,8 +413,8 @@ class EngineArgs:
                        help="a request running alone (greedy, no logprobs or penalties) "
                        "takes up to this many decode steps per engine step, in one call: "
                        "the same tokens with less host work per token, streamed in chunks "
-                       "of up to this many; a request arriving meanwhile waits for the "
-                       "burst to end (1: off)")
+                       "of up to this many; with `pagoda serve` a request arriving "
+                       "meanwhile ends the burst after its current step (1: off)")
         p.add_argument("--engine-process", action=bool_flag, default=d.engine_process,
                        help="serve: run the engine (model, scheduler, detokenization) in a "
                        "child process of its own, apart from the HTTP server's (the default; "

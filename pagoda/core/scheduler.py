@@ -43,8 +43,10 @@ its max_tokens and max_model_len) and names its stop tokens; the runner chooses 
 one after another in one call and stops after a stop token. At commit
 `num_computed_tokens` moves on by the extra tokens computed, blocks past them go back, and
 the tokens are appended with stop checks as any step's are. Only the host work between the
-steps goes: the tokens are those of one step at a time. A burst ends when it ends, so a
-request that arrives meanwhile waits for it (at most `decode_burst` steps).
+steps goes: the tokens are those of one step at a time. A burst may end early: the
+serving loop raises the runner's interrupt flag when a request arrives or is aborted
+(worker/burst_interrupt.py), and the burst stops after its decode step under way, so a
+new request waits one decode step, not `decode_burst`.
 
 Preemption (carried out by core/preemption.py, victims chosen by the policy in
 core/request_queue.py):

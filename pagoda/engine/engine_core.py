@@ -16,6 +16,11 @@ says how many other requests the front end had received and not yet sent
 (`PAGODA_BURST_GATHER_MS`, default 20 ms; 0: off), before it steps. Without this the
 first request of a burst took a step alone, and the rest waited for it (measured in
 docs/architecture.md). A request that comes alone, or to a busy engine, waits for nothing.
+
+A decode burst (one request's several decode steps in one call) would hold a command for
+the whole burst: an add or an abort raises the engine's `burst_interrupt` flag as it is
+queued, the burst ends after its current decode step, and the loop lowers the flag as it
+takes its commands (worker/burst_interrupt.py).
 """
 
 from __future__ import annotations
@@ -111,6 +116,10 @@ class FaultCommand:
     num_steps: int
 
 
+# The commands that change what runs: each ends a decode burst under way.
+_INTERRUPTING = (AddCommand, AbortCommand, AbortAllCommand)
+
+
 class CoreSink(Protocol):
     """Where the core's results go. Called on the core's thread only."""
 
@@ -148,18 +157,32 @@ class EngineCore:
         self._commands: collections.deque = collections.deque()
         self._stopping = False
         self._added_through = -1  # the token of the last AddCommand applied
+        self._interrupt = getattr(engine, "burst_interrupt", None)
 
     def send(self, command: Any) -> None:
         """Queues a command for the loop; any thread."""
         with self._cond:
             self._commands.append(command)
+            if isinstance(command, _INTERRUPTING) and self._interrupt is not None:
+                self._interrupt.set()
             self._cond.notify()
 
     def stop(self) -> None:
         """Has the loop abort everything and return; any thread."""
         with self._cond:
             self._stopping = True
+            if self._interrupt is not None:
+                self._interrupt.set()
             self._cond.notify()
+
+    def _take_commands(self) -> tuple[list[Any], bool]:
+        """The queued commands and whether the loop stops; with `_cond` held. The burst
+        flag goes down with them: only a command queued after this raises it again."""
+        if self._interrupt is not None:
+            self._interrupt.clear()
+        commands = list(self._commands)
+        self._commands.clear()
+        return commands, self._stopping
 
     def run(self) -> None:
         """The loop; returns after `stop()`, or after `sink.died` on a bug outside a step."""
@@ -193,9 +216,7 @@ class EngineCore:
         with self._cond:
             while not (self._commands or self._stopping or self.engine.has_unfinished_requests()):
                 self._cond.wait()
-            commands = list(self._commands)
-            self._commands.clear()
-            return commands, self._stopping
+            return self._take_commands()
 
     def _apply_all(self, commands: list[Any]) -> int | None:
         """Applies `commands`; the last add's `more_coming` (None without an add)."""
@@ -217,9 +238,7 @@ class EngineCore:
                     if left <= 0:
                         return False
                     self._cond.wait(left)
-                commands = list(self._commands)
-                self._commands.clear()
-                stopping = self._stopping
+                commands, stopping = self._take_commands()
             last = self._apply_all(commands)
             if stopping:
                 return True

@@ -34,6 +34,7 @@ from pagoda.omp_env import apply_openmp_defaults
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
 from pagoda.spec_decode.adaptive import DraftLengthPolicy, costs_for_method
+from pagoda.worker.burst_interrupt import BurstInterrupt
 from pagoda.worker.executor import get_executor_class
 from pagoda.worker.kv_compress import host_bytes_per_block
 from pagoda.worker.model_runner import ModelRunnerOutput
@@ -126,9 +127,13 @@ class LLMEngine:
             None if host_tier is None else host_tier.num_slots,
         )
         # NOTE: with steps in flight or drafts the scheduler never bursts anyway.
+        # burst_interrupt: what a serving loop raises to end a burst when a command comes
+        # (engine_core.py); None where no burst runs.
+        self.burst_interrupt: BurstInterrupt | None = None
         if (s.decode_burst > 1 and not s.async_scheduling and config.speculative is None
                 and self.executor.supports_decode_burst()):
             self.scheduler.decode_burst = s.decode_burst
+            self.burst_interrupt = self.executor.burst_interrupt()
         self.output_processor = OutputProcessor(self.tokenizer)
         # None: one step at a time (the default); else async scheduling.
         self.pipeline = StepPipeline(self.scheduler, self.executor) if (

@@ -348,10 +348,12 @@ class LlamaForCausalLM(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
         md: AttentionMetadata | list[AttentionMetadata], block_table: torch.Tensor,
         block_size: int, max_steps: int, stop_ids: torch.Tensor,
+        interrupt: torch.Tensor | None = None,
     ) -> list[int] | None:
         """Up to `max_steps` greedy decode steps of one request in one extension call: the
         tokens `forward`, `compute_logits` and an argmax would choose step after step (the
-        same kernels), ending after a token of `stop_ids`. `input_ids` / `positions` /
+        same kernels), ending after a token of `stop_ids`, or once another thread raises the
+        uint8 [1] flag `interrupt` (the step under way finishes). `input_ids` / `positions` /
         `md`: the first step's (one token); `block_table` [1, M]: the request's blocks for
         every step. None where the steps would not run through the fused decode stack
         (the caller runs one step as usual)."""
@@ -369,7 +371,7 @@ class LlamaForCausalLM(nn.Module):
         layer_mds = md if isinstance(md, list) else [md] * len(kv_caches)
         return stack.burst(x, cos, sin, positions, kv_caches, layer_mds, block_table,
                            block_size, max_steps, stop_ids, self.model.norm,
-                           self._token_weights())
+                           self._token_weights(), interrupt)
 
     def supports_decode_burst(self) -> bool:
         """Whether `decode_burst` can run here: the fused decode stack is built and the head

@@ -21,6 +21,7 @@ from pagoda.config import EngineConfig
 from pagoda.core.kv_cache_spec import KVCacheSpec
 from pagoda.core.scheduler_output import SchedulerOutput
 from pagoda.models.loader import Checkpoint
+from pagoda.worker.burst_interrupt import BurstInterrupt
 from pagoda.worker.model_runner import ModelRunnerOutput
 from pagoda.worker.step_thread import StepThread
 from pagoda.worker.worker import Worker
@@ -61,6 +62,11 @@ class Executor(ABC):
         """Whether the workers run decode bursts (`SchedulerOutput.decode_bursts`); after
         `initialize_kv_cache`."""
         return False
+
+    def burst_interrupt(self) -> BurstInterrupt | None:
+        """The flag that ends the workers' decode bursts early, which any thread may raise
+        (worker/burst_interrupt.py); None where bursts do not run."""
+        return None
 
     def submit_model(self, scheduler_output: SchedulerOutput) -> Future:
         """Start one step and return the future of its ModelRunnerOutput: steps run one
@@ -134,6 +140,12 @@ class UniProcExecutor(Executor):
 
     def supports_decode_burst(self) -> bool:
         return self._on_worker(self.worker.supports_decode_burst)
+
+    def burst_interrupt(self) -> BurstInterrupt | None:
+        # NOTE: with a step thread (async scheduling) the scheduler never bursts.
+        if self.step_thread is not None or not self.supports_decode_burst():
+            return None
+        return self.worker.burst_interrupt()
 
     def initialize_kv_cache(
         self, num_blocks: int, num_swap_blocks: int | None, num_host_tier_blocks: int | None

@@ -31,6 +31,7 @@ from pagoda.layers.rejection_sampler import RejectionSampler
 from pagoda.layers.sampler import Sampler, SamplerOutput, SamplingMetadata, compute_topk_logprobs
 from pagoda.spec_decode.proposer import Proposer
 from pagoda.worker.block_copies import LayerCaches
+from pagoda.worker.burst_interrupt import BurstInterrupt
 from pagoda.worker.input_batch import InputBatch
 from pagoda.worker.seeded_generators import SeededGenerators
 
@@ -108,6 +109,8 @@ class ModelRunner:
         self.rejection_sampler = RejectionSampler()
         self.proposer = proposer
         self.generators = SeededGenerators()
+        # Raised by the engine while a command waits: a decode burst then ends after its step.
+        self.burst_interrupt = BurstInterrupt()
         # Per-token buffers, sized once; a step uses their first T entries.
         self._input_ids = torch.zeros(max_num_batched_tokens, dtype=torch.int64)
         self._positions = torch.zeros(max_num_batched_tokens, dtype=torch.int64)
@@ -206,7 +209,8 @@ class ModelRunner:
         # NOTE: the window only moves on during the burst: blocks freed before it stay unread.
         table = torch.from_numpy(self._block_tables(0, step.slots, step.starts, num_blocks))
         tokens = self.model.decode_burst(input_ids, positions, self.kv_caches, md, table, bs,
-                                         max_steps, torch.tensor(stop_ids, dtype=torch.int64))
+                                         max_steps, torch.tensor(stop_ids, dtype=torch.int64),
+                                         self.burst_interrupt.flag)
         if tokens is None:
             return False
         self.generators.checkpoint(req_id, int(batch.num_tokens[slot]))

@@ -38,6 +38,7 @@ from pagoda.ops.cpu_kernels import load_extension
 from pagoda.quant.gguf import prefers_bf16
 from pagoda.spec_decode.proposer import ProposerContext, create_proposer
 from pagoda.worker.block_copies import LayerCaches, swap_blocks
+from pagoda.worker.burst_interrupt import BurstInterrupt
 from pagoda.worker.host_alloc import huge_page_zeros
 from pagoda.worker.kv_compress import host_layer_tensors, pool_format
 from pagoda.worker.model_runner import ModelRunner, ModelRunnerOutput
@@ -167,6 +168,10 @@ class Worker:
     def supports_decode_burst(self) -> bool:
         """Whether the runner runs decode bursts (`ModelRunner.supports_decode_burst`)."""
         return self.runner.supports_decode_burst()
+
+    def burst_interrupt(self) -> BurstInterrupt:
+        """The flag that ends the runner's decode bursts early (worker/burst_interrupt.py)."""
+        return self.runner.burst_interrupt
 
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """The step's block copies, then its forward and sampling."""

@@ -237,7 +237,8 @@ def test_no_bursts_where_the_logits_are_touched(tiny_model) -> None:
 
 
 def test_decode_burst_checks_its_block_table(tiny_model) -> None:
-    """The extension call refuses a block table that does not hold every step's position."""
+    """The extension call refuses a block table that does not hold every step's position,
+    and an interrupt flag that is not one byte."""
     _needs_kernels(dense=True)
     engine = _engine(str(tiny_model("LlamaForCausalLM")), BURST)
     model = engine.executor.worker.model
@@ -248,7 +249,12 @@ def test_decode_burst_checks_its_block_table(tiny_model) -> None:
         stack.decode_burst(stack.decode, x, model.rotary.cos, model.rotary.sin, 15, kv,
                            torch.ones(1, 1, dtype=torch.int64), 16, model.model.norm.weight,
                            1e-5, *model._token_weights(), torch.zeros(0, dtype=torch.int64),
-                           2)
+                           2, None)
+    with pytest.raises(RuntimeError, match="interrupt must be a uint8"):
+        stack.decode_burst(stack.decode, x, model.rotary.cos, model.rotary.sin, 0, kv,
+                           torch.ones(1, 1, dtype=torch.int64), 16, model.model.norm.weight,
+                           1e-5, *model._token_weights(), torch.zeros(0, dtype=torch.int64),
+                           2, torch.zeros(1, dtype=torch.int32))
 
 
 def test_decode_burst_must_be_positive() -> None:
@@ -318,3 +324,129 @@ def test_gguf_token_tables_burst_equal_step_by_step(table_type, tiny_model,
     assert model.fused_stack().decode.one_region
     head, table = model._token_weights()
     assert type(table).__name__ == "QuantWeight" and type(head).__name__ == "QuantWeight"
+
+
+def test_interrupt_ends_a_burst_after_its_step(tiny_model, monkeypatch) -> None:
+    """The engine's `burst_interrupt` raised as a burst starts (a command came): the call
+    ends after one step; once the flag is lowered the next burst runs whole; the tokens
+    are those of one step at a time."""
+    from pagoda.models.fused_decoder import FusedDecoderStack
+
+    _needs_kernels(dense=True)
+    model = str(tiny_model("LlamaForCausalLM"))
+    prompt = _prompts(1, seed=11)[0]
+    params = SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)
+    (want,), _, _ = run(_engine(model, 1), [(prompt, params)])
+    engine = _engine(model, BURST)
+    flag = engine.burst_interrupt
+    assert flag is not None and not flag.is_set()
+    real, calls = FusedDecoderStack.burst, []
+
+    def interrupted(self, *args, **kwargs):
+        if len(calls) == 1:
+            flag.set()
+        tokens = real(self, *args, **kwargs)
+        calls.append(len(tokens))
+        flag.clear()
+        return tokens
+
+    monkeypatch.setattr(FusedDecoderStack, "burst", interrupted)
+    (got,), _, _ = run(engine, [(prompt, params)])
+    assert got == want
+    assert calls[:3] == [BURST, 1, BURST]
+    assert _engine(model, 1).burst_interrupt is None  # no bursts, no flag
+
+
+class _Sink:
+    """An EngineCore sink that keeps every request's outputs (cumulative token counts)."""
+
+    def __init__(self) -> None:
+        self.outputs: dict[str, list] = {}
+        self.errors: list[BaseException] = []
+
+    def deliver(self, items) -> None:
+        for rid, item in items:
+            if isinstance(item, BaseException):
+                self.errors.append(item)
+            else:
+                self.outputs.setdefault(rid, []).append(item)
+
+    def reply(self, token, result, exc) -> None:
+        if exc is not None:
+            self.errors.append(exc)
+
+    def publish_stats(self, stats, added_through) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+    def died(self, exc) -> None:
+        self.errors.append(exc)
+
+    def finished(self, rid: str) -> bool:
+        return any(out.finished for out in self.outputs.get(rid, ()))
+
+
+def test_serving_loop_commands_end_bursts(tiny_model, monkeypatch) -> None:
+    """In the serving loop (engine_core.EngineCore): an abort or an add queued while a
+    burst runs ends it after its step, so the new request waits one decode step, not the
+    burst; a query does not; the loop lowers the flag as it takes its commands, so the
+    next burst runs whole. Both requests end with their lengths and no block is left."""
+    import threading
+    import time
+
+    from pagoda.engine.engine_core import (
+        AbortCommand,
+        AddCommand,
+        CallCommand,
+        EngineCore,
+        EngineRequest,
+    )
+    from pagoda.models.fused_decoder import FusedDecoderStack
+
+    _needs_kernels(dense=True)
+    engine = _engine(str(tiny_model("LlamaForCausalLM")), BURST)
+    a, b = _prompts(2, seed=12)
+    greedy = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    sink = _Sink()
+    core = EngineCore(engine, sink, gather_s=0.0)
+    # Burst call i first sends commands[i], as if it had come from the server meanwhile.
+    commands = {
+        1: CallCommand(lambda e: None, token=1),
+        2: AbortCommand(["not-a-request"]),
+        4: AddCommand([EngineRequest("b", {"prompt_token_ids": b},
+                                     SamplingParams(max_tokens=3, temperature=0,
+                                                    ignore_eos=True))],
+                      time.monotonic(), token=2),
+    }
+    real, calls = FusedDecoderStack.burst, []
+
+    def with_arrivals(self, *args, **kwargs):
+        if len(calls) in commands:
+            core.send(commands[len(calls)])
+        tokens = real(self, *args, **kwargs)
+        calls.append(len(tokens))
+        return tokens
+
+    monkeypatch.setattr(FusedDecoderStack, "burst", with_arrivals)
+    loop = threading.Thread(target=core.run, daemon=True)
+    loop.start()
+    try:
+        core.send(AddCommand([EngineRequest("a", {"prompt_token_ids": a}, greedy)],
+                             time.monotonic(), token=0))
+        end = time.monotonic() + 120
+        while not (sink.finished("a") and sink.finished("b")) and not sink.errors:
+            assert time.monotonic() < end, "timed out"
+            time.sleep(0.01)
+    finally:
+        core.stop()
+        loop.join(30)
+    assert not sink.errors
+    assert calls[:5] == [BURST, BURST, 1, BURST, 1]
+    assert len(calls) > 5 and calls[5] == BURST  # a alone again once b has ended
+    tokens = {rid: sum(len(o.outputs[0].token_ids) for o in outs)
+              for rid, outs in sink.outputs.items()}
+    assert tokens == {"a": 60, "b": 3}
+    engine.check_integrity()
+    assert engine.kv_cache_manager.usage == 0.0

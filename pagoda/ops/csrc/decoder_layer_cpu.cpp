@@ -414,8 +414,11 @@ at::Tensor embed_row(const Weight& table, int64_t token, int64_t hidden) {
 // engine's and the runner's host work, which at one token a step runs on cold caches.
 // x: the first token's embedding [1, hidden] bf16 (the caller's lookup); pos0: its
 // position; block_table [1, M] int64: the request's blocks, covering pos0 + max_steps - 1;
-// stop_ids: tokens that end the request (after which no step runs). Returns the tokens
-// chosen, at most max_steps, the last one a stop token or the max_steps-th.
+// stop_ids: tokens that end the request (after which no step runs); interrupt: a uint8
+// [1] flag that another thread may raise while the call runs (the engine's, when a command
+// arrives): no step starts after it is seen, so a new request waits for one step, not for
+// the burst. Returns the tokens chosen, at least one and at most max_steps, the last one a
+// stop token, the max_steps-th or the one before the flag was seen.
 torch::Tensor decoder_decode_burst(const DecoderStack& s, const torch::Tensor& x,
                                    const torch::Tensor& cos, const torch::Tensor& sin,
                                    int64_t pos0,
@@ -423,7 +426,8 @@ torch::Tensor decoder_decode_burst(const DecoderStack& s, const torch::Tensor& x
                                    const torch::Tensor& block_table, int64_t block_size,
                                    const torch::Tensor& norm_w, double norm_eps,
                                    const Weight& head, const Weight& embed,
-                                   const torch::Tensor& stop_ids, int64_t max_steps) {
+                                   const torch::Tensor& stop_ids, int64_t max_steps,
+                                   const std::optional<torch::Tensor>& interrupt) {
   const int64_t hidden = s.layers[0].input_norm.size(0);
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(0) == 1 &&
                   x.size(1) == hidden,
@@ -441,6 +445,12 @@ torch::Tensor decoder_decode_burst(const DecoderStack& s, const torch::Tensor& x
               "decoder_decode_burst: stop_ids must be a contiguous int64 [S]");
   TORCH_CHECK(norm_w.dim() == 1 && norm_w.size(0) == hidden,
               "decoder_decode_burst: the final norm's weight must be [", hidden, "]");
+  TORCH_CHECK(!interrupt.has_value() ||
+                  (interrupt->scalar_type() == at::kByte && interrupt->numel() == 1 &&
+                   interrupt->device().is_cpu()),
+              "decoder_decode_burst: interrupt must be a uint8 [1] CPU tensor");
+  // NOTE: read with an atomic load: another thread writes the byte while this call runs.
+  const uint8_t* flag = interrupt.has_value() ? interrupt->data_ptr<uint8_t>() : nullptr;
   if (const auto* dense = std::get_if<torch::Tensor>(&embed)) {
     TORCH_CHECK(dense->scalar_type() == at::kBFloat16 && dense->dim() == 2 &&
                     dense->size(1) == hidden,
@@ -466,6 +476,7 @@ torch::Tensor decoder_decode_burst(const DecoderStack& s, const torch::Tensor& x
         pagoda_fused::argmax_rows(project(out, head, std::nullopt)).data_ptr<int64_t>()[0];
     tokens.push_back(token);
     if (std::find(stops, stops + num_stops, token) != stops + num_stops) break;
+    if (flag != nullptr && __atomic_load_n(flag, __ATOMIC_ACQUIRE) != 0) break;
     if (i + 1 < max_steps) residual = embed_row(embed, token, hidden);
   }
   return torch::tensor(tokens, longs);
@@ -541,5 +552,6 @@ void register_decoder_layer(pybind11::module& m) {
         "layer's output (residual updated in place)");
   m.def("decoder_decode_burst", &pagoda_layer::decoder_decode_burst, release(),
         "up to max_steps greedy decode steps of one request (stack, final norm, head, "
-        "argmax, the next token's embedding); returns the tokens chosen");
+        "argmax, the next token's embedding), none started once `interrupt` is raised; "
+        "returns the tokens chosen");
 }
