@@ -142,7 +142,7 @@ def profile_decode(engine: Any, inst: StepInstrumentation, num_seqs: int, contex
     """`steps` decode steps of `num_seqs` sequences at about `context_len` tokens, then
     `one_call_steps` (default `steps`) more as the engine runs them, each timed: their
     median is `one_call_step_ms`. Decode bursts are off for those; then, where the engine
-    runs them (a lone request), `burst_tokens` more tokens with them on: the median over
+    runs them (one request: the batch-1 case), `burst_tokens` more tokens with them on: the median over
     those steps of each one's ms per token (`burst_ms_per_token`)."""
     ids = _add(engine, tag, _prompts(engine, num_seqs, context_len, seed), max_tokens)
     sched = engine.scheduler

@@ -35,12 +35,15 @@ rejected ones and blocks that only rejected tokens used are freed. Drafts are ne
 `all_token_ids` before they are accepted, so no block hash (hence no prefix-cache entry)
 ever covers a rejected token.
 
-Decode bursts (`decode_burst` > 1): a request that is alone (nothing else running or
-waiting, no step in flight, speculative decoding off), in decode, greedy with nothing that
-touches the logits and past its min_tokens, may run several decode steps in one: the step
-schedules its one token as usual, allocates slots for up to `decode_burst` tokens (cut to
-its max_tokens and max_model_len) and names its stop tokens; the runner chooses the tokens
-one after another in one call and stops after a stop token. At commit
+Decode bursts (`decode_burst` > 1): when nothing waits, no step is in flight,
+speculative decoding is off and every running request is in decode, greedy with nothing
+that touches the logits and past its min_tokens, they may run several decode steps in one:
+the step schedules each its one token as usual, allocates each slots for the same number
+of tokens, up to `decode_burst` (cut to every request's max_tokens and max_model_len), and
+names their stop tokens; the runner chooses the tokens one step after another in one call
+and stops after a step in which a row chose a stop token. Where one request's slots are
+refused, it and the rest take one token, and the runner declines the burst (it needs every
+row's). At commit
 `num_computed_tokens` moves on by the extra tokens computed, blocks past them go back, and
 the tokens are appended with stop checks as any step's are. Only the host work between the
 steps goes: the tokens are those of one step at a time. A burst may end early: the
@@ -119,7 +122,7 @@ class Scheduler(WaitingAdmission):
         # None: speculative decoding is off.
         self.draft_length_policy = draft_length_policy
         self._num_drafts_this_step = 0
-        # Most decode steps a lone greedy request may run in one step (1: no bursts).
+        # Most decode steps greedy requests may run in one step (1: no bursts).
         self.decode_burst = decode_burst
         # Steps scheduled and not yet committed or rolled back, by id(SchedulerOutput):
         # the output and its Request objects (a finished request's id may be reused by a
@@ -214,6 +217,7 @@ class Scheduler(WaitingAdmission):
     def _schedule_running(self, out: SchedulerOutput) -> bool:
         preempted = False
         budget = self.max_num_batched_tokens
+        step_burst = self._step_burst()
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -222,14 +226,17 @@ class Scheduler(WaitingAdmission):
                 i += 1
                 continue
             drafts = self._drafts_to_verify(req, n, budget)
-            burst = self._burst_steps(req, n)
+            burst = step_burst
             while True:
                 new_blocks = self.kv.allocate_slots(req, n + len(drafts) + burst - 1)
                 if new_blocks is not None:
                     break
                 if drafts or burst > 1:
                     # NOTE: drafts and bursts are optional: give them up before preempting.
+                    # The rows before this one keep their slots for the burst, which the
+                    # runner now declines (it needs every row's), and free them at commit.
                     drafts, burst = [], 1
+                    step_burst = 1
                     continue
                 # NOTE: preempt inside the retry loop: the policy's last running request
                 # (not yet scheduled this step) gives its blocks back; if that is this
@@ -273,20 +280,23 @@ class Scheduler(WaitingAdmission):
         return req.spec_token_ids[:k] if k > 0 else []
 
 
-    def _burst_steps(self, req: Request, n: int) -> int:
-        """The decode steps running `req` may take in this one (1: an ordinary step); see
-        the module's note on decode bursts."""
-        if (self.decode_burst <= 1 or n != 1 or len(self.running) != 1 or len(self.waiting)
+    def _step_burst(self) -> int:
+        """The decode steps every running request takes in this one (1: an ordinary step);
+        see the module's note on decode bursts."""
+        if (self.decode_burst <= 1 or not self.running or len(self.waiting)
                 or self._uncommitted or self.draft_length_policy is not None
-                or not self.stop_at_max_model_len or req.num_output_placeholders
-                or req.num_computed_tokens != req.num_tokens - 1):
+                or not self.stop_at_max_model_len):
             return 1
-        params = req.sampling_params
-        if not params.plain_greedy or req.num_output_tokens < params.min_tokens:
-            return 1
-        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len
-        return max(1, min(self.decode_burst, max_tokens - req.num_output_tokens,
-                          self.max_model_len - req.num_tokens))
+        steps = self.decode_burst
+        for req in self.running:
+            params = req.sampling_params
+            if (req.num_output_placeholders or req.num_computed_tokens != req.num_tokens - 1
+                    or not params.plain_greedy or req.num_output_tokens < params.min_tokens):
+                return 1
+            max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len
+            steps = min(steps, max_tokens - req.num_output_tokens,
+                        self.max_model_len - req.num_tokens)
+        return max(1, steps)
 
     @staticmethod
     def _stop_token_ids(req: Request) -> list[int]:

@@ -66,9 +66,11 @@ class SchedulerOutput:
     # the next step (0: none).
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     num_spec_tokens: int = 0
-    # Decode bursts: a lone greedy request in decode may run up to `steps` decode steps in
-    # this one (its one scheduled token, then each token it chooses), its slots allocated
-    # for all of them; it stops after a token of `stop_ids`. req_id -> (steps, stop_ids).
+    # Decode bursts: greedy requests in decode may run up to `steps` decode steps in this
+    # one (each its one scheduled token, then each token it chooses), their slots allocated
+    # for all of them; the burst stops after a step in which a row chose a token of its
+    # `stop_ids`, and runs only where every row of the step has the same `steps`.
+    # req_id -> (steps, stop_ids).
     decode_bursts: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
 
     @property

@@ -186,19 +186,21 @@ class FusedDecoderStack:
         kv_caches: Sequence[KVCache], mds: Sequence[Any], block_table: torch.Tensor,
         block_size: int, max_steps: int, stop_ids: torch.Tensor, norm: nn.Module,
         token_weights: tuple[Any, Any], interrupt: torch.Tensor | None = None,
-    ) -> list[int] | None:
-        """Up to `max_steps` greedy tokens of one decode row in one call
-        (`decoder_decode_burst`), from x, its token's embedding, none started after the
-        uint8 [1] flag `interrupt` is raised; None where this step would not run as
-        `decoder_decode_stack` (the caller then runs it as usual)."""
-        if x.shape[0] != 1 or not self._decodes_in_one_call(x, kv_caches, mds):
+    ) -> list[list[int]] | None:
+        """Up to `max_steps` greedy tokens of each decode row in one call
+        (`decoder_decode_burst`), from x, their tokens' embeddings, ending after a step in
+        which a row chose a token of `stop_ids`, and none started after the uint8 [1] flag
+        `interrupt` is raised: per row its tokens (as many for every row). None where this
+        step would not run as `decoder_decode_stack` (the caller then runs it as usual)."""
+        if not self._decodes_in_one_call(x, kv_caches, mds):
             return None
         head_w, embed_w = token_weights
-        tokens = self.decode_burst(self.decode, x, cos, sin, int(positions[0]), kv_caches,
-                                   block_table, block_size, norm.weight, norm.eps, head_w,
-                                   embed_w, stop_ids, max_steps, interrupt)
-        self.decode_steps += len(tokens)
-        return tokens.tolist()
+        pos0 = positions.to(torch.int64).contiguous()
+        tokens = self.decode_burst(self.decode, x, cos, sin, pos0, kv_caches, block_table,
+                                   block_size, norm.weight, norm.eps, head_w, embed_w,
+                                   stop_ids, max_steps, interrupt)
+        self.decode_steps += tokens.shape[0]
+        return tokens.t().tolist()
 
     def _layer(self, ext: Any, layer: nn.Module) -> Any:
         attn, mlp = layer.self_attn, layer.mlp

@@ -349,15 +349,16 @@ class LlamaForCausalLM(nn.Module):
         md: AttentionMetadata | list[AttentionMetadata], block_table: torch.Tensor,
         block_size: int, max_steps: int, stop_ids: torch.Tensor,
         interrupt: torch.Tensor | None = None,
-    ) -> list[int] | None:
-        """Up to `max_steps` greedy decode steps of one request in one extension call: the
-        tokens `forward`, `compute_logits` and an argmax would choose step after step (the
-        same kernels), ending after a token of `stop_ids`, or once another thread raises the
-        uint8 [1] flag `interrupt` (the step under way finishes). `input_ids` / `positions` /
-        `md`: the first step's (one token); `block_table` [1, M]: the request's blocks for
-        every step. None where the steps would not run through the fused decode stack
-        (the caller runs one step as usual)."""
-        if not self.supports_decode_burst() or input_ids.shape[0] != 1:
+    ) -> list[list[int]] | None:
+        """Up to `max_steps` greedy decode steps of B requests (one token each) in one
+        extension call: the tokens `forward`, `compute_logits` and an argmax would choose
+        step after step (the same kernels), ending after a step in which a row chose a
+        token of `stop_ids`, or once another thread raises the uint8 [1] flag `interrupt`
+        (the step under way finishes). `input_ids` / `positions` / `md`: the first step's;
+        `block_table` [B, M]: the requests' blocks for every step. Per row its tokens, as
+        many for every row; None where the steps would not run through the fused decode
+        stack (the caller runs one step as usual)."""
+        if not self.supports_decode_burst():
             return None
         x = self.model.embed_tokens(input_ids)
         _, stack = self._fused_paths(x, kv_caches)
@@ -365,7 +366,7 @@ class LlamaForCausalLM(nn.Module):
             return None
         cos, sin = self.rotary.cos, self.rotary.sin
         # NOTE: the rotary tables end at max_model_len, which the scheduler's steps respect.
-        max_steps = min(max_steps, cos.shape[0] - int(positions[0]))
+        max_steps = min(max_steps, cos.shape[0] - int(positions.max()))
         if max_steps < 1:
             return None
         layer_mds = md if isinstance(md, list) else [md] * len(kv_caches)

@@ -1,7 +1,7 @@
 """`BurstInterrupt`: the flag that ends a running decode burst early.
 
-A decode burst (`SchedulerOutput.decode_bursts`) runs several steps of a lone request in
-one extension call, during which the engine applies no command. A request that arrives
+A decode burst (`SchedulerOutput.decode_bursts`) runs several decode steps of the running
+requests in one extension call, during which the engine applies no command. A request that arrives
 meanwhile would wait for the whole burst (8 steps by default). The engine's loop raises
 this flag when a command that changes what runs is queued (an add or an abort) and lowers
 it when it takes its commands; the burst's call reads it before each step after the first

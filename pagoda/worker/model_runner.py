@@ -189,33 +189,41 @@ class ModelRunner:
         positions: torch.Tensor, md: AttentionMetadata | list[AttentionMetadata],
         result: ModelRunnerOutput,
     ) -> bool:
-        """The step's lone decode row, given several steps by the scheduler
-        (`SchedulerOutput.decode_bursts`), through the model's `decode_burst`: its tokens
-        appended to the batch and `result`. False where the model does not run it (the
-        step then runs as usual, one token)."""
+        """The step's decode rows, each given the same burst by the scheduler
+        (`SchedulerOutput.decode_bursts`), through the model's `decode_burst`: their tokens
+        appended to the batch and `result`. False where the step is not all such rows or
+        the model does not run it (the step then runs as usual, one token a row)."""
         batch, bs = self.input_batch, self.block_size
-        if (len(step.req_ids) != 1 or len(step.sample_rows) != 1 or step.num_drafts[0]
-                or step.query_lens[0] != 1 or not self.supports_decode_burst()):
+        n = len(step.req_ids)
+        bursts = [out.decode_bursts.get(r) for r in step.req_ids]
+        if (len(step.sample_rows) != n or step.num_drafts.any() or (step.query_lens != 1).any()
+                or any(b is None or b[0] != bursts[0][0] for b in bursts)
+                or not self.supports_decode_burst()):
             return False
-        req_id, slot = step.req_ids[0], int(step.slots[0])
-        burst = out.decode_bursts.get(req_id)
-        if burst is None or not self._all_plain_greedy(step.slots, [batch.slots[slot]]):
+        states = [batch.slots[int(slot)] for slot in step.slots]
+        if not self._all_plain_greedy(step.slots, states):
             return False
-        max_steps, stop_ids = burst
-        num_blocks = -(-(int(step.starts[0]) + max_steps) // bs)
-        if num_blocks > batch.num_blocks[slot]:
-            raise RuntimeError(f"request {req_id!r} needs {num_blocks} blocks for a burst of "
-                               f"{max_steps} steps but was given {batch.num_blocks[slot]}")
+        max_steps = bursts[0][0]
+        stop_ids = sorted({t for _, ids in bursts for t in ids})
+        needed = -(-(step.starts + max_steps) // bs)
+        short = needed > batch.num_blocks[step.slots]
+        if short.any():
+            i = int(np.argmax(short))
+            raise RuntimeError(f"request {step.req_ids[i]!r} needs {int(needed[i])} blocks for "
+                               f"a burst of {max_steps} steps but was given "
+                               f"{int(batch.num_blocks[step.slots[i]])}")
         # NOTE: the window only moves on during the burst: blocks freed before it stay unread.
-        table = torch.from_numpy(self._block_tables(0, step.slots, step.starts, num_blocks))
+        table = torch.from_numpy(np.ascontiguousarray(
+            self._block_tables(0, step.slots, step.starts, int(needed.max()))))
         tokens = self.model.decode_burst(input_ids, positions, self.kv_caches, md, table, bs,
                                          max_steps, torch.tensor(stop_ids, dtype=torch.int64),
                                          self.burst_interrupt.flag)
         if tokens is None:
             return False
-        self.generators.checkpoint(req_id, int(batch.num_tokens[slot]))
-        batch.extend_tokens(slot, tokens)
-        result.sampled_token_ids[req_id] = tokens
+        for req_id, slot, row in zip(step.req_ids, step.slots, tokens, strict=True):
+            self.generators.checkpoint(req_id, int(batch.num_tokens[slot]))
+            batch.extend_tokens(int(slot), row)
+            result.sampled_token_ids[req_id] = row
         return True
 
     def _logit_positions(self, step: StepBatch, plain: np.ndarray,

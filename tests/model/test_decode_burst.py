@@ -1,10 +1,13 @@
-"""Decode bursts (`decode_burst`, core/scheduler.py): a lone greedy request runs several
-decode steps in one engine step, in one extension call (`decoder_decode_burst`). Its tokens
+"""Decode bursts (`decode_burst`, core/scheduler.py): while nothing waits, greedy requests
+in decode run several decode steps in one engine step, in one extension call
+(`decoder_decode_burst`), alone or several together. Its tokens
 are those of one step at a time: token ids, text, finish and stop reasons equal with bursts
 on and off, on the embedded SmolLM2 GGUF (quantized head and token table), tiny GGUF files
 with Q4_0 / Q4_1 / Q8_0 tied tables, and tiny bf16 models (dense packed heads, tied and
 untied, a sliding window, int4 projections in one OpenMP region), through stop tokens, max_tokens, max_model_len, a request arriving during a
-run, an abort, prefix caching, and a model step that declines a burst. The block accounting
+run, an abort, prefix caching, a model step that declines a burst, and a row whose burst
+slots the pool refuses. A raised interrupt flag (a command in the serving loop) ends a
+burst after its step. The block accounting
 holds after every step and nothing is left when the requests end."""
 
 from __future__ import annotations
@@ -246,12 +249,14 @@ def test_decode_burst_checks_its_block_table(tiny_model) -> None:
     kv = engine.executor.worker.kv_caches
     x = torch.zeros(1, model.spec.hidden_size, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="do not hold position"):
-        stack.decode_burst(stack.decode, x, model.rotary.cos, model.rotary.sin, 15, kv,
+        stack.decode_burst(stack.decode, x, model.rotary.cos, model.rotary.sin,
+                           torch.tensor([15]), kv,
                            torch.ones(1, 1, dtype=torch.int64), 16, model.model.norm.weight,
                            1e-5, *model._token_weights(), torch.zeros(0, dtype=torch.int64),
                            2, None)
     with pytest.raises(RuntimeError, match="interrupt must be a uint8"):
-        stack.decode_burst(stack.decode, x, model.rotary.cos, model.rotary.sin, 0, kv,
+        stack.decode_burst(stack.decode, x, model.rotary.cos, model.rotary.sin,
+                           torch.tensor([0]), kv,
                            torch.ones(1, 1, dtype=torch.int64), 16, model.model.norm.weight,
                            1e-5, *model._token_weights(), torch.zeros(0, dtype=torch.int64),
                            2, torch.zeros(1, dtype=torch.int32))
@@ -346,7 +351,7 @@ def test_interrupt_ends_a_burst_after_its_step(tiny_model, monkeypatch) -> None:
         if len(calls) == 1:
             flag.set()
         tokens = real(self, *args, **kwargs)
-        calls.append(len(tokens))
+        calls.append(len(tokens[0]))
         flag.clear()
         return tokens
 
@@ -426,7 +431,7 @@ def test_serving_loop_commands_end_bursts(tiny_model, monkeypatch) -> None:
         if len(calls) in commands:
             core.send(commands[len(calls)])
         tokens = real(self, *args, **kwargs)
-        calls.append(len(tokens))
+        calls.append(len(tokens[0]))
         return tokens
 
     monkeypatch.setattr(FusedDecoderStack, "burst", with_arrivals)
@@ -444,9 +449,104 @@ def test_serving_loop_commands_end_bursts(tiny_model, monkeypatch) -> None:
         loop.join(30)
     assert not sink.errors
     assert calls[:5] == [BURST, BURST, 1, BURST, 1]
-    assert len(calls) > 5 and calls[5] == BURST  # a alone again once b has ended
+    # Then a and b burst together through b's last 2 tokens, and a goes on alone.
+    assert calls[5:7] == [2, BURST]
     tokens = {rid: sum(len(o.outputs[0].token_ids) for o in outs)
               for rid, outs in sink.outputs.items()}
     assert tokens == {"a": 60, "b": 3}
     engine.check_integrity()
     assert engine.kv_cache_manager.usage == 0.0
+
+
+def _burst_rows(monkeypatch) -> list[tuple[int, int]]:
+    """Records (rows, steps) of every burst call from now on."""
+    from pagoda.models.fused_decoder import FusedDecoderStack
+
+    real, calls = FusedDecoderStack.burst, []
+
+    def recorded(self, *args, **kwargs):
+        tokens = real(self, *args, **kwargs)
+        if tokens is not None:
+            calls.append((len(tokens), len(tokens[0])))
+        return tokens
+
+    monkeypatch.setattr(FusedDecoderStack, "burst", recorded)
+    return calls
+
+
+def test_concurrent_requests_burst_together(tiny_model, monkeypatch) -> None:
+    """Requests that all decode with nothing waiting burst together, as many steps as the
+    shortest allows; one ends on a stop token inside a burst (which ends the burst for
+    all), others at different max_tokens: the outputs of bursts off, in fewer steps."""
+    _needs_kernels(dense=True)
+    model = str(tiny_model("LlamaForCausalLM"))
+    prompts = _prompts(4, seed=13)
+    lengths = (45, 30, 12, 60)
+    plain = [(p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+             for p, n in zip(prompts, lengths, strict=True)]
+    first = run(_engine(model, 1), plain)[0]
+    stop = first[1][0][20]  # request 1's 21st token: inside a burst
+    requests = [*plain[:1], (prompts[1], SamplingParams(max_tokens=30, temperature=0,
+                                                        ignore_eos=True, stop_token_ids=[stop])),
+                *plain[2:]]
+    want = run(_engine(model, 1), requests)
+    calls = _burst_rows(monkeypatch)
+    got = run(_engine(model, BURST), requests)
+    assert got[0] == want[0]
+    assert got[0][1][2] == "stop" and got[0][1][3] == stop
+    assert got[1] < want[1]
+    assert max(rows for rows, _ in calls) == 4 and max(steps for _, steps in calls) == BURST
+
+
+def test_smollm2_concurrent_bursts_equal_step_by_step(monkeypatch) -> None:
+    """The default model (Q4_1 projections, a Q8_0 tied head and table): three requests
+    that end on eos or max_tokens burst together with the tokens of bursts off."""
+    _needs_kernels()
+    if quant_cpu.resolve() is None:
+        pytest.skip("the quant CPU kernels do not run here")
+    prompts = _prompts(3, seed=14)
+    requests = [(p, SamplingParams(max_tokens=n, temperature=0))
+                for p, n in zip(prompts, (40, 25, 33), strict=True)]
+    want = run(_engine(None, 1), requests)
+    calls = _burst_rows(monkeypatch)
+    got = run(_engine(None, BURST), requests)
+    assert got[0] == want[0]
+    assert got[1] < want[1] and max(rows for rows, _ in calls) == 3
+
+
+def test_burst_given_up_by_one_row_gives_every_row_its_slots_back(tiny_model) -> None:
+    """The pool cannot hold one request's burst (its slots for more than one token are
+    refused): that request and those after it take one token, the runner declines the
+    burst (it needs every row's), and the rows allocated for it before get their blocks
+    back at commit, so every request holds only the blocks its computed tokens fill; the
+    outputs are those of bursts off."""
+    _needs_kernels(dense=True)
+    model = str(tiny_model("LlamaForCausalLM"))
+    requests = [(p, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+                for p in _prompts(3, seed=15)]
+    want = run(_engine(model, 1), requests)[0]
+    engine = _engine(model, BURST, block_size=16)
+    kv = engine.kv_cache_manager
+    real, refused = kv.allocate_slots, []
+
+    def short_pool(request, num_new_tokens, *args, **kwargs):
+        if request.req_id == "1" and num_new_tokens > 1 and not args:
+            refused.append(num_new_tokens)
+            return None
+        return real(request, num_new_tokens, *args, **kwargs)
+
+    kv.allocate_slots = short_pool
+    for i, (prompt, params) in enumerate(requests):
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, params,
+                           output_kind=OutputKind.CUMULATIVE)
+    finals = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = list(out.outputs[0].token_ids)
+        for req in engine.scheduler.running:
+            assert len(kv.get_block_ids(req.req_id)) == -(-req.num_computed_tokens // 16)
+        engine.check_integrity()
+    assert refused, "no burst was asked for"
+    assert engine.kv_cache_manager.usage == 0.0
+    assert [finals[str(i)] for i in range(3)] == [r[0] for r in want]

@@ -406,22 +406,23 @@ at::Tensor embed_row(const Weight& table, int64_t token, int64_t hidden) {
   return out;
 }
 
-// Up to `max_steps` greedy decode steps of one request in one call: per step the stack
-// (decoder_decode_stack), the final add + RMSNorm, the head's product and the row's first
-// maximum, then the chosen token's embedding is the next step's input. The same kernels
+// Up to `max_steps` greedy decode steps of B requests in one call: per step the stack
+// (decoder_decode_stack), the final add + RMSNorm, the head's product and each row's first
+// maximum, then the chosen tokens' embeddings are the next step's input. The same kernels
 // on the same tensors as a step through the engine (the model's forward, compute_logits,
 // Sampler.greedy, the embedding's lookup), so the same tokens; what a step saves is the
-// engine's and the runner's host work, which at one token a step runs on cold caches.
-// x: the first token's embedding [1, hidden] bf16 (the caller's lookup); pos0: its
-// position; block_table [1, M] int64: the request's blocks, covering pos0 + max_steps - 1;
-// stop_ids: tokens that end the request (after which no step runs); interrupt: a uint8
-// [1] flag that another thread may raise while the call runs (the engine's, when a command
-// arrives): no step starts after it is seen, so a new request waits for one step, not for
-// the burst. Returns the tokens chosen, at least one and at most max_steps, the last one a
-// stop token, the max_steps-th or the one before the flag was seen.
+// engine's and the runner's host work, which at a few tokens a step runs on cold caches.
+// x: the first tokens' embeddings [B, hidden] bf16 (the caller's lookup); pos0 [B] int64:
+// their positions; block_table [B, M] int64: the requests' blocks, row b covering
+// pos0[b] + max_steps - 1; stop_ids: tokens that end a request (after a step in which any
+// row chose one, no step runs); interrupt: a uint8 [1] flag that another thread may raise
+// while the call runs (the engine's, when a command arrives): no step starts after it is
+// seen, so a new request waits for one step, not for the burst. Returns [steps, B], the
+// tokens chosen, at least one step and at most max_steps, the last a step with a stop
+// token, the max_steps-th or the one before the flag was seen.
 torch::Tensor decoder_decode_burst(const DecoderStack& s, const torch::Tensor& x,
                                    const torch::Tensor& cos, const torch::Tensor& sin,
-                                   int64_t pos0,
+                                   const torch::Tensor& pos0,
                                    const std::vector<std::vector<torch::Tensor>>& kv,
                                    const torch::Tensor& block_table, int64_t block_size,
                                    const torch::Tensor& norm_w, double norm_eps,
@@ -429,17 +430,25 @@ torch::Tensor decoder_decode_burst(const DecoderStack& s, const torch::Tensor& x
                                    const torch::Tensor& stop_ids, int64_t max_steps,
                                    const std::optional<torch::Tensor>& interrupt) {
   const int64_t hidden = s.layers[0].input_norm.size(0);
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(0) == 1 &&
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(0) >= 1 &&
                   x.size(1) == hidden,
-              "decoder_decode_burst: x must be bf16 [1, ", hidden, "]");
-  TORCH_CHECK(max_steps >= 1 && pos0 >= 0 && block_size >= 1, "decoder_decode_burst: ",
-              max_steps, " steps from position ", pos0, " with blocks of ", block_size);
+              "decoder_decode_burst: x must be bf16 [B, ", hidden, "]");
+  const int64_t rows = x.size(0);
+  TORCH_CHECK(pos0.scalar_type() == at::kLong && pos0.dim() == 1 && pos0.size(0) == rows &&
+                  pos0.is_contiguous(),
+              "decoder_decode_burst: pos0 must be a contiguous int64 [", rows, "]");
   TORCH_CHECK(block_table.scalar_type() == at::kLong && block_table.dim() == 2 &&
-                  block_table.size(0) == 1 && block_table.is_contiguous(),
-              "decoder_decode_burst: block_table must be a contiguous int64 [1, M]");
-  TORCH_CHECK((pos0 + max_steps - 1) / block_size < block_table.size(1),
-              "decoder_decode_burst: ", block_table.size(1), " blocks of ", block_size,
-              " do not hold position ", pos0 + max_steps - 1);
+                  block_table.size(0) == rows && block_table.is_contiguous(),
+              "decoder_decode_burst: block_table must be a contiguous int64 [", rows, ", M]");
+  const int64_t* p0 = pos0.data_ptr<int64_t>();
+  const int64_t width = block_table.size(1);
+  for (int64_t b = 0; b < rows; ++b) {
+    TORCH_CHECK(max_steps >= 1 && p0[b] >= 0 && block_size >= 1, "decoder_decode_burst: ",
+                max_steps, " steps from position ", p0[b], " with blocks of ", block_size);
+    TORCH_CHECK((p0[b] + max_steps - 1) / block_size < width, "decoder_decode_burst: ",
+                width, " blocks of ", block_size, " do not hold position ",
+                p0[b] + max_steps - 1);
+  }
   TORCH_CHECK(stop_ids.scalar_type() == at::kLong && stop_ids.dim() == 1 &&
                   stop_ids.is_contiguous(),
               "decoder_decode_burst: stop_ids must be a contiguous int64 [S]");
@@ -457,29 +466,47 @@ torch::Tensor decoder_decode_burst(const DecoderStack& s, const torch::Tensor& x
                 "decoder_decode_burst: a dense token table must be bf16 [V, ", hidden, "]");
   }
   const auto longs = at::TensorOptions().dtype(at::kLong);
-  auto positions = at::empty({1}, longs), slots = at::empty({1}, longs),
-       seq_lens = at::empty({1}, longs);
+  auto positions = at::empty({rows}, longs), slots = at::empty({rows}, longs),
+       seq_lens = at::empty({rows}, longs);
+  int64_t* pos = positions.data_ptr<int64_t>();
+  int64_t* slot = slots.data_ptr<int64_t>();
+  int64_t* lens = seq_lens.data_ptr<int64_t>();
   const int64_t* table = block_table.data_ptr<int64_t>();
   const int64_t* stops = stop_ids.data_ptr<int64_t>();
   const int64_t num_stops = stop_ids.size(0);
   std::vector<int64_t> tokens;
+  std::vector<at::Tensor> next(rows);
   auto residual = x.clone();  // NOTE: the stack's input, which it updates as the residual
+  int64_t steps = 0;
   for (int64_t i = 0; i < max_steps; ++i) {
-    const int64_t pos = pos0 + i;
-    positions.data_ptr<int64_t>()[0] = pos;
-    slots.data_ptr<int64_t>()[0] = table[pos / block_size] * block_size + pos % block_size;
-    seq_lens.data_ptr<int64_t>()[0] = pos + 1;
+    for (int64_t b = 0; b < rows; ++b) {
+      pos[b] = p0[b] + i;
+      slot[b] = table[b * width + pos[b] / block_size] * block_size + pos[b] % block_size;
+      lens[b] = pos[b] + 1;
+    }
     auto out = decoder_decode_stack(s, residual, residual, cos, sin, positions, kv, slots,
                                     block_table, seq_lens);
     pagoda_fused::fused_add_rms_norm(out, residual, norm_w, norm_eps);
-    const int64_t token =
-        pagoda_fused::argmax_rows(project(out, head, std::nullopt)).data_ptr<int64_t>()[0];
-    tokens.push_back(token);
-    if (std::find(stops, stops + num_stops, token) != stops + num_stops) break;
+    const auto chosen = pagoda_fused::argmax_rows(project(out, head, std::nullopt));
+    const int64_t* c = chosen.data_ptr<int64_t>();
+    bool stop = false;
+    for (int64_t b = 0; b < rows; ++b) {
+      tokens.push_back(c[b]);
+      stop = stop || std::find(stops, stops + num_stops, c[b]) != stops + num_stops;
+    }
+    ++steps;
+    if (stop) break;
     if (flag != nullptr && __atomic_load_n(flag, __ATOMIC_ACQUIRE) != 0) break;
-    if (i + 1 < max_steps) residual = embed_row(embed, token, hidden);
+    if (i + 1 < max_steps) {
+      if (rows == 1) {
+        residual = embed_row(embed, c[0], hidden);
+      } else {
+        for (int64_t b = 0; b < rows; ++b) next[b] = embed_row(embed, c[b], hidden);
+        residual = at::cat(next, 0);
+      }
+    }
   }
-  return torch::tensor(tokens, longs);
+  return torch::tensor(tokens, longs).view({steps, rows});
 }
 
 DecoderLayer make_layer(torch::Tensor input_norm, torch::Tensor post_norm, Weight qkv_w,
@@ -551,7 +578,7 @@ void register_decoder_layer(pybind11::module& m) {
         "a decode-only step's layers, attention included, in one call; returns the last "
         "layer's output (residual updated in place)");
   m.def("decoder_decode_burst", &pagoda_layer::decoder_decode_burst, release(),
-        "up to max_steps greedy decode steps of one request (stack, final norm, head, "
-        "argmax, the next token's embedding), none started once `interrupt` is raised; "
-        "returns the tokens chosen");
+        "up to max_steps greedy decode steps of B requests (stack, final norm, head, "
+        "argmax, the next tokens' embeddings), none started once `interrupt` is raised "
+        "or after a stop token; returns the tokens chosen [steps, B]");
 }
