@@ -323,8 +323,8 @@ class EngineArgs:
     speculative_config: dict | str | None = None
     # async: schedule the next step (and detokenize the last) while a step's forward runs.
     async_scheduling: bool = False
-    # A lone greedy request runs up to this many decode steps per engine step, in one
-    # extension call (1: off; see docs/architecture.md, "Decode bursts").
+    # While nothing waits, greedy requests in decode run up to this many decode steps per
+    # engine step, in one extension call (1: off; see docs/architecture.md, "Decode bursts").
     decode_burst: int = 8
     # split (issue 10): `pagoda serve` runs the engine in a child process (the API server
     # keeps HTTP and tokenization); the server's only (LLM(...) runs in-process). On by

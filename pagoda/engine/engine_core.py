@@ -17,7 +17,7 @@ says how many other requests the front end had received and not yet sent
 first request of a burst took a step alone, and the rest waited for it (measured in
 docs/architecture.md). A request that comes alone, or to a busy engine, waits for nothing.
 
-A decode burst (one request's several decode steps in one call) would hold a command for
+A decode burst (the running requests' several decode steps in one call) would hold a command for
 the whole burst: an add or an abort raises the engine's `burst_interrupt` flag as it is
 queued, the burst ends after its current decode step, and the loop lowers the flag as it
 takes its commands (worker/burst_interrupt.py).

@@ -358,7 +358,8 @@ class LlamaForCausalLM(nn.Module):
         `block_table` [B, M]: the requests' blocks for every step. Per row its tokens, as
         many for every row; None where the steps would not run through the fused decode
         stack (the caller runs one step as usual)."""
-        if not self.supports_decode_burst():
+        token_weights = self._token_weights()
+        if token_weights is None:
             return None
         x = self.model.embed_tokens(input_ids)
         _, stack = self._fused_paths(x, kv_caches)
@@ -371,8 +372,8 @@ class LlamaForCausalLM(nn.Module):
             return None
         layer_mds = md if isinstance(md, list) else [md] * len(kv_caches)
         return stack.burst(x, cos, sin, positions, kv_caches, layer_mds, block_table,
-                           block_size, max_steps, stop_ids, self.model.norm,
-                           self._token_weights(), interrupt)
+                           block_size, max_steps, stop_ids, self.model.norm, token_weights,
+                           interrupt)
 
     def supports_decode_burst(self) -> bool:
         """Whether `decode_burst` can run here: the fused decode stack is built and the head

@@ -205,16 +205,10 @@ class ModelRunner:
             return False
         max_steps = bursts[0][0]
         stop_ids = sorted({t for _, ids in bursts for t in ids})
-        needed = -(-(step.starts + max_steps) // bs)
-        short = needed > batch.num_blocks[step.slots]
-        if short.any():
-            i = int(np.argmax(short))
-            raise RuntimeError(f"request {step.req_ids[i]!r} needs {int(needed[i])} blocks for "
-                               f"a burst of {max_steps} steps but was given "
-                               f"{int(batch.num_blocks[step.slots[i]])}")
+        # NOTE: every step's tokens must have their blocks: those of the burst's last one.
+        num_blocks = self._check_blocks(step, step.starts + max_steps)
         # NOTE: the window only moves on during the burst: blocks freed before it stay unread.
-        table = torch.from_numpy(np.ascontiguousarray(
-            self._block_tables(0, step.slots, step.starts, int(needed.max()))))
+        table = torch.from_numpy(self._block_tables(0, step.slots, step.starts, num_blocks))
         tokens = self.model.decode_burst(input_ids, positions, self.kv_caches, md, table, bs,
                                          max_steps, torch.tensor(stop_ids, dtype=torch.int64),
                                          self.burst_interrupt.flag)

@@ -391,18 +391,17 @@ torch::Tensor decoder_decode_stack(const DecoderStack& s, const torch::Tensor& x
 using DequantRowsFn = void(at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                            int64_t, int64_t, bool, int64_t, const at::Tensor&);
 
-// Token `token`'s row of a token table [1, hidden] in bf16: a dense table's row as
-// F.embedding copies it, or a quantized table's row through the quant extension's
+// The rows of a token table for `ids` (int64 [B]), [B, hidden] in bf16: a dense table's
+// rows as F.embedding copies them, or a quantized table's through the quant extension's
 // dequant_rows (what quant_cpu.dequantize_rows calls for a lookup).
-at::Tensor embed_row(const Weight& table, int64_t token, int64_t hidden) {
+at::Tensor embed_rows(const Weight& table, const at::Tensor& ids, int64_t hidden) {
   const auto* q = std::get_if<QuantWeight>(&table);
-  if (q == nullptr) return std::get<torch::Tensor>(table).narrow(0, token, 1).clone();
+  if (q == nullptr) return std::get<torch::Tensor>(table).index_select(0, ids);
   static const auto op = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("pagoda_quant::dequant_rows", "")
                              .typed<DequantRowsFn>();
-  auto out = at::empty({1, hidden}, at::TensorOptions().dtype(at::kBFloat16));
-  op.call(out, q->codes, q->scales, q->offsets, q->bits, q->group, q->zero_form, q->n,
-          at::full({1}, token, at::TensorOptions().dtype(at::kLong)));
+  auto out = at::empty({ids.size(0), hidden}, at::TensorOptions().dtype(at::kBFloat16));
+  op.call(out, q->codes, q->scales, q->offsets, q->bits, q->group, q->zero_form, q->n, ids);
   return out;
 }
 
@@ -475,7 +474,6 @@ torch::Tensor decoder_decode_burst(const DecoderStack& s, const torch::Tensor& x
   const int64_t* stops = stop_ids.data_ptr<int64_t>();
   const int64_t num_stops = stop_ids.size(0);
   std::vector<int64_t> tokens;
-  std::vector<at::Tensor> next(rows);
   auto residual = x.clone();  // NOTE: the stack's input, which it updates as the residual
   int64_t steps = 0;
   for (int64_t i = 0; i < max_steps; ++i) {
@@ -497,14 +495,7 @@ torch::Tensor decoder_decode_burst(const DecoderStack& s, const torch::Tensor& x
     ++steps;
     if (stop) break;
     if (flag != nullptr && __atomic_load_n(flag, __ATOMIC_ACQUIRE) != 0) break;
-    if (i + 1 < max_steps) {
-      if (rows == 1) {
-        residual = embed_row(embed, c[0], hidden);
-      } else {
-        for (int64_t b = 0; b < rows; ++b) next[b] = embed_row(embed, c[b], hidden);
-        residual = at::cat(next, 0);
-      }
-    }
+    if (i + 1 < max_steps) residual = embed_rows(embed, chosen, hidden);
   }
   return torch::tensor(tokens, longs).view({steps, rows});
 }
