@@ -160,7 +160,7 @@ class SchedulerConfig:
     sla_ttft_targets_s: dict[str, float]
     # Schedule step N+1 while step N runs (engine/step_pipeline.py).
     async_scheduling: bool = False
-    # Most decode steps greedy requests run in one engine step while nothing waits
+    # Most decode steps plain requests run in one engine step while nothing waits
     # (core/scheduler.py, decode bursts; 1: off).
     decode_burst: int = 1
 
@@ -410,8 +410,9 @@ class EngineArgs:
                        help="schedule step N+1, and commit and detokenize step N - 1, while "
                        "step N's forward runs (the forward on a worker thread)")
         p.add_argument("--decode-burst", type=int, default=d.decode_burst,
-                       help="while nothing waits, greedy requests in decode (no logprobs "
-                       "or penalties) take up to this many decode steps per engine step, "
+                       help="while nothing waits, requests in decode that are greedy or "
+                       "sample with only a temperature (no top-p/k, min-p, logprobs or "
+                       "penalties) take up to this many decode steps per engine step, "
                        "in one call: "
                        "the same tokens with less host work per token, streamed in chunks "
                        "of up to this many; with `pagoda serve` a request arriving "

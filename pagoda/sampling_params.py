@@ -173,12 +173,20 @@ class SamplingParams:
         return SamplingType.RANDOM
 
     @property
+    def plain(self) -> bool:
+        """Nothing but the temperature changes the logits, and nothing reports them (no
+        penalties, logit_bias, top-k, top-p, min-p or logprobs): once `min_tokens` is
+        reached, the token is the race over softmax(logits / temperature), or the raw
+        logits' argmax for a greedy request (`Sampler.plain`; decode bursts run these)."""
+        return (self.logprobs is None and not self.logit_bias
+                and self.repetition_penalty == 1.0 and self.frequency_penalty == 0.0
+                and self.presence_penalty == 0.0 and self.top_p == 1.0 and self.top_k == 0
+                and self.min_p == 0.0)
+
+    @property
     def plain_greedy(self) -> bool:
-        """Greedy, with nothing that changes or reports the logits (penalties, logit_bias,
-        logprobs): once `min_tokens` is reached, the token is the raw logits' argmax."""
-        return (self.temperature < SAMPLING_EPS and self.logprobs is None
-                and not self.logit_bias and self.repetition_penalty == 1.0
-                and self.frequency_penalty == 0.0 and self.presence_penalty == 0.0)
+        """`plain` and greedy: once `min_tokens` is reached, the raw logits' argmax."""
+        return self.temperature < SAMPLING_EPS and self.plain
 
     @property
     def output_text_buffer_length(self) -> int:

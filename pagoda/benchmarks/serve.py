@@ -94,6 +94,9 @@ def add_serve_bench_args(p: argparse.ArgumentParser) -> None:
         help="output lengths (default 100,1024; quick 32,128)",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=_temperature, default=0.0,
+                   help="every request's temperature (default 0: greedy; the OpenAI API's "
+                        "default is 1)")
     p.add_argument("--quick", action="store_true", help="a small smoke-sized workload")
     p.add_argument(
         "--concurrency",
@@ -162,13 +165,20 @@ def parse_goodput(items: list[str]) -> dict[str, float]:
     return sla
 
 
+def _temperature(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value <= 2.0:
+        raise argparse.ArgumentTypeError(f"temperature must be in [0, 2], got {text}")
+    return value
+
+
 def _payload(
     args: argparse.Namespace, model: str, prompt: list[int], text: str | None, max_tokens: int
 ) -> tuple[str, dict[str, Any]]:
     body: dict[str, Any] = {
         "model": model,
         "max_tokens": max_tokens,
-        "temperature": 0.0,
+        "temperature": args.temperature,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
@@ -393,6 +403,7 @@ def run_serve_bench(args: argparse.Namespace) -> dict[str, Any]:
         "endpoint": args.endpoint,
         "prompt_format": "text" if as_text else "tokens",
         "seed": args.seed,
+        "temperature": args.temperature,
         "workload_preset": args.workload,
         "input_len": list(in_len),
         "output_len": list(out_len),

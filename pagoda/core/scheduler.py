@@ -36,8 +36,9 @@ rejected ones and blocks that only rejected tokens used are freed. Drafts are ne
 ever covers a rejected token.
 
 Decode bursts (`decode_burst` > 1): when nothing waits, no step is in flight,
-speculative decoding is off and every running request is in decode, greedy with nothing
-that touches the logits and past its min_tokens, they may run several decode steps in one:
+speculative decoding is off and every running request is in decode, `SamplingParams.plain`
+(greedy, or sampled with only a temperature) and past its min_tokens, they may run several
+decode steps in one:
 the step schedules each its one token as usual, allocates each slots for the same number
 of tokens, up to `decode_burst` (cut to every request's max_tokens and max_model_len), and
 names their stop tokens; the runner chooses the tokens one step after another in one call
@@ -122,7 +123,7 @@ class Scheduler(WaitingAdmission):
         # None: speculative decoding is off.
         self.draft_length_policy = draft_length_policy
         self._num_drafts_this_step = 0
-        # Most decode steps greedy requests may run in one step (1: no bursts).
+        # Most decode steps plain requests may run in one step (1: no bursts).
         self.decode_burst = decode_burst
         # Steps scheduled and not yet committed or rolled back, by id(SchedulerOutput):
         # the output and its Request objects (a finished request's id may be reused by a
@@ -291,7 +292,7 @@ class Scheduler(WaitingAdmission):
         for req in self.running:
             params = req.sampling_params
             if (req.num_output_placeholders or req.num_computed_tokens != req.num_tokens - 1
-                    or not params.plain_greedy or req.num_output_tokens < params.min_tokens):
+                    or not params.plain or req.num_output_tokens < params.min_tokens):
                 return 1
             max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len
             steps = min(steps, max_tokens - req.num_output_tokens,

@@ -66,10 +66,11 @@ class SchedulerOutput:
     # the next step (0: none).
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     num_spec_tokens: int = 0
-    # Decode bursts: greedy requests in decode may run up to `steps` decode steps in this
-    # one (each its one scheduled token, then each token it chooses), their slots allocated
-    # for all of them; the burst stops after a step in which a row chose a token of its
-    # `stop_ids`, and runs only where every row of the step has the same `steps`.
+    # Decode bursts: plain requests (greedy, or a temperature only) in decode may run up to
+    # `steps` decode steps in this one (each its one scheduled token, then each token it
+    # chooses), their slots allocated for all of them; the burst stops after a step in
+    # which a row chose a token of its `stop_ids`, and runs only where every row of the
+    # step has the same `steps`.
     # req_id -> (steps, stop_ids).
     decode_bursts: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
 

@@ -2,7 +2,7 @@
 
 Order of processing (each stage is skipped when no row in the batch needs it):
     logit_bias -> min_tokens bans -> penalties -> [greedy rows: argmax]
-    -> temperature -> min-p -> top-k -> top-p -> sample (exponential race).
+    -> temperature -> min-p -> top-k -> top-p -> sample (exponential race, `race_sample`).
 min-p comes before top-k/top-p, as in vLLM v1 (it is an argmax-invariant logits processor
 there, applied right after temperature): top-p then measures its nucleus on the
 distribution min-p left, so the two orders keep different tokens.
@@ -254,11 +254,11 @@ class Sampler:
         raw_logprobs = None
         if md.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits.float(), dim=-1)
-        greedy_ids, probs = self.process(logits, md)
-        if probs is None:
+        greedy_ids, scaled = self.scaled_logits(logits, md)
+        if scaled is None:
             sampled = greedy_ids
         else:
-            sampled = random_sample(probs, md.generators)
+            sampled = race_sample(scaled, None, md.generators)
             if greedy_ids is not None:
                 sampled = torch.where(md.greedy_mask, greedy_ids, sampled)
         if raw_logprobs is None:
@@ -275,6 +275,16 @@ class Sampler:
         return ops.argmax_rows(logits).cpu()
 
     @staticmethod
+    def plain(logits: torch.Tensor, temperature: torch.Tensor,
+              generators: Mapping[int, torch.Generator]) -> torch.Tensor:
+        """What `__call__` samples when every row is `SamplingParams.plain` past its
+        `min_tokens` (only temperature touches the logits), without the metadata:
+        `temperature` [B] float32 (0 for a greedy row), `generators` the seeded random
+        rows'. The same tokens as `__call__`: the race divides by the temperature as
+        torch's div does, and a decode burst repeats this call's kernel step by step."""
+        return race_sample(logits, temperature, generators).cpu()
+
+    @staticmethod
     def process(
         logits: torch.Tensor, md: SamplingMetadata
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -283,6 +293,16 @@ class Sampler:
         float32 after every stage, None when all rows are greedy). Rows of the other kind
         hold neutral values. The rejection sampler verifies drafts against these.
         """
+        greedy_ids, scaled = Sampler.scaled_logits(logits, md)
+        return greedy_ids, None if scaled is None else scaled.softmax(dim=-1)
+
+    @staticmethod
+    def scaled_logits(
+        logits: torch.Tensor, md: SamplingMetadata
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """`process` before its softmax: the random rows' logits [B, V] float32 after
+        temperature, min-p, top-k and top-p (tokens cut to -inf), None when all rows are
+        greedy."""
         if md.needs_processing:
             logits = logits.to(torch.float32, copy=True)
             apply_logit_bias_and_bans(logits, md)
@@ -298,8 +318,7 @@ class Sampler:
         logits.div_(md.temperature.unsqueeze(1))
         if md.min_p is not None:
             apply_min_p(logits, md.min_p)
-        logits = apply_top_k_top_p(logits, md.top_k, md.top_p, md.max_top_k)
-        return greedy_ids, logits.softmax(dim=-1)
+        return greedy_ids, apply_top_k_top_p(logits, md.top_k, md.top_p, md.max_top_k)
 
 
 def apply_logit_bias_and_bans(logits: torch.Tensor, md: SamplingMetadata) -> None:
@@ -366,28 +385,49 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> None:
     logits.masked_fill_(probs < threshold, -float("inf"))
 
 
-def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
-    """One token per row of `probs` [B, V], by an exponential race: argmax(p / E),
-    E ~ Exp(1) i.i.d., picks token i with probability p_i. Consumes `probs`.
+def draw_exponentials(batch: int, vocab: int, generators: Mapping[int, torch.Generator],
+                      device: torch.device, out: torch.Tensor | None = None) -> torch.Tensor:
+    """E ~ Exp(1), [batch, vocab] float32 (into `out` if given) for the exponential race.
 
-    Rows in `generators` draw their own E from their generator (on its device); the
-    other rows share one unseeded draw.
+    Rows in `generators` draw their own vector from their generator (on its device), one
+    vocabulary-size uniform vector per call, turned into E as a vector of its own: the
+    values depend on the generator's state only, not on the batch's shape or device (CPU
+    generators serve accelerator batches), nor on whether a decode burst drew them ahead.
+    The other rows share one unseeded draw.
     """
-    batch, vocab = probs.shape
-    # NOTE: E = -log(U) from uniform draws; on CPU it is about 4x faster than
-    # Tensor.exponential_.
-    u = torch.empty_like(probs)
+    e = torch.empty(batch, vocab, dtype=torch.float32, device=device) if out is None else out
     if len(generators) < batch:
-        u.uniform_()
+        _to_exponential(e.uniform_())
     for row, gen in generators.items():
-        # NOTE: a fresh vector per seeded row keeps the draw independent of the batch's
-        # shape and of the logits' device (CPU generators serve accelerator batches).
         draw = torch.rand(vocab, generator=gen, dtype=torch.float32, device=gen.device)
-        u[row] = draw.to(probs.device)
-    # NOTE: U == 0 gives E = inf (p / E = 0, harmless); U near 1 gives E near 0, clamped
-    # so that p / E never becomes inf, or NaN for a masked token, which argmax prefers.
-    exp = u.log_().neg_().clamp_min_(_TINY)
-    return ops.argmax_rows(probs.div_(exp))
+        e[row] = _to_exponential(draw).to(device)
+    return e
+
+
+def _to_exponential(u: torch.Tensor) -> torch.Tensor:
+    """In place: E = -log(U) (on CPU about 4x faster than Tensor.exponential_). U == 0
+    gives E = inf (a race score of 0, harmless); U near 1 gives E near 0, clamped so that
+    p / E never becomes inf, or NaN for a masked token, which argmax prefers."""
+    return u.log_().neg_().clamp_min_(_TINY)
+
+
+def race_sample(logits: torch.Tensor, temperature: torch.Tensor | None,
+                generators: Mapping[int, torch.Generator]) -> torch.Tensor:
+    """One token per row of `logits` [B, V] by the exponential race over
+    softmax(logits / temperature) (`ops.race_rows`; temperature None: 1, 0: greedy), with
+    `draw_exponentials`' E."""
+    batch, vocab = logits.shape
+    exps = draw_exponentials(batch, vocab, generators, logits.device)
+    return ops.race_rows(logits.contiguous(), temperature, exps)
+
+
+def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """One token per row of `probs` [B, V] (unnormalised, non-negative), by an exponential
+    race: argmax(p / E), E ~ Exp(1) i.i.d. (`draw_exponentials`), picks token i with
+    probability p_i / sum(p). Consumes `probs`. (The rejection sampler's final tokens.)"""
+    batch, vocab = probs.shape
+    return ops.argmax_rows(probs.div_(draw_exponentials(batch, vocab, generators,
+                                                        probs.device)))
 
 
 def compute_topk_logprobs(

@@ -348,11 +348,14 @@ class LlamaForCausalLM(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
         md: AttentionMetadata | list[AttentionMetadata], block_table: torch.Tensor,
         block_size: int, max_steps: int, stop_ids: torch.Tensor,
-        interrupt: torch.Tensor | None = None,
+        interrupt: torch.Tensor | None = None, temperature: torch.Tensor | None = None,
+        exps: torch.Tensor | None = None,
     ) -> list[list[int]] | None:
-        """Up to `max_steps` greedy decode steps of B requests (one token each) in one
-        extension call: the tokens `forward`, `compute_logits` and an argmax would choose
-        step after step (the same kernels), ending after a step in which a row chose a
+        """Up to `max_steps` decode steps of B requests (one token each) in one extension
+        call: the tokens `forward`, `compute_logits` and `Sampler.greedy` (or, given
+        `temperature` [B] and `exps` [>= max_steps, B, V], `Sampler.plain` with step i's
+        draws exps[i]) would choose step after step (the same kernels), ending after a step
+        in which a row chose a
         token of `stop_ids`, or once another thread raises the uint8 [1] flag `interrupt`
         (the step under way finishes). `input_ids` / `positions` / `md`: the first step's;
         `block_table` [B, M]: the requests' blocks for every step. Per row its tokens, as
@@ -373,7 +376,7 @@ class LlamaForCausalLM(nn.Module):
         layer_mds = md if isinstance(md, list) else [md] * len(kv_caches)
         return stack.burst(x, cos, sin, positions, kv_caches, layer_mds, block_table,
                            block_size, max_steps, stop_ids, self.model.norm, token_weights,
-                           interrupt)
+                           interrupt, temperature, exps)
 
     def supports_decode_burst(self) -> bool:
         """Whether `decode_burst` can run here: the fused decode stack is built and the head

@@ -6,6 +6,9 @@ with a plain PyTorch reference (reference.py) that runs on any device.
   silu_and_mul(x)                                 -> silu(gate) * up of x = [gate | up]
   argmax_rows(x)                                  -> int64 [rows]: each row's first maximum
                                                      (the sampler's greedy pick)
+  race_rows(logits, temperature, exps)            -> int64 [rows]: each row's token of the
+                                                     exponential race (the sampler's random
+                                                     pick; temperature 0: greedy)
   rotary_and_cache(qkv, cos, sin, positions,      rotates q, k of qkv in place and writes
                    k_cache, v_cache, slot_mapping, k, v into their slots
                    num_heads, num_kv_heads)
@@ -43,6 +46,7 @@ rms_norm = define_op("rms_norm", reference.rms_norm)
 fused_add_rms_norm = define_op("fused_add_rms_norm", reference.fused_add_rms_norm)
 silu_and_mul = define_op("silu_and_mul", reference.silu_and_mul)
 argmax_rows = define_op("argmax_rows", reference.argmax_rows)
+race_rows = define_op("race_rows", reference.race_rows)
 rotary_and_cache = define_op("rotary_and_cache", reference.rotary_and_cache)
 write_kv = define_op("write_kv", reference.write_kv)
 paged_attention = define_op("paged_attention", reference.paged_attention)
@@ -87,6 +91,7 @@ __all__ = [
     "paged_attention",
     "paged_prefill_attention",
     "prefill_attention_on_amx",
+    "race_rows",
     "rms_norm",
     "rotary_and_cache",
     "silu_and_mul",

@@ -67,6 +67,17 @@ def _argmax_supports(x: torch.Tensor) -> bool:
     return _matrix_contiguous(x) and x.shape[1] > 0
 
 
+def _race_rows(ext: ModuleType, logits: torch.Tensor, temperature: torch.Tensor | None,
+               exps: torch.Tensor) -> torch.Tensor:
+    return ext.race_rows(logits, temperature, exps)
+
+
+def _race_supports(logits: torch.Tensor, temperature: torch.Tensor | None,
+                   exps: torch.Tensor) -> bool:
+    # NOTE: the kernel checks the shapes and dtypes itself (a clear error, not a fallback).
+    return _argmax_supports(logits) and exps.device.type == "cpu"
+
+
 def _rotary_and_cache(ext: ModuleType, *args) -> None:
     ext.rotary_and_cache(*args)
 
@@ -186,6 +197,9 @@ def register() -> None:
     )
     OPS["argmax_rows"].register(
         "cpu", Kernel("cpp", _argmax_rows, _ARGMAX_DTYPES, fused, _argmax_supports)
+    )
+    OPS["race_rows"].register(
+        "cpu", Kernel("cpp", _race_rows, _ARGMAX_DTYPES, fused, _race_supports)
     )
     OPS["rotary_and_cache"].register(
         "cpu", Kernel("cpp", _rotary_and_cache, LOW_PRECISION, fused, _rotary_supports)

@@ -40,6 +40,21 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return x.float().argmax(dim=-1)
 
 
+def race_rows(logits: torch.Tensor, temperature: torch.Tensor | None,
+              exps: torch.Tensor) -> torch.Tensor:
+    """int64 [rows]: each row's token of the exponential race, the first maximum of
+    softmax(x) / exps with x = logits / temperature (none: 1) and exps [rows, n] Exp(1)
+    draws: token i with probability softmax(x)_i. A row of temperature 0 takes its logits'
+    first maximum. (The CPU kernel computes exp(x - max x) / exps, the unnormalised
+    probabilities: the same distribution, other roundings.)"""
+    x = logits.float()
+    if temperature is None:
+        return argmax_rows(x.softmax(dim=-1) / exps)
+    greedy = temperature == 0
+    x = x / torch.where(greedy, 1.0, temperature).unsqueeze(1)
+    return torch.where(greedy, argmax_rows(logits), argmax_rows(x.softmax(dim=-1) / exps))
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half (neox) rotary: x [T, H, D]; cos/sin [T, 1, D/2] (broadcast over heads)."""
     x1, x2 = x.chunk(2, dim=-1)

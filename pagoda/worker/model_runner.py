@@ -28,12 +28,23 @@ from pagoda.attention.backend import AttentionBackend, AttentionMetadata, Common
 from pagoda.core.kv_cache_spec import KVRetention
 from pagoda.core.scheduler_output import SchedulerOutput
 from pagoda.layers.rejection_sampler import RejectionSampler
-from pagoda.layers.sampler import Sampler, SamplerOutput, SamplingMetadata, compute_topk_logprobs
+from pagoda.layers.sampler import (
+    Sampler,
+    SamplerOutput,
+    SamplingMetadata,
+    compute_topk_logprobs,
+    draw_exponentials,
+)
+from pagoda.sampling_params import SamplingType
 from pagoda.spec_decode.proposer import Proposer
 from pagoda.worker.block_copies import LayerCaches
 from pagoda.worker.burst_interrupt import BurstInterrupt
 from pagoda.worker.input_batch import InputBatch
 from pagoda.worker.seeded_generators import SeededGenerators
+
+# The most Exp(1) draws a sampled decode burst makes ahead (float32 bytes): its steps are
+# cut to fit; a burst that would get fewer than 2 steps runs as one ordinary step.
+BURST_DRAW_BYTES = 64 << 20
 
 # (top ids [K+1], logprobs [K+1], rank of the sampled token) of one sampled token.
 TokenLogprobs = tuple[list[int], list[float], int]
@@ -111,6 +122,9 @@ class ModelRunner:
         self.generators = SeededGenerators()
         # Raised by the engine while a command waits: a decode burst then ends after its step.
         self.burst_interrupt = BurstInterrupt()
+        # A sampled burst's Exp(1) draws (runner._draw_burst), kept: a buffer of tens of MB
+        # allocated per burst would be mapped, faulted in and unmapped every time.
+        self._burst_exps: torch.Tensor | None = None
         # Per-token buffers, sized once; a step uses their first T entries.
         self._input_ids = torch.zeros(max_num_batched_tokens, dtype=torch.int64)
         self._positions = torch.zeros(max_num_batched_tokens, dtype=torch.int64)
@@ -201,24 +215,74 @@ class ModelRunner:
                 or not self.supports_decode_burst()):
             return False
         states = [batch.slots[int(slot)] for slot in step.slots]
-        if not self._all_plain_greedy(step.slots, states):
+        temps = self._plain_temperatures(step.slots, states)
+        if temps is None:
             return False
         max_steps = bursts[0][0]
+        temperature = exps = None
+        gens: dict[int, torch.Generator] = {}
+        gen_states: dict[int, list[torch.Tensor]] = {}
+        if any(temps):
+            # NOTE: every step's Exp(1) draws are made before the call, at most
+            # BURST_DRAW_BYTES of them (at 64 rows of a 49,152-token vocabulary, 5 steps).
+            max_steps = min(max_steps, BURST_DRAW_BYTES // (4 * n * self.vocab_size))
+            if max_steps < 2:
+                return False
+            gens = self._plain_generators(states, temps)
+            temperature = torch.tensor(temps, dtype=torch.float32)
+            exps, gen_states = self._draw_burst(max_steps, n, gens)
         stop_ids = sorted({t for _, ids in bursts for t in ids})
         # NOTE: every step's tokens must have their blocks: those of the burst's last one.
         num_blocks = self._check_blocks(step, step.starts + max_steps)
         # NOTE: the window only moves on during the burst: blocks freed before it stay unread.
         table = torch.from_numpy(self._block_tables(0, step.slots, step.starts, num_blocks))
-        tokens = self.model.decode_burst(input_ids, positions, self.kv_caches, md, table, bs,
-                                         max_steps, torch.tensor(stop_ids, dtype=torch.int64),
-                                         self.burst_interrupt.flag)
+        try:
+            tokens = self.model.decode_burst(
+                input_ids, positions, self.kv_caches, md, table, bs, max_steps,
+                torch.tensor(stop_ids, dtype=torch.int64), self.burst_interrupt.flag,
+                temperature, exps)
+        except BaseException:
+            self._rewind(gens, gen_states, 0)
+            raise
         if tokens is None:
+            self._rewind(gens, gen_states, 0)
             return False
-        for req_id, slot, row in zip(step.req_ids, step.slots, tokens, strict=True):
+        # NOTE: each seeded row is checkpointed as it stood before the burst's draws, and
+        # left as if it had drawn for the steps that ran only (a stop or an interrupt may
+        # end the burst early): its stream is the one of one step at a time.
+        self._rewind(gens, gen_states, 0)
+        for req_id, slot in zip(step.req_ids, step.slots, strict=True):
             self.generators.checkpoint(req_id, int(batch.num_tokens[slot]))
+        self._rewind(gens, gen_states, len(tokens[0]))
+        for req_id, slot, row in zip(step.req_ids, step.slots, tokens, strict=True):
             batch.extend_tokens(int(slot), row)
             result.sampled_token_ids[req_id] = row
         return True
+
+    def _draw_burst(self, steps: int, rows: int, gens: dict[int, torch.Generator]
+                    ) -> tuple[torch.Tensor, dict[int, list[torch.Tensor]]]:
+        """A burst's Exp(1) draws [steps, rows, V] (a view of a buffer kept between bursts),
+        each step's drawn as `Sampler.plain` draws them, and each seeded row's generator
+        states: before every step's draw and after the last."""
+        need = steps * rows * self.vocab_size
+        if self._burst_exps is None or self._burst_exps.numel() < need:
+            self._burst_exps = torch.empty(need, dtype=torch.float32)
+        exps = self._burst_exps[:need].view(steps, rows, self.vocab_size)
+        states: dict[int, list[torch.Tensor]] = {row: [] for row in gens}
+        for i in range(steps):
+            for row, gen in gens.items():
+                states[row].append(gen.get_state())
+            draw_exponentials(rows, self.vocab_size, gens, exps.device, out=exps[i])
+        for row, gen in gens.items():
+            states[row].append(gen.get_state())
+        return exps, states
+
+    @staticmethod
+    def _rewind(gens: dict[int, torch.Generator], states: dict[int, list[torch.Tensor]],
+                steps: int) -> None:
+        """Each seeded row's generator as it stood after the draws of `steps` steps."""
+        for row, gen in gens.items():
+            gen.set_state(states[row][steps])
 
     def _logit_positions(self, step: StepBatch, plain: np.ndarray,
                          verifying: np.ndarray) -> np.ndarray:
@@ -340,8 +404,15 @@ class ModelRunner:
         states = [batch.slots[s] for s in slots]
         for s, state in zip(slots.tolist(), states):
             self.generators.checkpoint(state.req_id, int(batch.num_tokens[s]))
-        if self._all_plain_greedy(slots, states):
-            self._append_sampled(slots, states, Sampler.greedy(logits).numpy(), result)
+        temps = self._plain_temperatures(slots, states)
+        if temps is not None:
+            if any(temps):
+                tokens = Sampler.plain(
+                    logits, torch.tensor(temps, dtype=torch.float32, device=logits.device),
+                    self._plain_generators(states, temps))
+            else:
+                tokens = Sampler.greedy(logits)
+            self._append_sampled(slots, states, tokens.numpy(), result)
             return
         # NOTE: views into the persistent token array: only rows that use a penalty are
         # ever read in full (by the sampler), no history is copied here.
@@ -357,16 +428,27 @@ class ModelRunner:
         sampled = self.sampler(logits, md)
         self._append_sampled(slots, states, sampled.sampled_token_ids.numpy(), result, sampled)
 
-    def _all_plain_greedy(self, slots: np.ndarray, states: list) -> bool:
-        """Whether every row's token is its logits' argmax (`Sampler.greedy`): greedy with
-        no stage that touches the logits, and past `min_tokens` (no stop token banned)."""
+    def _plain_temperatures(self, slots: np.ndarray, states: list) -> list[float] | None:
+        """Each row's temperature (0: greedy) where every row is `SamplingParams.plain` past
+        its `min_tokens` (no stop token banned): `Sampler.plain`'s rows; else None."""
         batch = self.input_batch
+        temps = []
         for s, state in zip(slots.tolist(), states):
             p = state.sampling_params
             # NOTE: min_tokens as the sampler's ban reads it (its output so far, a view).
-            if not p.plain_greedy or (p.min_tokens and len(batch.output_view(s)) < p.min_tokens):
-                return False
-        return True
+            if not p.plain or (p.min_tokens and len(batch.output_view(s)) < p.min_tokens):
+                return None
+            temps.append(0.0 if p.sampling_type == SamplingType.GREEDY else p.temperature)
+        return temps
+
+    def _plain_generators(self, states: list, temps: list[float]) -> dict[int, torch.Generator]:
+        """The generators of the seeded random rows, by row."""
+        gens = {}
+        for row, (state, t) in enumerate(zip(states, temps)):
+            gen = self.generators.get(state.req_id) if t else None
+            if gen is not None:
+                gens[row] = gen
+        return gens
 
     def _append_sampled(self, slots: np.ndarray, states: list, token_ids: np.ndarray,
                         result: ModelRunnerOutput, sampled: SamplerOutput | None = None) -> None:

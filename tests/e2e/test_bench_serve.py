@@ -66,3 +66,14 @@ def test_save_detailed_needs_an_output_file() -> None:
     args = build_parser().parse_args(["bench", "serve", "--save-detailed"])
     with pytest.raises(ValueError, match="--output-json"):
         serve.run_serve_bench(args)
+
+
+def test_temperature_goes_into_every_request() -> None:
+    """--temperature (default 0, greedy) is every request's; outside [0, 2] it is refused."""
+    parse = build_parser().parse_args
+    _, body = serve._payload(parse(["bench", "serve", "--temperature", "1"]), "m", [1, 2],
+                             None, 5)
+    assert body["temperature"] == 1.0 and body["max_tokens"] == 5
+    assert serve._payload(parse(["bench", "serve"]), "m", [1], None, 5)[1]["temperature"] == 0.0
+    with pytest.raises(SystemExit):
+        parse(["bench", "serve", "--temperature", "3"])

@@ -1,5 +1,6 @@
-"""Decode bursts over HTTP: a bf16 server with bursts (the default) answers greedy
-completions and chats, streamed and not, exactly as one with `--decode-burst 1`; a stream's
+"""Decode bursts over HTTP: a bf16 server with bursts (the default) answers greedy and
+seeded sampled completions and chats, streamed and not, exactly as one with
+`--decode-burst 1`; a stream's
 chunks then carry several tokens; a client that disconnects during a burst leaves no block
 behind."""
 
@@ -20,6 +21,9 @@ REQUESTS = [
     {"prompt": "Once upon a time", "max_tokens": 21, "ignore_eos": True},
     {"prompt": "Once upon a time", "max_tokens": 40, "stop": ["e"]},
     {"prompt": [5, 17, 300, 4000], "max_tokens": 33, "ignore_eos": True},
+    # A seeded request at the OpenAI API's default temperature: sampled bursts.
+    {"prompt": "The lighthouse keeper", "max_tokens": 50, "ignore_eos": True,
+     "temperature": 1.0, "seed": 42},
 ]
 
 
@@ -77,6 +81,8 @@ def test_bursts_answer_as_one_step_at_a_time(servers) -> None:
     # NOTE: 60 tokens alone: after the first, bursts of up to 8 tokens a chunk.
     (_, _, tokens), _, num_chunks = with_bursts[0]
     assert tokens == 60 and num_chunks < tokens / 2
+    (_, _, tokens), _, num_chunks = with_bursts[4]  # the sampled one
+    assert tokens == 50 and num_chunks < tokens / 2
 
 
 def test_disconnect_during_bursts_frees_the_blocks(servers) -> None:

@@ -1,4 +1,5 @@
 """Decode bursts (`decode_burst`, core/scheduler.py): while nothing waits, greedy requests
+(sampled ones: test_decode_burst_sampled.py)
 in decode run several decode steps in one engine step, in one extension call
 (`decoder_decode_burst`), alone or several together. Its tokens
 are those of one step at a time: token ids, text, finish and stop reasons equal with bursts
@@ -225,12 +226,14 @@ def test_declined_burst_gives_its_slots_back(tiny_model, monkeypatch) -> None:
 
 
 def test_no_bursts_where_the_logits_are_touched(tiny_model) -> None:
-    """Sampling, logprobs and penalties see every step's logits: one token a step."""
+    """Logprobs, penalties and min_tokens' bans see every step's logits: one token a step
+    (sampled requests: test_decode_burst_sampled.py)."""
     _needs_kernels(dense=True)
     model = str(tiny_model("LlamaForCausalLM"))
     engine = _engine(model, BURST)
     prompt = _prompts(1, seed=9)[0]
-    for params in (SamplingParams(max_tokens=20, temperature=0.8, seed=1, ignore_eos=True),
+    for params in (SamplingParams(max_tokens=20, temperature=0.8, seed=1, logprobs=0,
+                                  ignore_eos=True),
                    SamplingParams(max_tokens=20, temperature=0, logprobs=1, ignore_eos=True),
                    SamplingParams(max_tokens=20, temperature=0, repetition_penalty=1.3,
                                   ignore_eos=True),
@@ -241,7 +244,8 @@ def test_no_bursts_where_the_logits_are_touched(tiny_model) -> None:
 
 def test_decode_burst_checks_its_block_table(tiny_model) -> None:
     """The extension call refuses a block table that does not hold every step's position,
-    and an interrupt flag that is not one byte."""
+    an interrupt flag that is not one byte, and a sampled burst's temperature without
+    draws or draws for fewer steps."""
     _needs_kernels(dense=True)
     engine = _engine(str(tiny_model("LlamaForCausalLM")), BURST)
     model = engine.executor.worker.model
@@ -253,13 +257,22 @@ def test_decode_burst_checks_its_block_table(tiny_model) -> None:
                            torch.tensor([15]), kv,
                            torch.ones(1, 1, dtype=torch.int64), 16, model.model.norm.weight,
                            1e-5, *model._token_weights(), torch.zeros(0, dtype=torch.int64),
-                           2, None)
+                           2, None, None, None)
     with pytest.raises(RuntimeError, match="interrupt must be a uint8"):
         stack.decode_burst(stack.decode, x, model.rotary.cos, model.rotary.sin,
                            torch.tensor([0]), kv,
                            torch.ones(1, 1, dtype=torch.int64), 16, model.model.norm.weight,
                            1e-5, *model._token_weights(), torch.zeros(0, dtype=torch.int64),
-                           2, torch.zeros(1, dtype=torch.int32))
+                           2, torch.zeros(1, dtype=torch.int32), None, None)
+    vocab = engine.vocab_size
+    for temps, exps, match in ((torch.ones(1), None, "come together"),
+                               (torch.ones(1), torch.ones(1, 1, vocab), "exps must be"),
+                               (torch.ones(1), torch.ones(2, 2, vocab), "exps must be")):
+        with pytest.raises(RuntimeError, match=match):
+            stack.decode_burst(stack.decode, x, model.rotary.cos, model.rotary.sin,
+                               torch.tensor([0]), kv, torch.ones(1, 1, dtype=torch.int64), 16,
+                               model.model.norm.weight, 1e-5, *model._token_weights(),
+                               torch.zeros(0, dtype=torch.int64), 2, None, temps, exps)
 
 
 def test_decode_burst_must_be_positive() -> None:

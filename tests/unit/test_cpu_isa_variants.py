@@ -4,8 +4,8 @@ On an AVX-512 CPU a subprocess builds (or loads from the cache) the `x86-64-v3` 
 both extensions (`PAGODA_CPU_MARCH`, ops/cpu_kernels.py) and runs the kernels on inputs that
 this process wrote with torch.save; its results must equal the native (AVX-512) build's bit
 for bit (quant kernels: q_linear over GGUF and group-quant layouts, i8_linear, dequant_rows;
-fp8_gemv, fp8_dequant; fused ops: add+RMSNorm, SiLU*mul, rotary + plain / int8 / fp8 cache
-writes) and pass the reference checks of the ops' own tests; so must its decode attention's
+fp8_gemv, fp8_dequant; fused ops: add+RMSNorm, SiLU*mul, argmax, the sampler's race, rotary +
+plain / int8 / fp8 cache writes) and pass the reference checks of the ops' own tests; so must its decode attention's
 vector path and its tiled prefill attention (the fp32 paths: float32 q on float32 / bf16 /
 int8 / fp8 caches, and bf16 q, which the native build takes through its dot products where it
 can, so bf16 q is compared with the native fp32 fallback (`set_bf16_dot(False)`) and with the
@@ -152,6 +152,14 @@ def _fused_cases(cases: dict, checks: dict) -> None:
             x[0, [9, 30, 50]] = 9.0  # equal maxima: the first
             x[1, [20, 44]] = float("nan")  # a NaN is the maximum: the first
             cases[f"argmax_rows/{dtype}/{rows}x{n}"] = ("argmax_rows", (x.to(dtype),))
+    for dtype in (torch.float32, torch.bfloat16):
+        for rows, n in ((3, 53), (64, 49152), (5, 7)):  # tails of 5; the parallel path
+            g = torch.Generator().manual_seed(n + 1)
+            x = 4 * torch.randn(rows, n, generator=g)
+            t = 0.1 + 1.9 * torch.rand(rows, generator=g)
+            t[0] = 0.0  # a greedy row
+            e = torch.empty(rows, n).exponential_(generator=g)
+            cases[f"race_rows/{dtype}/{rows}x{n}"] = ("race_rows", (x.to(dtype), t, e))
     for dtype in (torch.bfloat16, torch.float16):
         for head_dim in (64, 48, 20):  # half 32, 24 (a 16-lane tail of 8), 10
             qkv, cos, sin, pos, slots, k_cache, v_cache = fused_tests._rotary_case(
@@ -287,7 +295,7 @@ def _run(ext, qext, kernel: str, args: tuple) -> tuple[torch.Tensor, ...]:
         out = args[0].clone()
         qext.dequant_rows(out, *args[1:])
         return (out,)
-    if kernel in ("silu_and_mul", "argmax_rows"):
+    if kernel in ("silu_and_mul", "argmax_rows", "race_rows"):
         return (getattr(ext, kernel)(*args),)
     if kernel == "add_rms_norm":
         x, res = args[0].clone(), args[1].clone()
@@ -424,7 +432,8 @@ def test_quant_kernels_bit_identical(runs) -> None:
 
 
 def test_fused_ops_bit_identical(runs) -> None:
-    _bit_identical(runs, ("add_rms_norm/", "silu_and_mul/", "rotary/", "argmax_rows/"))
+    _bit_identical(runs, ("add_rms_norm/", "silu_and_mul/", "rotary/", "argmax_rows/",
+                          "race_rows/"))
 
 
 def test_decode_attention_bit_identical(runs) -> None:
@@ -539,6 +548,8 @@ def test_fused_ops_match_reference(runs) -> None:
             _check_rotary(name, args, out[name])
         elif kernel == "argmax_rows":
             assert torch.equal(out[name][0], args[0].float().argmax(dim=-1)), name
+        elif kernel == "race_rows":
+            assert torch.equal(out[name][0], reference.race_rows(*args)), name
 
 
 def _check_rotary(name: str, args: tuple, got: tuple) -> None:

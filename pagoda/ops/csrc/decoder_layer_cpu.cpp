@@ -405,12 +405,15 @@ at::Tensor embed_rows(const Weight& table, const at::Tensor& ids, int64_t hidden
   return out;
 }
 
-// Up to `max_steps` greedy decode steps of B requests in one call: per step the stack
-// (decoder_decode_stack), the final add + RMSNorm, the head's product and each row's first
-// maximum, then the chosen tokens' embeddings are the next step's input. The same kernels
-// on the same tensors as a step through the engine (the model's forward, compute_logits,
-// Sampler.greedy, the embedding's lookup), so the same tokens; what a step saves is the
-// engine's and the runner's host work, which at a few tokens a step runs on cold caches.
+// Up to `max_steps` decode steps of B requests in one call: per step the stack
+// (decoder_decode_stack), the final add + RMSNorm, the head's product and each row's token
+// (its first maximum; with `temperature` [B] float32 and `exps` [>= max_steps, B, V] float32,
+// the exponential race of race_rows with step i's draws exps[i], temperature 0 a greedy
+// row), then the chosen tokens' embeddings are the next step's input. The same kernels on
+// the same tensors as a step through the engine (the model's forward, compute_logits,
+// Sampler.greedy or Sampler.plain, the embedding's lookup), so the same tokens; what a step
+// saves is the engine's and the runner's host work, which at a few tokens a step runs on
+// cold caches.
 // x: the first tokens' embeddings [B, hidden] bf16 (the caller's lookup); pos0 [B] int64:
 // their positions; block_table [B, M] int64: the requests' blocks, row b covering
 // pos0[b] + max_steps - 1; stop_ids: tokens that end a request (after a step in which any
@@ -427,7 +430,9 @@ torch::Tensor decoder_decode_burst(const DecoderStack& s, const torch::Tensor& x
                                    const torch::Tensor& norm_w, double norm_eps,
                                    const Weight& head, const Weight& embed,
                                    const torch::Tensor& stop_ids, int64_t max_steps,
-                                   const std::optional<torch::Tensor>& interrupt) {
+                                   const std::optional<torch::Tensor>& interrupt,
+                                   const std::optional<torch::Tensor>& temperature,
+                                   const std::optional<torch::Tensor>& exps) {
   const int64_t hidden = s.layers[0].input_norm.size(0);
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(0) >= 1 &&
                   x.size(1) == hidden,
@@ -457,6 +462,15 @@ torch::Tensor decoder_decode_burst(const DecoderStack& s, const torch::Tensor& x
                   (interrupt->scalar_type() == at::kByte && interrupt->numel() == 1 &&
                    interrupt->device().is_cpu()),
               "decoder_decode_burst: interrupt must be a uint8 [1] CPU tensor");
+  TORCH_CHECK(temperature.has_value() == exps.has_value(),
+              "decoder_decode_burst: temperature and exps come together");
+  if (exps.has_value()) {
+    TORCH_CHECK(exps->scalar_type() == at::kFloat && exps->dim() == 3 &&
+                    exps->size(0) >= max_steps && exps->size(1) == rows &&
+                    exps->is_contiguous(),
+                "decoder_decode_burst: exps must be contiguous float32 [>= ", max_steps, ", ",
+                rows, ", V]");
+  }
   // NOTE: read with an atomic load: another thread writes the byte while this call runs.
   const uint8_t* flag = interrupt.has_value() ? interrupt->data_ptr<uint8_t>() : nullptr;
   if (const auto* dense = std::get_if<torch::Tensor>(&embed)) {
@@ -485,7 +499,10 @@ torch::Tensor decoder_decode_burst(const DecoderStack& s, const torch::Tensor& x
     auto out = decoder_decode_stack(s, residual, residual, cos, sin, positions, kv, slots,
                                     block_table, seq_lens);
     pagoda_fused::fused_add_rms_norm(out, residual, norm_w, norm_eps);
-    const auto chosen = pagoda_fused::argmax_rows(project(out, head, std::nullopt));
+    const auto logits = project(out, head, std::nullopt);
+    const auto chosen = exps.has_value()
+                            ? pagoda_fused::race_rows(logits, temperature, exps->select(0, i))
+                            : pagoda_fused::argmax_rows(logits);
     const int64_t* c = chosen.data_ptr<int64_t>();
     bool stop = false;
     for (int64_t b = 0; b < rows; ++b) {
@@ -569,7 +586,7 @@ void register_decoder_layer(pybind11::module& m) {
         "a decode-only step's layers, attention included, in one call; returns the last "
         "layer's output (residual updated in place)");
   m.def("decoder_decode_burst", &pagoda_layer::decoder_decode_burst, release(),
-        "up to max_steps greedy decode steps of B requests (stack, final norm, head, "
-        "argmax, the next tokens' embeddings), none started once `interrupt` is raised "
-        "or after a stop token; returns the tokens chosen [steps, B]");
+        "up to max_steps decode steps of B requests (stack, final norm, head, argmax or "
+        "the race with the drawn exps, the next tokens' embeddings), none started once "
+        "`interrupt` is raised or after a stop token; returns the tokens chosen [steps, B]");
 }

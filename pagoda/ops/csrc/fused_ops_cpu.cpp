@@ -413,13 +413,13 @@ inline float hmax(VecF v) {
 
 // The index of the first maximum of x[0, n), as torch.argmax picks it: a NaN is the maximum
 // (the first NaN wins); among equal values (-0 and +0 included) the first.
+// The maximum of x[0, n) but its NaNs, which set `nan` (max_ps drops them).
 template <typename T>
-int64_t row_argmax(const T* x, int64_t n) {
+float row_max(const T* x, int64_t n, bool& nan) {
   int64_t i = 0;
   float best = -std::numeric_limits<float>::infinity();
-  bool nan = false;
+  nan = false;
 #if defined(PAGODA_FUSED_VEC)
-  // One pass for the maximum (NaNs noted apart: max_ps drops them), one for its first place.
   const int64_t full = n / kLanes * kLanes;
   if (full > 0) {
     VecF m = vset1<VecF>(best);
@@ -436,6 +436,14 @@ int64_t row_argmax(const T* x, int64_t n) {
     nan = nan || std::isnan(v);
     best = std::max(best, v);
   }
+  return best;
+}
+
+template <typename T>
+int64_t row_argmax(const T* x, int64_t n) {
+  // One pass for the maximum, one for its first place.
+  bool nan = false;
+  const float best = row_max(x, n, nan);
   if (nan) {
     for (int64_t j = 0; j < n; ++j) {
       if (std::isnan(to_f(x[j]))) return j;
@@ -478,6 +486,94 @@ torch::Tensor argmax_rows(torch::Tensor x) {
   return out;
 }
 
+// Row r's token of the exponential race (layers/sampler.py: race_sample): the first maximum
+// over i of exp(x_i - max x) / e_i, x = logits / t (a rounded division, as torch's div):
+// with e_i i.i.d. Exp(1) draws, token i wins with probability softmax(x)_i. t == 0 takes the
+// logits' first maximum (a greedy row); so does a row with a NaN (its first NaN, as argmax)
+// or an infinite maximum. Every element goes through the same vector code (a tail as one
+// padded block), so the AVX-512 and AVX2 builds pick the same tokens.
+template <typename T>
+int64_t row_race(const T* l, const float* e, int64_t n, float t, std::vector<float>& score) {
+  if (t == 0.0f) return row_argmax(l, n);
+  bool nan = false;
+  const float best = row_max(l, n, nan);
+  if (nan || std::isinf(best)) return row_argmax(l, n);
+  // NOTE: rounding is monotonic, so max(l) / t is the maximum of the rounded quotients.
+  const float m = best / t;
+  // NOTE: exp of the clamped difference is 0 in float below -104; the clamp keeps -inf
+  // (a masked token) out of the polynomial, where it would give NaN.
+  constexpr float kFloor = -127.0f;
+  score.resize(n);
+  int64_t i = 0;
+#if defined(PAGODA_FUSED_VEC)
+  const VecF vt = vset1<VecF>(t), vm = vset1<VecF>(m), floor = vset1<VecF>(kFloor);
+  auto block = [&](VecF x, VecF ev) {
+    return vdiv(vexp(vmax(vsub(vdiv(x, vt), vm), floor)), ev);
+  };
+  for (; i + kLanes <= n; i += kLanes) {
+    pagoda_vec::vstore(score.data() + i, block(vload_full(l + i), pagoda_vec::vload<VecF>(e + i)));
+  }
+  if (i < n) {
+    alignas(64) float lt[kLanes], et[kLanes], st[kLanes];
+    for (int64_t k = 0; k < kLanes; ++k) {
+      lt[k] = i + k < n ? to_f(l[i + k]) : -std::numeric_limits<float>::infinity();
+      et[k] = i + k < n ? e[i + k] : 1.0f;
+    }
+    pagoda_vec::vstore(st, block(pagoda_vec::vload<VecF>(lt), pagoda_vec::vload<VecF>(et)));
+    std::memcpy(score.data() + i, st, (n - i) * sizeof(float));
+  }
+#else
+  for (; i < n; ++i) score[i] = std::exp(std::max(to_f(l[i]) / t - m, kFloor)) / e[i];
+#endif
+  return row_argmax(score.data(), n);
+}
+
+template <typename T>
+void race_rows_impl(const T* l, const float* t, const float* e, int64_t rows, int64_t n,
+                    int64_t* out) {
+#pragma omp parallel for if (rows * n >= 8 * kParallelGrain) schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    // NOTE: per thread, kept: a vocabulary's scores (~200 KB) would otherwise be mapped
+    // and unmapped by the allocator at every call.
+    thread_local std::vector<float> score;
+    out[r] = row_race(l + r * n, e + r * n, n, t == nullptr ? 1.0f : t[r], score);
+  }
+}
+
+torch::Tensor race_rows(torch::Tensor logits, std::optional<torch::Tensor> temperature,
+                        torch::Tensor exps) {
+  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.size(1) > 0,
+              "race_rows: logits must be a contiguous [rows, n] matrix with n > 0");
+  const auto dtype = logits.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
+              "race_rows: logits must be float32, bfloat16 or float16");
+  TORCH_CHECK(exps.scalar_type() == at::kFloat && exps.sizes() == logits.sizes() &&
+                  exps.is_contiguous(),
+              "race_rows: exps must be contiguous float32 of the logits' shape");
+  const float* t = nullptr;
+  if (temperature.has_value()) {
+    TORCH_CHECK(temperature->scalar_type() == at::kFloat && temperature->dim() == 1 &&
+                    temperature->size(0) == logits.size(0) && temperature->is_contiguous(),
+                "race_rows: temperature must be a contiguous float32 [rows]");
+    t = temperature->data_ptr<float>();
+    for (int64_t r = 0; r < logits.size(0); ++r) {
+      TORCH_CHECK(t[r] >= 0.0f && std::isfinite(t[r]),
+                  "race_rows: temperature must be finite and non-negative, got ", t[r]);
+    }
+  }
+  auto out = torch::empty({logits.size(0)}, logits.options().dtype(at::kLong));
+  int64_t* o = out.data_ptr<int64_t>();
+  const float* ep = exps.data_ptr<float>();
+  if (dtype == at::kFloat) {
+    race_rows_impl(logits.data_ptr<float>(), t, ep, logits.size(0), logits.size(1), o);
+  } else if (dtype == at::kBFloat16) {
+    race_rows_impl(logits.data_ptr<at::BFloat16>(), t, ep, logits.size(0), logits.size(1), o);
+  } else {
+    race_rows_impl(logits.data_ptr<at::Half>(), t, ep, logits.size(0), logits.size(1), o);
+  }
+  return out;
+}
+
 }  // namespace pagoda_fused
 
 std::vector<std::string> fused_ops_isa() {
@@ -512,4 +608,8 @@ void register_fused_ops(pybind11::module& m) {
   m.def("silu_and_mul", &pagoda_fused::silu_and_mul, "[gate | up] -> silu(gate) * up");
   m.def("argmax_rows", &pagoda_fused::argmax_rows,
         "int64 [rows]: each row's first maximum, as torch.argmax (NaN the maximum)");
+  m.def("race_rows", &pagoda_fused::race_rows,
+        "int64 [rows]: each row's token of the exponential race over softmax(logits / t) "
+        "with the Exp(1) draws `exps` (t 0: the first maximum; no t: 1)",
+        pybind11::arg("logits"), pybind11::arg("temperature"), pybind11::arg("exps"));
 }

@@ -23,6 +23,11 @@ torch::Tensor silu_and_mul(torch::Tensor x);
 // Each row's first maximum (int64 [rows]): the greedy token of a row of logits.
 torch::Tensor argmax_rows(torch::Tensor x);
 
+// Each row's token of the exponential race over softmax(logits / temperature) with the
+// Exp(1) draws `exps` [rows, n] (temperature 0: the first maximum; none: 1).
+torch::Tensor race_rows(torch::Tensor logits, std::optional<torch::Tensor> temperature,
+                        torch::Tensor exps);
+
 // Where rotary_and_cache writes: plain caches of T, or codes (int8 / fp8 bits) and scales.
 struct CacheDst {
   void* k;
