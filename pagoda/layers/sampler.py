@@ -386,17 +386,18 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> None:
 
 
 def draw_exponentials(batch: int, vocab: int, generators: Mapping[int, torch.Generator],
-                      device: torch.device, out: torch.Tensor | None = None) -> torch.Tensor:
+                      device: torch.device, out: torch.Tensor | None = None,
+                      unseeded: bool = True) -> torch.Tensor:
     """E ~ Exp(1), [batch, vocab] float32 (into `out` if given) for the exponential race.
 
     Rows in `generators` draw their own vector from their generator (on its device), one
     vocabulary-size uniform vector per call, turned into E as a vector of its own: the
     values depend on the generator's state only, not on the batch's shape or device (CPU
     generators serve accelerator batches), nor on whether a decode burst drew them ahead.
-    The other rows share one unseeded draw.
+    The other rows share one unseeded draw (`unseeded` False: they are left unset).
     """
     e = torch.empty(batch, vocab, dtype=torch.float32, device=device) if out is None else out
-    if len(generators) < batch:
+    if unseeded and len(generators) < batch:
         _to_exponential(e.uniform_())
     for row, gen in generators.items():
         draw = torch.rand(vocab, generator=gen, dtype=torch.float32, device=gen.device)
@@ -414,11 +415,28 @@ def _to_exponential(u: torch.Tensor) -> torch.Tensor:
 def race_sample(logits: torch.Tensor, temperature: torch.Tensor | None,
                 generators: Mapping[int, torch.Generator]) -> torch.Tensor:
     """One token per row of `logits` [B, V] by the exponential race over
-    softmax(logits / temperature) (`ops.race_rows`; temperature None: 1, 0: greedy), with
-    `draw_exponentials`' E."""
+    softmax(logits / temperature) (`ops.race_rows`; temperature None: 1, 0: greedy): a
+    seeded row with `draw_exponentials`' E from its generator, the others with the draws
+    the kernel makes from `race_seeds`."""
     batch, vocab = logits.shape
-    exps = draw_exponentials(batch, vocab, generators, logits.device)
-    return ops.race_rows(logits.contiguous(), temperature, exps)
+    exps = draw_exponentials(batch, vocab, generators, logits.device,
+                             unseeded=False) if generators else None
+    return ops.race_rows(logits.contiguous(), temperature, exps,
+                         race_seeds(1, batch, generators)[0])
+
+
+def race_seeds(steps: int, batch: int, generators: Mapping[int, torch.Generator]
+               ) -> torch.Tensor:
+    """int64 [steps, batch] (CPU): per step a fresh seed from torch's default generator (so
+    `torch.manual_seed` repeats it) for every row not in `generators`, whose draws the race's
+    kernel then makes itself (a counter hash: no vocabulary-size vector of torch uniforms and
+    their logs); -1 for the rows in `generators`, which bring their own E."""
+    if len(generators) == batch:
+        return torch.full((steps, batch), -1, dtype=torch.int64)
+    seeds = torch.randint(0, 2**62, (steps, 1), dtype=torch.int64).repeat(1, batch)
+    for row in generators:
+        seeds[:, row] = -1
+    return seeds
 
 
 def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:

@@ -6,9 +6,10 @@ with a plain PyTorch reference (reference.py) that runs on any device.
   silu_and_mul(x)                                 -> silu(gate) * up of x = [gate | up]
   argmax_rows(x)                                  -> int64 [rows]: each row's first maximum
                                                      (the sampler's greedy pick)
-  race_rows(logits, temperature, exps)            -> int64 [rows]: each row's token of the
+  race_rows(logits, temperature, exps, seeds)     -> int64 [rows]: each row's token of the
                                                      exponential race (the sampler's random
-                                                     pick; temperature 0: greedy)
+                                                     pick; temperature 0: greedy) with the
+                                                     draws exps, or a row's own from its seed
   rotary_and_cache(qkv, cos, sin, positions,      rotates q, k of qkv in place and writes
                    k_cache, v_cache, slot_mapping, k, v into their slots
                    num_heads, num_kv_heads)

@@ -68,14 +68,14 @@ def _argmax_supports(x: torch.Tensor) -> bool:
 
 
 def _race_rows(ext: ModuleType, logits: torch.Tensor, temperature: torch.Tensor | None,
-               exps: torch.Tensor) -> torch.Tensor:
-    return ext.race_rows(logits, temperature, exps)
+               exps: torch.Tensor | None, seeds: torch.Tensor | None = None) -> torch.Tensor:
+    return ext.race_rows(logits, temperature, exps, seeds)
 
 
 def _race_supports(logits: torch.Tensor, temperature: torch.Tensor | None,
-                   exps: torch.Tensor) -> bool:
+                   exps: torch.Tensor | None, seeds: torch.Tensor | None = None) -> bool:
     # NOTE: the kernel checks the shapes and dtypes itself (a clear error, not a fallback).
-    return _argmax_supports(logits) and exps.device.type == "cpu"
+    return _argmax_supports(logits) and (exps is None or exps.device.type == "cpu")
 
 
 def _rotary_and_cache(ext: ModuleType, *args) -> None:

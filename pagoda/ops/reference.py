@@ -41,18 +41,25 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def race_rows(logits: torch.Tensor, temperature: torch.Tensor | None,
-              exps: torch.Tensor) -> torch.Tensor:
+              exps: torch.Tensor | None, seeds: torch.Tensor | None = None) -> torch.Tensor:
     """int64 [rows]: each row's token of the exponential race, the first maximum of
-    softmax(x) / exps with x = logits / temperature (none: 1) and exps [rows, n] Exp(1)
-    draws: token i with probability softmax(x)_i. A row of temperature 0 takes its logits'
-    first maximum. (The CPU kernel computes exp(x - max x) / exps, the unnormalised
-    probabilities: the same distribution, other roundings.)"""
+    softmax(x) / E with x = logits / temperature (none: 1) and E [rows, n] Exp(1) draws:
+    token i with probability softmax(x)_i. E is `exps`, except for the rows whose `seeds`
+    entry is >= 0 (all rows where `exps` is None), which draw their own. A row of
+    temperature 0 takes its logits' first maximum. (The CPU kernel computes
+    exp(x - max x) / E, the unnormalised probabilities: the same distribution, other
+    roundings; its own draws come from a counter hash of the seed, these from torch's
+    generator.)"""
     x = logits.float()
+    e = torch.empty_like(x).exponential_() if exps is None else exps
+    if seeds is not None and exps is not None:
+        own = (seeds >= 0).to(x.device)
+        e = torch.where(own.unsqueeze(1), torch.empty_like(x).exponential_(), exps)
     if temperature is None:
-        return argmax_rows(x.softmax(dim=-1) / exps)
+        return argmax_rows(x.softmax(dim=-1) / e)
     greedy = temperature == 0
     x = x / torch.where(greedy, 1.0, temperature).unsqueeze(1)
-    return torch.where(greedy, argmax_rows(logits), argmax_rows(x.softmax(dim=-1) / exps))
+    return torch.where(greedy, argmax_rows(logits), argmax_rows(x.softmax(dim=-1) / e))
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

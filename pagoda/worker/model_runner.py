@@ -34,6 +34,7 @@ from pagoda.layers.sampler import (
     SamplingMetadata,
     compute_topk_logprobs,
     draw_exponentials,
+    race_seeds,
 )
 from pagoda.sampling_params import SamplingType
 from pagoda.spec_decode.proposer import Proposer
@@ -219,17 +220,19 @@ class ModelRunner:
         if temps is None:
             return False
         max_steps = bursts[0][0]
-        temperature = exps = None
+        temperature = exps = seeds = None
         gens: dict[int, torch.Generator] = {}
         gen_states: dict[int, list[torch.Tensor]] = {}
         if any(temps):
-            # NOTE: every step's Exp(1) draws are made before the call, at most
-            # BURST_DRAW_BYTES of them (at 64 rows of a 49,152-token vocabulary, 5 steps).
-            max_steps = min(max_steps, BURST_DRAW_BYTES // (4 * n * self.vocab_size))
-            if max_steps < 2:
-                return False
             gens = self._plain_generators(states, temps)
+            if gens:
+                # NOTE: seeded rows' Exp(1) draws are made before the call, at most
+                # BURST_DRAW_BYTES of them (at 64 rows of a 49,152-token vocabulary, 5 steps).
+                max_steps = min(max_steps, BURST_DRAW_BYTES // (4 * n * self.vocab_size))
+                if max_steps < 2:
+                    return False
             temperature = torch.tensor(temps, dtype=torch.float32)
+            seeds = race_seeds(max_steps, n, gens)
             exps, gen_states = self._draw_burst(max_steps, n, gens)
         stop_ids = sorted({t for _, ids in bursts for t in ids})
         # NOTE: every step's tokens must have their blocks: those of the burst's last one.
@@ -240,7 +243,7 @@ class ModelRunner:
             tokens = self.model.decode_burst(
                 input_ids, positions, self.kv_caches, md, table, bs, max_steps,
                 torch.tensor(stop_ids, dtype=torch.int64), self.burst_interrupt.flag,
-                temperature, exps)
+                temperature, exps, seeds)
         except BaseException:
             self._rewind(gens, gen_states, 0)
             raise
@@ -260,10 +263,13 @@ class ModelRunner:
         return True
 
     def _draw_burst(self, steps: int, rows: int, gens: dict[int, torch.Generator]
-                    ) -> tuple[torch.Tensor, dict[int, list[torch.Tensor]]]:
-        """A burst's Exp(1) draws [steps, rows, V] (a view of a buffer kept between bursts),
-        each step's drawn as `Sampler.plain` draws them, and each seeded row's generator
-        states: before every step's draw and after the last."""
+                    ) -> tuple[torch.Tensor | None, dict[int, list[torch.Tensor]]]:
+        """The seeded rows' Exp(1) draws of a burst [steps, rows, V] (a view of a buffer
+        kept between bursts; None without seeded rows), each step's drawn as `Sampler.plain`
+        draws them, and each seeded row's generator states: before every step's draw and
+        after the last."""
+        if not gens:
+            return None, {}
         need = steps * rows * self.vocab_size
         if self._burst_exps is None or self._burst_exps.numel() < need:
             self._burst_exps = torch.empty(need, dtype=torch.float32)
@@ -272,7 +278,8 @@ class ModelRunner:
         for i in range(steps):
             for row, gen in gens.items():
                 states[row].append(gen.get_state())
-            draw_exponentials(rows, self.vocab_size, gens, exps.device, out=exps[i])
+            draw_exponentials(rows, self.vocab_size, gens, exps.device, out=exps[i],
+                              unseeded=False)
         for row, gen in gens.items():
             states[row].append(gen.get_state())
         return exps, states

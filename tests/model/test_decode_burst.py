@@ -257,22 +257,26 @@ def test_decode_burst_checks_its_block_table(tiny_model) -> None:
                            torch.tensor([15]), kv,
                            torch.ones(1, 1, dtype=torch.int64), 16, model.model.norm.weight,
                            1e-5, *model._token_weights(), torch.zeros(0, dtype=torch.int64),
-                           2, None, None, None)
+                           2, None, None, None, None)
     with pytest.raises(RuntimeError, match="interrupt must be a uint8"):
         stack.decode_burst(stack.decode, x, model.rotary.cos, model.rotary.sin,
                            torch.tensor([0]), kv,
                            torch.ones(1, 1, dtype=torch.int64), 16, model.model.norm.weight,
                            1e-5, *model._token_weights(), torch.zeros(0, dtype=torch.int64),
-                           2, torch.zeros(1, dtype=torch.int32), None, None)
+                           2, torch.zeros(1, dtype=torch.int32), None, None, None)
     vocab = engine.vocab_size
-    for temps, exps, match in ((torch.ones(1), None, "come together"),
-                               (torch.ones(1), torch.ones(1, 1, vocab), "exps must be"),
-                               (torch.ones(1), torch.ones(2, 2, vocab), "exps must be")):
+    two_steps = torch.zeros(2, 1, dtype=torch.int64)
+    for temps, exps, seeds, match in (
+            (torch.ones(1), None, None, "temperature comes with exps or seeds"),
+            (None, None, two_steps, "temperature comes with exps or seeds"),
+            (torch.ones(1), torch.ones(1, 1, vocab), None, "exps must be"),
+            (torch.ones(1), torch.ones(2, 2, vocab), None, "exps must be"),
+            (torch.ones(1), None, two_steps[:1], "seeds must be")):
         with pytest.raises(RuntimeError, match=match):
             stack.decode_burst(stack.decode, x, model.rotary.cos, model.rotary.sin,
                                torch.tensor([0]), kv, torch.ones(1, 1, dtype=torch.int64), 16,
                                model.model.norm.weight, 1e-5, *model._token_weights(),
-                               torch.zeros(0, dtype=torch.int64), 2, None, temps, exps)
+                               torch.zeros(0, dtype=torch.int64), 2, None, temps, exps, seeds)
 
 
 def test_decode_burst_must_be_positive() -> None:

@@ -160,6 +160,10 @@ def _fused_cases(cases: dict, checks: dict) -> None:
             t[0] = 0.0  # a greedy row
             e = torch.empty(rows, n).exponential_(generator=g)
             cases[f"race_rows/{dtype}/{rows}x{n}"] = ("race_rows", (x.to(dtype), t, e))
+            # The kernel's own draws (a counter hash and a log polynomial, every lane alike).
+            seeds = torch.arange(rows, dtype=torch.int64) * 7919 + n
+            cases[f"race_rows/own/{dtype}/{rows}x{n}"] = (
+                "race_rows", (x.to(dtype), t, None, seeds))
     for dtype in (torch.bfloat16, torch.float16):
         for head_dim in (64, 48, 20):  # half 32, 24 (a 16-lane tail of 8), 10
             qkv, cos, sin, pos, slots, k_cache, v_cache = fused_tests._rotary_case(
@@ -548,6 +552,8 @@ def test_fused_ops_match_reference(runs) -> None:
             _check_rotary(name, args, out[name])
         elif kernel == "argmax_rows":
             assert torch.equal(out[name][0], args[0].float().argmax(dim=-1)), name
+        elif kernel == "race_rows" and args[2] is None:  # own draws: greedy row 0 only
+            assert out[name][0][0] == args[0][0].float().argmax(), name
         elif kernel == "race_rows":
             assert torch.equal(out[name][0], reference.race_rows(*args)), name
 

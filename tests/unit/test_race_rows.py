@@ -130,3 +130,54 @@ def test_plain_sampler_picks_what_the_full_sampler_does(ext) -> None:
             plain = Sampler.plain(logits, temps, {0: gens_b[0], 2: gens_b[2]})
             assert full[[0, 1, 2]].tolist() == plain[[0, 1, 2]].tolist()
             assert plain[1] == logits[1].float().argmax()
+
+
+def test_own_draws_follow_the_softmax(ext) -> None:
+    """Rows that draw their own E (a seed >= 0): each row's draws differ (the row index is
+    in the key), and the tokens' shares follow softmax(logits / t) within 5 standard errors."""
+    draws, logits = 40_000, torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
+    for t, seed in ((0.7, 1), (1.6, 2**62 - 1)):
+        want = torch.softmax(logits.double() / t, dim=0)
+        rows = logits.expand(draws, -1).contiguous()
+        got = ext.race_rows(rows, torch.full((draws,), t), None,
+                            torch.full((draws,), seed, dtype=torch.int64))
+        share = torch.bincount(got, minlength=6).double() / draws
+        err = (want * (1 - want) / draws).sqrt()
+        assert ((share - want).abs() <= 5 * err + 1e-4).all(), (t, share, want)
+
+
+def test_own_draws_are_uniform_over_a_flat_row(ext) -> None:
+    """Flat logits over 64 tokens at every element offset of a vector: a chi-square of the
+    picks under 130 (df 63: p < 1e-6 for a uniform source), for tails too."""
+    for n in (64, 61):
+        draws = 64_000
+        got = ext.race_rows(torch.zeros(draws, n), None, None,
+                            torch.full((draws,), 12345, dtype=torch.int64))
+        counts = torch.bincount(got, minlength=n).double()
+        expected = draws / n
+        assert ((counts - expected) ** 2 / expected).sum() < 130 + 2 * (n - 64)
+
+
+def test_own_draws_repeat_with_their_seed(ext) -> None:
+    logits, temps, exps = _case(64, 1000, 7)
+    seeds = torch.full((64,), 99, dtype=torch.int64)
+    first = ext.race_rows(logits, temps, None, seeds)
+    assert torch.equal(first, ext.race_rows(logits, temps, None, seeds.clone()))
+    other = ext.race_rows(logits, temps, None, torch.full((64,), 100, dtype=torch.int64))
+    assert (first != other).sum() > 32
+    # A row of seed -1 takes `exps`, the others their own draws.
+    mixed = seeds.clone()
+    mixed[[3, 10]] = -1
+    got = ext.race_rows(logits, temps, exps, mixed)
+    assert torch.equal(got[[3, 10]], ext.race_rows(logits, temps, exps)[[3, 10]])
+    keep = torch.ones(64, dtype=torch.bool)
+    keep[[3, 10]] = False
+    assert torch.equal(got[keep], first[keep])
+
+
+def test_own_draws_refuse_bad_seeds(ext) -> None:
+    logits, temps, _ = _case(3, 10, 8)
+    with pytest.raises(RuntimeError, match="row 1 has neither exps nor a seed"):
+        ext.race_rows(logits, temps, None, torch.tensor([0, -1, 5]))
+    with pytest.raises(RuntimeError, match="seeds must be a contiguous int64"):
+        ext.race_rows(logits, temps, None, torch.tensor([0, 1]))

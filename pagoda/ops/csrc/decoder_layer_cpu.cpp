@@ -407,9 +407,10 @@ at::Tensor embed_rows(const Weight& table, const at::Tensor& ids, int64_t hidden
 
 // Up to `max_steps` decode steps of B requests in one call: per step the stack
 // (decoder_decode_stack), the final add + RMSNorm, the head's product and each row's token
-// (its first maximum; with `temperature` [B] float32 and `exps` [>= max_steps, B, V] float32,
-// the exponential race of race_rows with step i's draws exps[i], temperature 0 a greedy
-// row), then the chosen tokens' embeddings are the next step's input. The same kernels on
+// (its first maximum; with `temperature` [B] float32, the exponential race of race_rows with
+// step i's draws: exps[i] of `exps` [>= max_steps, B, V] float32, or for a row whose
+// seeds[i][row] of `seeds` [>= max_steps, B] int64 is >= 0 the kernel's own draws from it;
+// temperature 0 a greedy row), then the chosen tokens' embeddings are the next step's input. The same kernels on
 // the same tensors as a step through the engine (the model's forward, compute_logits,
 // Sampler.greedy or Sampler.plain, the embedding's lookup), so the same tokens; what a step
 // saves is the engine's and the runner's host work, which at a few tokens a step runs on
@@ -432,7 +433,8 @@ torch::Tensor decoder_decode_burst(const DecoderStack& s, const torch::Tensor& x
                                    const torch::Tensor& stop_ids, int64_t max_steps,
                                    const std::optional<torch::Tensor>& interrupt,
                                    const std::optional<torch::Tensor>& temperature,
-                                   const std::optional<torch::Tensor>& exps) {
+                                   const std::optional<torch::Tensor>& exps,
+                                   const std::optional<torch::Tensor>& seeds) {
   const int64_t hidden = s.layers[0].input_norm.size(0);
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(0) >= 1 &&
                   x.size(1) == hidden,
@@ -462,8 +464,15 @@ torch::Tensor decoder_decode_burst(const DecoderStack& s, const torch::Tensor& x
                   (interrupt->scalar_type() == at::kByte && interrupt->numel() == 1 &&
                    interrupt->device().is_cpu()),
               "decoder_decode_burst: interrupt must be a uint8 [1] CPU tensor");
-  TORCH_CHECK(temperature.has_value() == exps.has_value(),
-              "decoder_decode_burst: temperature and exps come together");
+  TORCH_CHECK(temperature.has_value() == (exps.has_value() || seeds.has_value()),
+              "decoder_decode_burst: temperature comes with exps or seeds");
+  if (seeds.has_value()) {
+    TORCH_CHECK(seeds->scalar_type() == at::kLong && seeds->dim() == 2 &&
+                    seeds->size(0) >= max_steps && seeds->size(1) == rows &&
+                    seeds->is_contiguous(),
+                "decoder_decode_burst: seeds must be contiguous int64 [>= ", max_steps, ", ",
+                rows, "]");
+  }
   if (exps.has_value()) {
     TORCH_CHECK(exps->scalar_type() == at::kFloat && exps->dim() == 3 &&
                     exps->size(0) >= max_steps && exps->size(1) == rows &&
@@ -500,9 +509,15 @@ torch::Tensor decoder_decode_burst(const DecoderStack& s, const torch::Tensor& x
                                     block_table, seq_lens);
     pagoda_fused::fused_add_rms_norm(out, residual, norm_w, norm_eps);
     const auto logits = project(out, head, std::nullopt);
-    const auto chosen = exps.has_value()
-                            ? pagoda_fused::race_rows(logits, temperature, exps->select(0, i))
-                            : pagoda_fused::argmax_rows(logits);
+    const auto chosen =
+        temperature.has_value()
+            ? pagoda_fused::race_rows(
+                  logits, temperature,
+                  exps.has_value() ? std::optional<torch::Tensor>(exps->select(0, i))
+                                   : std::nullopt,
+                  seeds.has_value() ? std::optional<torch::Tensor>(seeds->select(0, i))
+                                    : std::nullopt)
+            : pagoda_fused::argmax_rows(logits);
     const int64_t* c = chosen.data_ptr<int64_t>();
     bool stop = false;
     for (int64_t b = 0; b < rows; ++b) {

@@ -486,14 +486,135 @@ torch::Tensor argmax_rows(torch::Tensor x) {
   return out;
 }
 
+// A row's in-kernel Exp(1) draws (race_rows with a seed): element i's uniform is a counter
+// hash of i keyed by the row's (seed, row) through splitmix64, two rounds of lowbias32
+// (C. Wellons' 32-bit integer mixer); u = its top 24 bits * 2^-24 in [0, 1), E = -log(u).
+// Counter-based: no state, any element in any order, the same on every thread. A vector
+// of torch's mt19937 uniforms, then their log, took 7.3 ms of a 38 ms step at 32 rows
+// (docs/architecture.md, session 41).
+struct RaceKey {
+  uint32_t k0, k1;
+};
+
+inline RaceKey race_key(int64_t seed, int64_t row) {
+  uint64_t z = static_cast<uint64_t>(seed) + static_cast<uint64_t>(row + 1) * 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  z ^= z >> 31;
+  return {static_cast<uint32_t>(z), static_cast<uint32_t>(z >> 32)};
+}
+
+inline uint32_t lowbias32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7feb352du;
+  x ^= x >> 15;
+  x *= 0x846ca68bu;
+  x ^= x >> 16;
+  return x;
+}
+
+#if defined(PAGODA_FUSED_VEC)
+#if defined(PAGODA_FUSED_AVX512)
+using VecI = __m512i;
+inline VecI iset1(uint32_t x) { return _mm512_set1_epi32(static_cast<int>(x)); }
+inline VecI iadd(VecI a, VecI b) { return _mm512_add_epi32(a, b); }
+inline VecI isub(VecI a, VecI b) { return _mm512_sub_epi32(a, b); }
+inline VecI imul(VecI a, VecI b) { return _mm512_mullo_epi32(a, b); }
+inline VecI ixor(VecI a, VecI b) { return _mm512_xor_si512(a, b); }
+inline VecI iand(VecI a, VecI b) { return _mm512_and_si512(a, b); }
+inline VecI ior(VecI a, VecI b) { return _mm512_or_si512(a, b); }
+template <int N>
+inline VecI isrl(VecI a) { return _mm512_srli_epi32(a, N); }
+inline VecF itof(VecI a) { return _mm512_cvtepi32_ps(a); }
+inline VecI fbits(VecF a) { return _mm512_castps_si512(a); }
+inline VecF bitsf(VecI a) { return _mm512_castsi512_ps(a); }
+inline VecI lane_ids() {
+  return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+}
+// (x > c ? a_true : a_false) per lane.
+inline VecF vselect_gt(VecF x, VecF c, VecF a_true, VecF a_false) {
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, c, _CMP_GT_OQ), a_false, a_true);
+}
+#else
+using VecI = __m256i;
+inline VecI iset1(uint32_t x) { return _mm256_set1_epi32(static_cast<int>(x)); }
+inline VecI iadd(VecI a, VecI b) { return _mm256_add_epi32(a, b); }
+inline VecI isub(VecI a, VecI b) { return _mm256_sub_epi32(a, b); }
+inline VecI imul(VecI a, VecI b) { return _mm256_mullo_epi32(a, b); }
+inline VecI ixor(VecI a, VecI b) { return _mm256_xor_si256(a, b); }
+inline VecI iand(VecI a, VecI b) { return _mm256_and_si256(a, b); }
+inline VecI ior(VecI a, VecI b) { return _mm256_or_si256(a, b); }
+template <int N>
+inline VecI isrl(VecI a) { return _mm256_srli_epi32(a, N); }
+inline VecF itof(VecI a) { return _mm256_cvtepi32_ps(a); }
+inline VecI fbits(VecF a) { return _mm256_castps_si256(a); }
+inline VecF bitsf(VecI a) { return _mm256_castsi256_ps(a); }
+inline VecI lane_ids() { return _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7); }
+inline VecF vselect_gt(VecF x, VecF c, VecF a_true, VecF a_false) {
+  return _mm256_blendv_ps(a_false, a_true, _mm256_cmp_ps(x, c, _CMP_GT_OQ));
+}
+#endif
+
+inline VecI vlowbias32(VecI x) {
+  x = ixor(x, isrl<16>(x));
+  x = imul(x, iset1(0x7feb352du));
+  x = ixor(x, isrl<15>(x));
+  x = imul(x, iset1(0x846ca68bu));
+  return ixor(x, isrl<16>(x));
+}
+
+// ln(u) of a normal float32 u > 0 (Cephes' logf: u = m 2^e, m in [sqrt(1/2), sqrt(2)),
+// a degree-8 polynomial in m - 1; about 1 ulp). u = 0 gives -88 (2^-127's log): its E then
+// loses the race as an infinite one would, all but surely.
+inline VecF vlog(VecF u) {
+  const VecI bits = fbits(u);
+  VecF e = itof(isub(isrl<23>(bits), iset1(127)));
+  VecF m = bitsf(ior(iand(bits, iset1(0x007FFFFFu)), iset1(0x3F800000u)));
+  const VecF big = vset1<VecF>(1.41421356237f);
+  e = vselect_gt(m, big, vadd(e, vset1<VecF>(1.0f)), e);
+  m = vselect_gt(m, big, vmul(m, vset1<VecF>(0.5f)), m);
+  const VecF f = vsub(m, vset1<VecF>(1.0f));
+  const VecF z = vmul(f, f);
+  VecF p = vset1<VecF>(7.0376836292e-2f);
+  p = vfmadd(p, f, vset1<VecF>(-1.1514610310e-1f));
+  p = vfmadd(p, f, vset1<VecF>(1.1676998740e-1f));
+  p = vfmadd(p, f, vset1<VecF>(-1.2420140846e-1f));
+  p = vfmadd(p, f, vset1<VecF>(1.4249322787e-1f));
+  p = vfmadd(p, f, vset1<VecF>(-1.6668057665e-1f));
+  p = vfmadd(p, f, vset1<VecF>(2.0000714765e-1f));
+  p = vfmadd(p, f, vset1<VecF>(-2.4999993993e-1f));
+  p = vfmadd(p, f, vset1<VecF>(3.3333331174e-1f));
+  VecF y = vmul(vmul(p, f), z);
+  y = vfmadd(e, vset1<VecF>(-2.12194440e-4f), y);
+  y = pagoda_vec::vfnmadd(z, vset1<VecF>(0.5f), y);
+  return vfmadd(e, vset1<VecF>(0.693359375f), vadd(f, y));
+}
+
+// Exp(1) draws of elements i .. i + kLanes - 1 of a row keyed by k.
+inline VecF vrace_exps(RaceKey k, int64_t i) {
+  VecI h = iadd(lane_ids(), iset1(static_cast<uint32_t>(i) + k.k0));
+  h = vlowbias32(ixor(vlowbias32(h), iset1(k.k1)));
+  const VecF u = vmul(itof(isrl<8>(h)), vset1<VecF>(0x1p-24f));
+  return vsub(vset1<VecF>(0.0f), vlog(u));
+}
+#endif
+
+inline float race_exp_scalar(RaceKey k, int64_t i) {
+  const uint32_t h = lowbias32(lowbias32(static_cast<uint32_t>(i) + k.k0) ^ k.k1);
+  const float u = static_cast<float>(h >> 8) * 0x1p-24f;
+  return u > 0.0f ? -std::log(u) : 88.0f;
+}
+
 // Row r's token of the exponential race (layers/sampler.py: race_sample): the first maximum
 // over i of exp(x_i - max x) / e_i, x = logits / t (a rounded division, as torch's div):
-// with e_i i.i.d. Exp(1) draws, token i wins with probability softmax(x)_i. t == 0 takes the
-// logits' first maximum (a greedy row); so does a row with a NaN (its first NaN, as argmax)
-// or an infinite maximum. Every element goes through the same vector code (a tail as one
-// padded block), so the AVX-512 and AVX2 builds pick the same tokens.
+// with e_i i.i.d. Exp(1) draws, token i wins with probability softmax(x)_i. The draws are
+// `e` or, where it is null, made here from `key` (race_exp). t == 0 takes the logits' first
+// maximum (a greedy row); so does a row with a NaN (its first NaN, as argmax) or an infinite
+// maximum. Every element goes through the same vector code (a tail as one padded block), so
+// the AVX-512 and AVX2 builds pick the same tokens.
 template <typename T>
-int64_t row_race(const T* l, const float* e, int64_t n, float t, std::vector<float>& score) {
+int64_t row_race(const T* l, const float* e, RaceKey key, int64_t n, float t,
+                 std::vector<float>& score) {
   if (t == 0.0f) return row_argmax(l, n);
   bool nan = false;
   const float best = row_max(l, n, nan);
@@ -510,66 +631,92 @@ int64_t row_race(const T* l, const float* e, int64_t n, float t, std::vector<flo
   auto block = [&](VecF x, VecF ev) {
     return vdiv(vexp(vmax(vsub(vdiv(x, vt), vm), floor)), ev);
   };
+  auto exps_at = [&](int64_t j) {
+    return e != nullptr ? pagoda_vec::vload<VecF>(e + j) : vrace_exps(key, j);
+  };
   for (; i + kLanes <= n; i += kLanes) {
-    pagoda_vec::vstore(score.data() + i, block(vload_full(l + i), pagoda_vec::vload<VecF>(e + i)));
+    pagoda_vec::vstore(score.data() + i, block(vload_full(l + i), exps_at(i)));
   }
   if (i < n) {
     alignas(64) float lt[kLanes], et[kLanes], st[kLanes];
+    pagoda_vec::vstore(et, e != nullptr ? vset1<VecF>(1.0f) : vrace_exps(key, i));
     for (int64_t k = 0; k < kLanes; ++k) {
       lt[k] = i + k < n ? to_f(l[i + k]) : -std::numeric_limits<float>::infinity();
-      et[k] = i + k < n ? e[i + k] : 1.0f;
+      if (e != nullptr && i + k < n) et[k] = e[i + k];
     }
     pagoda_vec::vstore(st, block(pagoda_vec::vload<VecF>(lt), pagoda_vec::vload<VecF>(et)));
     std::memcpy(score.data() + i, st, (n - i) * sizeof(float));
   }
 #else
-  for (; i < n; ++i) score[i] = std::exp(std::max(to_f(l[i]) / t - m, kFloor)) / e[i];
+  for (; i < n; ++i) {
+    const float ei = e != nullptr ? e[i] : race_exp_scalar(key, i);
+    score[i] = std::exp(std::max(to_f(l[i]) / t - m, kFloor)) / ei;
+  }
 #endif
   return row_argmax(score.data(), n);
 }
 
 template <typename T>
-void race_rows_impl(const T* l, const float* t, const float* e, int64_t rows, int64_t n,
-                    int64_t* out) {
+void race_rows_impl(const T* l, const float* t, const float* e, const int64_t* seeds,
+                    int64_t rows, int64_t n, int64_t* out) {
 #pragma omp parallel for if (rows * n >= 8 * kParallelGrain) schedule(static)
   for (int64_t r = 0; r < rows; ++r) {
     // NOTE: per thread, kept: a vocabulary's scores (~200 KB) would otherwise be mapped
     // and unmapped by the allocator at every call.
     thread_local std::vector<float> score;
-    out[r] = row_race(l + r * n, e + r * n, n, t == nullptr ? 1.0f : t[r], score);
+    const bool own = seeds != nullptr && seeds[r] >= 0;
+    out[r] = row_race(l + r * n, own ? nullptr : e + r * n,
+                      own ? race_key(seeds[r], r) : RaceKey{0, 0}, n,
+                      t == nullptr ? 1.0f : t[r], score);
   }
 }
 
 torch::Tensor race_rows(torch::Tensor logits, std::optional<torch::Tensor> temperature,
-                        torch::Tensor exps) {
+                        std::optional<torch::Tensor> exps, std::optional<torch::Tensor> seeds) {
   TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.size(1) > 0,
               "race_rows: logits must be a contiguous [rows, n] matrix with n > 0");
+  const int64_t rows = logits.size(0);
   const auto dtype = logits.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
               "race_rows: logits must be float32, bfloat16 or float16");
-  TORCH_CHECK(exps.scalar_type() == at::kFloat && exps.sizes() == logits.sizes() &&
-                  exps.is_contiguous(),
-              "race_rows: exps must be contiguous float32 of the logits' shape");
+  const float* ep = nullptr;
+  if (exps.has_value()) {
+    TORCH_CHECK(exps->scalar_type() == at::kFloat && exps->sizes() == logits.sizes() &&
+                    exps->is_contiguous(),
+                "race_rows: exps must be contiguous float32 of the logits' shape");
+    ep = exps->data_ptr<float>();
+  }
+  const int64_t* sp = nullptr;
+  if (seeds.has_value()) {
+    TORCH_CHECK(seeds->scalar_type() == at::kLong && seeds->dim() == 1 &&
+                    seeds->size(0) == rows && seeds->is_contiguous(),
+                "race_rows: seeds must be a contiguous int64 [rows]");
+    sp = seeds->data_ptr<int64_t>();
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    TORCH_CHECK(ep != nullptr || (sp != nullptr && sp[r] >= 0),
+                "race_rows: row ", r, " has neither exps nor a seed (>= 0)");
+  }
   const float* t = nullptr;
   if (temperature.has_value()) {
     TORCH_CHECK(temperature->scalar_type() == at::kFloat && temperature->dim() == 1 &&
-                    temperature->size(0) == logits.size(0) && temperature->is_contiguous(),
+                    temperature->size(0) == rows && temperature->is_contiguous(),
                 "race_rows: temperature must be a contiguous float32 [rows]");
     t = temperature->data_ptr<float>();
-    for (int64_t r = 0; r < logits.size(0); ++r) {
+    for (int64_t r = 0; r < rows; ++r) {
       TORCH_CHECK(t[r] >= 0.0f && std::isfinite(t[r]),
                   "race_rows: temperature must be finite and non-negative, got ", t[r]);
     }
   }
-  auto out = torch::empty({logits.size(0)}, logits.options().dtype(at::kLong));
+  auto out = torch::empty({rows}, logits.options().dtype(at::kLong));
   int64_t* o = out.data_ptr<int64_t>();
-  const float* ep = exps.data_ptr<float>();
+  const int64_t n = logits.size(1);
   if (dtype == at::kFloat) {
-    race_rows_impl(logits.data_ptr<float>(), t, ep, logits.size(0), logits.size(1), o);
+    race_rows_impl(logits.data_ptr<float>(), t, ep, sp, rows, n, o);
   } else if (dtype == at::kBFloat16) {
-    race_rows_impl(logits.data_ptr<at::BFloat16>(), t, ep, logits.size(0), logits.size(1), o);
+    race_rows_impl(logits.data_ptr<at::BFloat16>(), t, ep, sp, rows, n, o);
   } else {
-    race_rows_impl(logits.data_ptr<at::Half>(), t, ep, logits.size(0), logits.size(1), o);
+    race_rows_impl(logits.data_ptr<at::Half>(), t, ep, sp, rows, n, o);
   }
   return out;
 }
@@ -610,6 +757,8 @@ void register_fused_ops(pybind11::module& m) {
         "int64 [rows]: each row's first maximum, as torch.argmax (NaN the maximum)");
   m.def("race_rows", &pagoda_fused::race_rows,
         "int64 [rows]: each row's token of the exponential race over softmax(logits / t) "
-        "with the Exp(1) draws `exps` (t 0: the first maximum; no t: 1)",
-        pybind11::arg("logits"), pybind11::arg("temperature"), pybind11::arg("exps"));
+        "with the Exp(1) draws `exps`, or a row's own draws keyed by seeds[row] >= 0 "
+        "(t 0: the first maximum; no t: 1)",
+        pybind11::arg("logits"), pybind11::arg("temperature"), pybind11::arg("exps"),
+        pybind11::arg("seeds") = pybind11::none());
 }

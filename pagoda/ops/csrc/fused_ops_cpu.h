@@ -24,9 +24,10 @@ torch::Tensor silu_and_mul(torch::Tensor x);
 torch::Tensor argmax_rows(torch::Tensor x);
 
 // Each row's token of the exponential race over softmax(logits / temperature) with the
-// Exp(1) draws `exps` [rows, n] (temperature 0: the first maximum; none: 1).
+// Exp(1) draws `exps` [rows, n], or for a row whose seeds[row] (int64 [rows]) is >= 0 with
+// draws made in the kernel from that seed (temperature 0: the first maximum; none: 1).
 torch::Tensor race_rows(torch::Tensor logits, std::optional<torch::Tensor> temperature,
-                        torch::Tensor exps);
+                        std::optional<torch::Tensor> exps, std::optional<torch::Tensor> seeds);
 
 // Where rotary_and_cache writes: plain caches of T, or codes (int8 / fp8 bits) and scales.
 struct CacheDst {
