@@ -17,7 +17,8 @@ def print_setup(setup: dict[str, Any]) -> None:
         f"workload: {w['num_requests']} requests, seed {setup['seed']}, prompt len "
         f"{w['min_prompt_len']}..{w['max_prompt_len']} ({w['num_prompt_tokens']:,} tokens), "
         f"output len {w['min_output_len']}..{w['max_output_len']} "
-        f"({w['num_output_tokens']:,} tokens), greedy, ignore_eos {setup['ignore_eos']}, "
+        f"({w['num_output_tokens']:,} tokens), {_sampling(setup)}, "
+        f"ignore_eos {setup['ignore_eos']}, "
         f"{setup['endpoint']} with {setup['prompt_format']} prompts; preset "
         f"{setup.get('workload_preset') or '-'}"
     )
@@ -107,3 +108,10 @@ def plot(runs: list[dict[str, Any]], path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _sampling(setup: dict) -> str:
+    """"greedy", or the requests' temperature (reports saved before it was recorded were
+    greedy)."""
+    t = setup.get("temperature", 0.0)
+    return "greedy" if t == 0 else f"temperature {t:g}"

@@ -359,6 +359,8 @@ def apply_top_k_top_p(
     if top_k is None and top_p is None:
         return logits
     vocab_size = logits.shape[-1]
+    if top_k is None:
+        return _apply_top_p_by_candidates(logits, top_p)
     if top_k is not None and max_top_k is not None and max_top_k < vocab_size:
         sorted_logits, sorted_ids = logits.topk(max_top_k, dim=-1)
         out = torch.full_like(logits, -float("inf"))
@@ -376,6 +378,51 @@ def apply_top_k_top_p(
         p = top_p.unsqueeze(1)
         sorted_logits.masked_fill_((mass_above >= p) & (p < 1.0), -float("inf"))
     return out.scatter_(-1, sorted_ids, sorted_logits)
+
+
+# top-p alone: how many of a row's most likely tokens its nucleus is looked for among, in
+# turn, before the whole vocabulary is sorted, and how much more than p their mass must be
+# (the sums' roundings are ~1e-6) for the nucleus to lie among them.
+NUCLEUS_CANDIDATES = (64, 1024)
+_MASS_MARGIN = 1e-4
+
+
+def _apply_top_p_by_candidates(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """`apply_top_k_top_p` without top-k, in place, without sorting the vocabulary where it
+    can: a row's k most likely tokens (one top-k) hold its whole nucleus when their mass
+    under the full softmax reaches p, since any token ranked below them has at least that
+    much above it. Such a row keeps the candidates whose mass above is below p; a row whose
+    candidates hold less tries the next k of NUCLEUS_CANDIDATES, then is sorted whole (flat
+    distributions); rows of p == 1 are left as they are. Which k serves a row depends on the
+    row alone. (At 32 rows of 49,152 logits a sort took ~60 ms, a top-64 ~1.3.)"""
+    pending = (top_p < 1.0).nonzero().squeeze(1)
+    vocab_size = logits.shape[-1]
+    if not len(pending):
+        return logits
+    lse = torch.logsumexp(logits[pending], dim=-1, keepdim=True)
+    for k in NUCLEUS_CANDIDATES:
+        if not len(pending) or k >= vocab_size:
+            break
+        vals, ids = logits[pending].topk(k, dim=-1)
+        probs = (vals - lse).exp_()
+        mass = probs.cumsum(dim=-1)
+        p = top_p[pending]
+        covered = mass[:, -1] >= p + _MASS_MARGIN
+        if bool(covered.any()):
+            kept = vals[covered].masked_fill_(
+                mass[covered] - probs[covered] >= p[covered].unsqueeze(1), -float("inf"))
+            rows = torch.full((len(kept), vocab_size), -float("inf"), dtype=logits.dtype,
+                              device=logits.device)
+            logits[pending[covered]] = rows.scatter_(-1, ids[covered], kept)
+        pending, lse = pending[~covered], lse[~covered]
+    if len(pending):
+        sub = logits[pending]
+        sorted_logits, sorted_ids = sub.sort(dim=-1, descending=True)
+        sorted_probs = sorted_logits.softmax(dim=-1)
+        mass_above = sorted_probs.cumsum(dim=-1) - sorted_probs
+        sorted_logits.masked_fill_(mass_above >= top_p[pending].unsqueeze(1), -float("inf"))
+        logits[pending] = sub.scatter_(-1, sorted_ids, sorted_logits)
+    return logits
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> None:

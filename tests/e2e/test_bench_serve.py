@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pagoda.benchmarks import serve
+from pagoda.benchmarks import serve, serve_report
 from pagoda.entrypoints.cli import build_parser
 from tests.e2e.server_utils import Server
 
@@ -77,3 +77,6 @@ def test_temperature_goes_into_every_request() -> None:
     assert serve._payload(parse(["bench", "serve"]), "m", [1], None, 5)[1]["temperature"] == 0.0
     with pytest.raises(SystemExit):
         parse(["bench", "serve", "--temperature", "3"])
+    # The printed setup names it (older saved reports have none: greedy).
+    assert serve_report._sampling({"temperature": 1.0}) == "temperature 1"
+    assert serve_report._sampling({}) == "greedy"

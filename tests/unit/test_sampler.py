@@ -328,3 +328,28 @@ def test_greedy_shortcut_samples_what_the_sampler_does(dtype: torch.dtype) -> No
     logits[2, 33] = float("nan")  # NaN counts as the maximum
     full = Sampler()(logits, build([SamplingParams(temperature=0.0)] * 7, 300))
     assert torch.equal(Sampler.greedy(logits), full.sampled_token_ids)
+
+
+def test_top_p_among_candidates_equals_the_full_sort(monkeypatch) -> None:
+    """top-p without top-k looks for a row's nucleus among its 64, then 1,024 most likely
+    tokens before sorting the row: the same logits kept as the full sort's, for rows whose
+    nucleus fits each of the three (peaked to flat) and rows of p == 1 beside them."""
+    from pagoda.layers import sampler
+
+    vocab = 49152
+    gen = torch.Generator().manual_seed(3)
+    sizes = set()
+    for scale in (0.3, 3.0, 8.0, 20.0):
+        for p in (0.5, 0.9, 0.99):
+            logits = torch.randn(8, vocab, generator=gen) * scale
+            top_p = torch.full((8,), p)
+            top_p[5] = 1.0
+            got = sampler.apply_top_k_top_p(logits.clone(), None, top_p)
+            with monkeypatch.context() as m:
+                m.setattr(sampler, "NUCLEUS_CANDIDATES", ())
+                want = sampler.apply_top_k_top_p(logits.clone(), None, top_p)
+            assert torch.equal(got, want), (scale, p)
+            assert torch.equal(got[5], logits[5])
+            kept = got.isfinite().sum(dim=-1)
+            sizes.update(int(k) for k in kept[top_p < 1])
+    assert min(sizes) < 64 and any(64 < k < 1024 for k in sizes) and max(sizes) > 1024
