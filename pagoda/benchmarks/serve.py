@@ -97,6 +97,8 @@ def add_serve_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=_temperature, default=0.0,
                    help="every request's temperature (default 0: greedy; the OpenAI API's "
                         "default is 1)")
+    p.add_argument("--top-p", type=_top_p, default=1.0,
+                   help="every request's top_p (default 1: off)")
     p.add_argument("--quick", action="store_true", help="a small smoke-sized workload")
     p.add_argument(
         "--concurrency",
@@ -172,6 +174,13 @@ def _temperature(text: str) -> float:
     return value
 
 
+def _top_p(text: str) -> float:
+    value = float(text)
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"top_p must be in (0, 1], got {text}")
+    return value
+
+
 def _payload(
     args: argparse.Namespace, model: str, prompt: list[int], text: str | None, max_tokens: int
 ) -> tuple[str, dict[str, Any]]:
@@ -182,6 +191,8 @@ def _payload(
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if args.top_p < 1.0:
+        body["top_p"] = args.top_p
     if not args.no_ignore_eos:
         body["ignore_eos"] = True
     if args.endpoint == "chat":
@@ -404,6 +415,7 @@ def run_serve_bench(args: argparse.Namespace) -> dict[str, Any]:
         "prompt_format": "text" if as_text else "tokens",
         "seed": args.seed,
         "temperature": args.temperature,
+        "top_p": args.top_p,
         "workload_preset": args.workload,
         "input_len": list(in_len),
         "output_len": list(out_len),

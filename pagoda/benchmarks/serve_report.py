@@ -111,7 +111,9 @@ def plot(runs: list[dict[str, Any]], path: str) -> None:
 
 
 def _sampling(setup: dict) -> str:
-    """"greedy", or the requests' temperature (reports saved before it was recorded were
-    greedy)."""
-    t = setup.get("temperature", 0.0)
-    return "greedy" if t == 0 else f"temperature {t:g}"
+    """"greedy", or the requests' temperature and top_p (reports saved before they were
+    recorded were greedy)."""
+    t, top_p = setup.get("temperature", 0.0), setup.get("top_p", 1.0)
+    if t == 0:
+        return "greedy"
+    return f"temperature {t:g}" + (f", top_p {top_p:g}" if top_p < 1 else "")

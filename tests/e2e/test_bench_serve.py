@@ -69,7 +69,8 @@ def test_save_detailed_needs_an_output_file() -> None:
 
 
 def test_temperature_goes_into_every_request() -> None:
-    """--temperature (default 0, greedy) is every request's; outside [0, 2] it is refused."""
+    """--temperature (default 0, greedy) and --top-p (default 1) are every request's;
+    values outside their ranges are refused."""
     parse = build_parser().parse_args
     _, body = serve._payload(parse(["bench", "serve", "--temperature", "1"]), "m", [1, 2],
                              None, 5)
@@ -80,3 +81,12 @@ def test_temperature_goes_into_every_request() -> None:
     # The printed setup names it (older saved reports have none: greedy).
     assert serve_report._sampling({"temperature": 1.0}) == "temperature 1"
     assert serve_report._sampling({}) == "greedy"
+    # --top-p likewise (default 1: not sent).
+    assert "top_p" not in body
+    _, body = serve._payload(parse(["bench", "serve", "--temperature", "0.7", "--top-p",
+                                    "0.95"]), "m", [1], None, 5)
+    assert body["top_p"] == 0.95 and body["temperature"] == 0.7
+    assert serve_report._sampling({"temperature": 0.7, "top_p": 0.95}) == (
+        "temperature 0.7, top_p 0.95")
+    with pytest.raises(SystemExit):
+        parse(["bench", "serve", "--top-p", "0"])
