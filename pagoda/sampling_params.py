@@ -184,11 +184,6 @@ class SamplingParams:
                 and self.min_p == 0.0)
 
     @property
-    def plain_greedy(self) -> bool:
-        """`plain` and greedy: once `min_tokens` is reached, the raw logits' argmax."""
-        return self.temperature < SAMPLING_EPS and self.plain
-
-    @property
     def output_text_buffer_length(self) -> int:
         """Characters a stream must hold back so that it never shows part of a stop string
         that will be cut from the output."""

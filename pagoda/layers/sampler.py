@@ -268,8 +268,8 @@ class Sampler:
 
     @staticmethod
     def greedy(logits: torch.Tensor) -> torch.Tensor:
-        """What `__call__` samples when every row is `SamplingParams.plain_greedy` past its
-        `min_tokens` (no stage touches the logits): each row's argmax, on the CPU, without
+        """What `__call__` samples when every row is greedy and `SamplingParams.plain` past
+        its `min_tokens` (no stage touches the logits): each row's argmax, on the CPU, without
         building the metadata (a batch-1 decode step's host time is mostly cache misses,
         and the metadata is the larger part of sampling's)."""
         return ops.argmax_rows(logits).cpu()
@@ -349,7 +349,8 @@ def apply_top_k_top_p(
     top_p: torch.Tensor | None,
     max_top_k: int | None = None,
 ) -> torch.Tensor:
-    """Mask to -inf every token outside each row's top-k and top-p nucleus (one sort).
+    """Mask to -inf every token outside each row's top-k and top-p nucleus (one sort;
+    top-p alone: `_apply_top_p_by_candidates`).
 
     top-p acts on the distribution left by top-k: it keeps the smallest set of most
     likely tokens whose probability reaches p, i.e. a token survives while the mass of
@@ -358,9 +359,20 @@ def apply_top_k_top_p(
     """
     if top_k is None and top_p is None:
         return logits
-    vocab_size = logits.shape[-1]
     if top_k is None:
         return _apply_top_p_by_candidates(logits, top_p)
+    return _sorted_top_k_top_p(logits, top_k, top_p, max_top_k)
+
+
+def _sorted_top_k_top_p(
+    logits: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+    max_top_k: int | None = None,
+) -> torch.Tensor:
+    """`apply_top_k_top_p` through one sort of each row, or one top-k where `max_top_k` is
+    below V. May work in place."""
+    vocab_size = logits.shape[-1]
     if top_k is not None and max_top_k is not None and max_top_k < vocab_size:
         sorted_logits, sorted_ids = logits.topk(max_top_k, dim=-1)
         out = torch.full_like(logits, -float("inf"))
@@ -416,12 +428,7 @@ def _apply_top_p_by_candidates(logits: torch.Tensor, top_p: torch.Tensor) -> tor
             logits[pending[covered]] = rows.scatter_(-1, ids[covered], kept)
         pending, lse = pending[~covered], lse[~covered]
     if len(pending):
-        sub = logits[pending]
-        sorted_logits, sorted_ids = sub.sort(dim=-1, descending=True)
-        sorted_probs = sorted_logits.softmax(dim=-1)
-        mass_above = sorted_probs.cumsum(dim=-1) - sorted_probs
-        sorted_logits.masked_fill_(mass_above >= top_p[pending].unsqueeze(1), -float("inf"))
-        logits[pending] = sub.scatter_(-1, sorted_ids, sorted_logits)
+        logits[pending] = _sorted_top_k_top_p(logits[pending], None, top_p[pending])
     return logits
 
 

@@ -284,16 +284,27 @@ def test_decode_burst_must_be_positive() -> None:
         EngineArgs(decode_burst=0).create_engine_config()
 
 
-def test_failed_burst_rolls_back_and_the_request_goes_on(tiny_model, monkeypatch) -> None:
-    """A burst that raises after writing its K/V (as a kernel error would): the step rolls
-    back, no block it wrote is findable in the prefix cache, and the request, computed
-    again from its committed tokens, ends with a fault-free run's tokens."""
+# A greedy request, and a seeded sampled one: its burst draws ahead, and its generator must
+# stand where one step at a time leaves it after a fault or an interrupt.
+GREEDY_AND_SEEDED = [
+    pytest.param({"temperature": 0}, id="greedy"),
+    pytest.param({"temperature": 1.1, "seed": 8}, id="seeded"),
+]
+
+
+@pytest.mark.parametrize("sampling", GREEDY_AND_SEEDED)
+def test_failed_burst_rolls_back_and_the_request_goes_on(sampling, tiny_model,
+                                                         monkeypatch) -> None:
+    """A burst that raises after writing its K/V (as a kernel error would; a seeded one
+    after its draws): the step rolls back, no block it wrote is findable in the prefix
+    cache, the generator stands before the burst's draws, and the request, computed again
+    from its committed tokens, ends with a fault-free run's tokens."""
     from pagoda.models.fused_decoder import FusedDecoderStack
 
     _needs_kernels(dense=True)
     model = str(tiny_model("LlamaForCausalLM"))
     prompt = _prompts(1, seed=10)[0]
-    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=40, ignore_eos=True, **sampling)
     (want,), _, _ = run(_engine(model, 1, prefix=True), [(prompt, params)])
     engine = _engine(model, BURST, prefix=True)
     real, calls = FusedDecoderStack.burst, []
@@ -348,16 +359,18 @@ def test_gguf_token_tables_burst_equal_step_by_step(table_type, tiny_model,
     assert type(table).__name__ == "QuantWeight" and type(head).__name__ == "QuantWeight"
 
 
-def test_interrupt_ends_a_burst_after_its_step(tiny_model, monkeypatch) -> None:
+@pytest.mark.parametrize("sampling", GREEDY_AND_SEEDED)
+def test_interrupt_ends_a_burst_after_its_step(sampling, tiny_model, monkeypatch) -> None:
     """The engine's `burst_interrupt` raised as a burst starts (a command came): the call
     ends after one step; once the flag is lowered the next burst runs whole; the tokens
-    are those of one step at a time."""
+    are those of one step at a time (a seeded request's generator is set back to where
+    one step leaves it, though the burst drew for all its steps)."""
     from pagoda.models.fused_decoder import FusedDecoderStack
 
     _needs_kernels(dense=True)
     model = str(tiny_model("LlamaForCausalLM"))
     prompt = _prompts(1, seed=11)[0]
-    params = SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=50, ignore_eos=True, **sampling)
     (want,), _, _ = run(_engine(model, 1), [(prompt, params)])
     engine = _engine(model, BURST)
     flag = engine.burst_interrupt
@@ -365,7 +378,7 @@ def test_interrupt_ends_a_burst_after_its_step(tiny_model, monkeypatch) -> None:
     real, calls = FusedDecoderStack.burst, []
 
     def interrupted(self, *args, **kwargs):
-        if len(calls) == 1:
+        if len(calls) in (1, 3):
             flag.set()
         tokens = real(self, *args, **kwargs)
         calls.append(len(tokens[0]))
@@ -375,7 +388,7 @@ def test_interrupt_ends_a_burst_after_its_step(tiny_model, monkeypatch) -> None:
     monkeypatch.setattr(FusedDecoderStack, "burst", interrupted)
     (got,), _, _ = run(engine, [(prompt, params)])
     assert got == want
-    assert calls[:3] == [BURST, 1, BURST]
+    assert calls[:4] == [BURST, 1, BURST, 1]
     assert _engine(model, 1).burst_interrupt is None  # no bursts, no flag
 
 
@@ -491,28 +504,36 @@ def _burst_rows(monkeypatch) -> list[tuple[int, int]]:
     return calls
 
 
-def test_concurrent_requests_burst_together(tiny_model, monkeypatch) -> None:
-    """Requests that all decode with nothing waiting burst together, as many steps as the
-    shortest allows; one ends on a stop token inside a burst (which ends the burst for
-    all), others at different max_tokens: the outputs of bursts off, in fewer steps."""
-    _needs_kernels(dense=True)
-    model = str(tiny_model("LlamaForCausalLM"))
-    prompts = _prompts(4, seed=13)
-    lengths = (45, 30, 12, 60)
-    plain = [(p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
-             for p, n in zip(prompts, lengths, strict=True)]
-    first = run(_engine(model, 1), plain)[0]
-    stop = first[1][0][20]  # request 1's 21st token: inside a burst
-    requests = [*plain[:1], (prompts[1], SamplingParams(max_tokens=30, temperature=0,
-                                                        ignore_eos=True, stop_token_ids=[stop])),
-                *plain[2:]]
+def check_concurrent_with_a_stop(model: str, prompts, params: list[SamplingParams],
+                                 monkeypatch) -> None:
+    """The requests (prompts[i], params[i]) at once, request 1 given a stop token inside a
+    burst (its 21st token of a run without it): the outputs of bursts off, request 1 ending
+    on that token, in fewer steps, with bursts of every row and of BURST steps."""
+    first = run(_engine(model, 1), list(zip(prompts, params, strict=True)))[0]
+    stop = first[1][0][20]
+    params = list(params)
+    params[1] = params[1].clone()
+    params[1].stop_token_ids = [stop]
+    requests = list(zip(prompts, params, strict=True))
     want = run(_engine(model, 1), requests)
     calls = _burst_rows(monkeypatch)
     got = run(_engine(model, BURST), requests)
     assert got[0] == want[0]
     assert got[0][1][2] == "stop" and got[0][1][3] == stop
     assert got[1] < want[1]
-    assert max(rows for rows, _ in calls) == 4 and max(steps for _, steps in calls) == BURST
+    assert max(rows for rows, _ in calls) == len(requests)
+    assert max(steps for _, steps in calls) == BURST
+
+
+def test_concurrent_requests_burst_together(tiny_model, monkeypatch) -> None:
+    """Requests that all decode with nothing waiting burst together, as many steps as the
+    shortest allows; one ends on a stop token inside a burst (which ends the burst for
+    all), others at different max_tokens: the outputs of bursts off, in fewer steps."""
+    _needs_kernels(dense=True)
+    model = str(tiny_model("LlamaForCausalLM"))
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+              for n in (45, 30, 12, 60)]
+    check_concurrent_with_a_stop(model, _prompts(4, seed=13), params, monkeypatch)
 
 
 def test_smollm2_concurrent_bursts_equal_step_by_step(monkeypatch) -> None:

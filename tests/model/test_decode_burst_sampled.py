@@ -2,8 +2,9 @@
 (`SamplingParams.plain`, the OpenAI API's default of temperature 1) burst as greedy ones do,
 each step's token the race of `Sampler.plain` with Exp(1) draws made before the call. A
 seeded request's tokens equal those of bursts off: alone and beside greedy and other seeded
-requests, through stop tokens, an interrupt that ends a burst early and a burst that fails
-(its generator stands where one step at a time leaves it); the draws made ahead are capped
+requests, through stop tokens (an interrupt that ends a burst early and a burst that fails,
+where the generator must stand as one step at a time leaves it: test_decode_burst.py's
+tests, seeded); the draws made ahead are capped
 (`BURST_DRAW_BYTES`); top-k, top-p and min-p keep one token a step."""
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import pytest
 
 from pagoda import SamplingParams
-from pagoda.engine.output_processor import OutputKind
 from pagoda.ops import quant_cpu
 from pagoda.worker import model_runner
 from tests.model.test_decode_burst import (
@@ -21,6 +21,7 @@ from tests.model.test_decode_burst import (
     _engine,
     _needs_kernels,
     _prompts,
+    check_concurrent_with_a_stop,
     run,
 )
 
@@ -46,90 +47,11 @@ def test_greedy_and_seeded_rows_burst_together(tiny_model, monkeypatch) -> None:
     a burst): 4-row bursts of the tokens of bursts off, in fewer steps."""
     _needs_kernels(dense=True)
     model = str(tiny_model("LlamaForCausalLM"))
-    prompts = _prompts(4, seed=22)
     params = [SamplingParams(max_tokens=45, temperature=0, ignore_eos=True),
               SamplingParams(max_tokens=30, temperature=0.8, seed=5, ignore_eos=True),
               SamplingParams(max_tokens=12, temperature=1.5, seed=6, ignore_eos=True),
               SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)]
-    first = run(_engine(model, 1), list(zip(prompts, params, strict=True)))[0]
-    stop = first[1][0][20]  # request 1's 21st token: inside a burst
-    params[1] = SamplingParams(max_tokens=30, temperature=0.8, seed=5, ignore_eos=True,
-                               stop_token_ids=[stop])
-    requests = list(zip(prompts, params, strict=True))
-    want = run(_engine(model, 1), requests)
-    calls = _burst_rows(monkeypatch)
-    got = run(_engine(model, BURST), requests)
-    assert got[0] == want[0]
-    assert got[0][1][2] == "stop" and got[0][1][3] == stop
-    assert got[1] < want[1]
-    assert max(rows for rows, _ in calls) == 4 and max(steps for _, steps in calls) == BURST
-
-
-def test_interrupted_sampled_burst_keeps_the_seeded_stream(tiny_model, monkeypatch) -> None:
-    """A burst ended after one step by the interrupt flag drew for all its steps ahead: the
-    request's generator is set back to where one step leaves it, so the tokens after it
-    are still those of bursts off."""
-    from pagoda.models.fused_decoder import FusedDecoderStack
-
-    _needs_kernels(dense=True)
-    model = str(tiny_model("LlamaForCausalLM"))
-    prompt = _prompts(1, seed=23)[0]
-    params = SamplingParams(max_tokens=50, temperature=0.9, seed=7, ignore_eos=True)
-    (want,), _, _ = run(_engine(model, 1), [(prompt, params)])
-    engine = _engine(model, BURST)
-    flag = engine.burst_interrupt
-    real, calls = FusedDecoderStack.burst, []
-
-    def interrupted(self, *args, **kwargs):
-        if len(calls) in (1, 3):
-            flag.set()
-        tokens = real(self, *args, **kwargs)
-        calls.append(len(tokens[0]))
-        flag.clear()
-        return tokens
-
-    monkeypatch.setattr(FusedDecoderStack, "burst", interrupted)
-    (got,), _, _ = run(engine, [(prompt, params)])
-    assert calls[:4] == [BURST, 1, BURST, 1]
-    assert got == want
-
-
-def test_failed_sampled_burst_keeps_the_seeded_stream(tiny_model, monkeypatch) -> None:
-    """A burst that raises after its draws and its K/V writes: the step rolls back, the
-    generator stands before the burst's draws, and the request ends with a fault-free
-    run's tokens."""
-    from pagoda.models.fused_decoder import FusedDecoderStack
-
-    _needs_kernels(dense=True)
-    model = str(tiny_model("LlamaForCausalLM"))
-    prompt = _prompts(1, seed=24)[0]
-    params = SamplingParams(max_tokens=40, temperature=1.1, seed=8, ignore_eos=True)
-    (want,), _, _ = run(_engine(model, 1, prefix=True), [(prompt, params)])
-    engine = _engine(model, BURST, prefix=True)
-    real, calls = FusedDecoderStack.burst, []
-
-    def failing(self, *args, **kwargs):
-        tokens = real(self, *args, **kwargs)
-        calls.append(tokens)
-        if len(calls) == 2:
-            raise RuntimeError("injected burst fault")
-        return tokens
-
-    monkeypatch.setattr(FusedDecoderStack, "burst", failing)
-    engine.add_request("0", {"prompt_token_ids": prompt}, params,
-                       output_kind=OutputKind.CUMULATIVE)
-    final, failed = None, False
-    while engine.has_unfinished_requests():
-        try:
-            for out in engine.step():
-                final = out
-        except RuntimeError as e:
-            assert "injected burst fault" in str(e) and not failed
-            failed = True
-        engine.check_integrity()
-    assert failed and len(calls) > 2
-    assert engine.kv_cache_manager.usage == 0.0
-    assert list(final.outputs[0].token_ids) == want[0]
+    check_concurrent_with_a_stop(model, _prompts(4, seed=22), params, monkeypatch)
 
 
 def test_sampled_draws_ahead_are_capped(tiny_model, monkeypatch) -> None:

@@ -15,7 +15,7 @@ from pagoda.layers.sampler import (
     apply_top_k_top_p,
     compute_topk_logprobs,
 )
-from pagoda.sampling_params import SamplingParams
+from pagoda.sampling_params import SamplingParams, SamplingType
 
 CPU = torch.device("cpu")
 EOS = 0
@@ -310,14 +310,21 @@ def test_max_top_k_ignores_greedy_rows() -> None:
     assert md.top_k is None and md.max_top_k == 100
 
 
-def test_plain_greedy_params() -> None:
-    assert SamplingParams(temperature=0.0).plain_greedy
-    assert SamplingParams(temperature=0.0, min_tokens=4, top_k=3).plain_greedy
-    for changed in ({"temperature": 0.7}, {"logprobs": 0}, {"logit_bias": {3: 1.0}},
+def test_plain_params() -> None:
+    """`plain`: only a temperature touches the logits (greedy: the raw argmax)."""
+    assert SamplingParams(temperature=0.0).plain
+    # NOTE: greedy switches truncation off: top-k cannot change an argmax.
+    assert SamplingParams(temperature=0.0, min_tokens=4, top_k=3).plain
+    assert SamplingParams(temperature=0.7).plain
+    assert SamplingParams(temperature=0.7).sampling_type != SamplingType.GREEDY
+    for changed in ({"logprobs": 0}, {"logit_bias": {3: 1.0}},
                     {"repetition_penalty": 1.1}, {"frequency_penalty": 0.5},
                     {"presence_penalty": -0.5}):
-        assert not SamplingParams(**{"temperature": 0.0, **changed}).plain_greedy, changed
-    assert SamplingParams(temperature=0.0, logit_bias={}).plain_greedy
+        assert not SamplingParams(**{"temperature": 0.0, **changed}).plain, changed
+        assert not SamplingParams(**{"temperature": 0.7, **changed}).plain, changed
+    for changed in ({"top_p": 0.9}, {"top_k": 20}, {"min_p": 0.1}):
+        assert not SamplingParams(**{"temperature": 0.7, **changed}).plain, changed
+    assert SamplingParams(temperature=0.0, logit_bias={}).plain
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
