@@ -174,14 +174,15 @@ class SamplingParams:
 
     @property
     def plain(self) -> bool:
-        """Nothing but the temperature changes the logits, and nothing reports them (no
-        penalties, logit_bias, top-k, top-p, min-p or logprobs): once `min_tokens` is
-        reached, the token is the race over softmax(logits / temperature), or the raw
-        logits' argmax for a greedy request (`Sampler.plain`; decode bursts run these)."""
+        """Nothing but the temperature and truncation (top-k, top-p, min-p) changes the
+        logits, and nothing reports them (no penalties, logit_bias or logprobs): once
+        `min_tokens` is reached, the token is the race over what the truncation leaves of
+        softmax(logits / temperature), or the raw logits' argmax for a greedy request
+        (`Sampler.plain`; decode bursts run these). Neither depends on the request's
+        tokens so far."""
         return (self.logprobs is None and not self.logit_bias
                 and self.repetition_penalty == 1.0 and self.frequency_penalty == 0.0
-                and self.presence_penalty == 0.0 and self.top_p == 1.0 and self.top_k == 0
-                and self.min_p == 0.0)
+                and self.presence_penalty == 0.0)
 
     @property
     def output_text_buffer_length(self) -> int:

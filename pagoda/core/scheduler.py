@@ -37,8 +37,8 @@ ever covers a rejected token.
 
 Decode bursts (`decode_burst` > 1): when nothing waits, no step is in flight,
 speculative decoding is off and every running request is in decode, `SamplingParams.plain`
-(greedy, or sampled with only a temperature) and past its min_tokens, they may run several
-decode steps in one:
+(greedy, or sampled with a temperature and truncation only) and past its min_tokens, they
+may run several decode steps in one:
 the step schedules each its one token as usual, allocates each slots for the same number
 of tokens, up to `decode_burst` (cut to every request's max_tokens and max_model_len), and
 names their stop tokens; the runner chooses the tokens one step after another in one call

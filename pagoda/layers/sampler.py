@@ -2,7 +2,8 @@
 
 Order of processing (each stage is skipped when no row in the batch needs it):
     logit_bias -> min_tokens bans -> penalties -> [greedy rows: argmax]
-    -> temperature -> min-p -> top-k -> top-p -> sample (exponential race, `race_sample`).
+    -> temperature -> min-p -> top-k -> top-p (`ops.truncate_rows`)
+    -> sample (exponential race, `race_sample`).
 min-p comes before top-k/top-p, as in vLLM v1 (it is an argmax-invariant logits processor
 there, applied right after temperature): top-p then measures its nucleus on the
 distribution min-p left, so the two orders keep different tokens.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -276,13 +278,16 @@ class Sampler:
 
     @staticmethod
     def plain(logits: torch.Tensor, temperature: torch.Tensor,
-              generators: Mapping[int, torch.Generator]) -> torch.Tensor:
+              generators: Mapping[int, torch.Generator],
+              truncation: Truncation | None = None) -> torch.Tensor:
         """What `__call__` samples when every row is `SamplingParams.plain` past its
-        `min_tokens` (only temperature touches the logits), without the metadata:
-        `temperature` [B] float32 (0 for a greedy row), `generators` the seeded random
-        rows'. The same tokens as `__call__`: the race divides by the temperature as
-        torch's div does, and a decode burst repeats this call's kernel step by step."""
-        return race_sample(logits, temperature, generators).cpu()
+        `min_tokens` (only temperature and truncation touch the logits), without the
+        metadata: `temperature` [B] float32 (0 for a greedy row), `generators` the seeded
+        random rows', `truncation` the rows' top-k, top-p and min-p. The same tokens as
+        `__call__`: the race divides by the temperature as torch's div does and cuts with
+        `ops.truncate_rows`' kernel, and a decode burst repeats this call's kernel step by
+        step."""
+        return race_sample(logits, temperature, generators, truncation).cpu()
 
     @staticmethod
     def process(
@@ -316,9 +321,9 @@ class Sampler:
             # NOTE: still the caller's tensor; the stages below work in place.
             logits = logits.to(torch.float32, copy=True)
         logits.div_(md.temperature.unsqueeze(1))
-        if md.min_p is not None:
-            apply_min_p(logits, md.min_p)
-        return greedy_ids, apply_top_k_top_p(logits, md.top_k, md.top_p, md.max_top_k)
+        if md.min_p is None and md.top_k is None and md.top_p is None:
+            return greedy_ids, logits
+        return greedy_ids, ops.truncate_rows(logits, md.top_k, md.top_p, md.min_p)
 
 
 def apply_logit_bias_and_bans(logits: torch.Tensor, md: SamplingMetadata) -> None:
@@ -341,102 +346,6 @@ def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> None:
     if md.frequency_penalty is not None:
         counts = md.output_token_counts
         logits.sub_(md.frequency_penalty * counts + md.presence_penalty * (counts > 0))
-
-
-def apply_top_k_top_p(
-    logits: torch.Tensor,
-    top_k: torch.Tensor | None,
-    top_p: torch.Tensor | None,
-    max_top_k: int | None = None,
-) -> torch.Tensor:
-    """Mask to -inf every token outside each row's top-k and top-p nucleus (one sort;
-    top-p alone: `_apply_top_p_by_candidates`).
-
-    top-p acts on the distribution left by top-k: it keeps the smallest set of most
-    likely tokens whose probability reaches p, i.e. a token survives while the mass of
-    the tokens ranked above it is below p. `max_top_k` (if below V, every row's top_k is
-    at most it) lets a partial top-k stand in for the full sort. May work in place.
-    """
-    if top_k is None and top_p is None:
-        return logits
-    if top_k is None:
-        return _apply_top_p_by_candidates(logits, top_p)
-    return _sorted_top_k_top_p(logits, top_k, top_p, max_top_k)
-
-
-def _sorted_top_k_top_p(
-    logits: torch.Tensor,
-    top_k: torch.Tensor | None,
-    top_p: torch.Tensor | None,
-    max_top_k: int | None = None,
-) -> torch.Tensor:
-    """`apply_top_k_top_p` through one sort of each row, or one top-k where `max_top_k` is
-    below V. May work in place."""
-    vocab_size = logits.shape[-1]
-    if top_k is not None and max_top_k is not None and max_top_k < vocab_size:
-        sorted_logits, sorted_ids = logits.topk(max_top_k, dim=-1)
-        out = torch.full_like(logits, -float("inf"))
-    else:
-        sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)
-        out = logits
-    if top_k is not None:
-        positions = torch.arange(sorted_logits.shape[-1], device=logits.device)
-        sorted_logits.masked_fill_(positions >= top_k.unsqueeze(1), -float("inf"))
-    if top_p is not None:
-        probs = sorted_logits.softmax(dim=-1)
-        mass_above = probs.cumsum(dim=-1) - probs
-        # NOTE: rows with p == 1 are excluded explicitly: rounding can push the running
-        # sum to 1 before the tail and would drop tokens that p == 1 promises to keep.
-        p = top_p.unsqueeze(1)
-        sorted_logits.masked_fill_((mass_above >= p) & (p < 1.0), -float("inf"))
-    return out.scatter_(-1, sorted_ids, sorted_logits)
-
-
-# top-p alone: how many of a row's most likely tokens its nucleus is looked for among, in
-# turn, before the whole vocabulary is sorted, and how much more than p their mass must be
-# (the sums' roundings are ~1e-6) for the nucleus to lie among them.
-NUCLEUS_CANDIDATES = (64, 1024)
-_MASS_MARGIN = 1e-4
-
-
-def _apply_top_p_by_candidates(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """`apply_top_k_top_p` without top-k, in place, without sorting the vocabulary where it
-    can: a row's k most likely tokens (one top-k) hold its whole nucleus when their mass
-    under the full softmax reaches p, since any token ranked below them has at least that
-    much above it. Such a row keeps the candidates whose mass above is below p; a row whose
-    candidates hold less tries the next k of NUCLEUS_CANDIDATES, then is sorted whole (flat
-    distributions); rows of p == 1 are left as they are. Which k serves a row depends on the
-    row alone. (At 32 rows of 49,152 logits a sort took ~60 ms, a top-64 ~1.3.)"""
-    pending = (top_p < 1.0).nonzero().squeeze(1)
-    vocab_size = logits.shape[-1]
-    if not len(pending):
-        return logits
-    lse = torch.logsumexp(logits[pending], dim=-1, keepdim=True)
-    for k in NUCLEUS_CANDIDATES:
-        if not len(pending) or k >= vocab_size:
-            break
-        vals, ids = logits[pending].topk(k, dim=-1)
-        probs = (vals - lse).exp_()
-        mass = probs.cumsum(dim=-1)
-        p = top_p[pending]
-        covered = mass[:, -1] >= p + _MASS_MARGIN
-        if bool(covered.any()):
-            kept = vals[covered].masked_fill_(
-                mass[covered] - probs[covered] >= p[covered].unsqueeze(1), -float("inf"))
-            rows = torch.full((len(kept), vocab_size), -float("inf"), dtype=logits.dtype,
-                              device=logits.device)
-            logits[pending[covered]] = rows.scatter_(-1, ids[covered], kept)
-        pending, lse = pending[~covered], lse[~covered]
-    if len(pending):
-        logits[pending] = _sorted_top_k_top_p(logits[pending], None, top_p[pending])
-    return logits
-
-
-def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> None:
-    """In place: mask tokens whose probability is below min_p times the row's maximum."""
-    probs = logits.softmax(dim=-1)
-    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
-    logits.masked_fill_(probs < threshold, -float("inf"))
 
 
 def draw_exponentials(batch: int, vocab: int, generators: Mapping[int, torch.Generator],
@@ -467,16 +376,41 @@ def _to_exponential(u: torch.Tensor) -> torch.Tensor:
 
 
 def race_sample(logits: torch.Tensor, temperature: torch.Tensor | None,
-                generators: Mapping[int, torch.Generator]) -> torch.Tensor:
+                generators: Mapping[int, torch.Generator],
+                truncation: Truncation | None = None) -> torch.Tensor:
     """One token per row of `logits` [B, V] by the exponential race over
-    softmax(logits / temperature) (`ops.race_rows`; temperature None: 1, 0: greedy): a
-    seeded row with `draw_exponentials`' E from its generator, the others with the draws
-    the kernel makes from `race_seeds`."""
+    softmax(logits / temperature) (`ops.race_rows`; temperature None: 1, 0: greedy), cut by
+    `truncation` where given: a seeded row with `draw_exponentials`' E from its generator,
+    the others with the draws the kernel makes from `race_seeds`."""
     batch, vocab = logits.shape
     exps = draw_exponentials(batch, vocab, generators, logits.device,
                              unseeded=False) if generators else None
     return ops.race_rows(logits.contiguous(), temperature, exps,
-                         race_seeds(1, batch, generators)[0])
+                         race_seeds(1, batch, generators)[0],
+                         *(truncation or Truncation()))
+
+
+class Truncation(NamedTuple):
+    """Per-row top-k (int64 [B], 0: off), top-p and min-p (float32 [B]; 1 and 0: off) of
+    `Sampler.plain` and a decode burst; a field no row uses is None."""
+
+    top_k: torch.Tensor | None = None
+    top_p: torch.Tensor | None = None
+    min_p: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, params: Sequence[SamplingParams], device: torch.device | str = "cpu"
+           ) -> Truncation | None:
+        """The rows' settings (a greedy request's are off); None where no row uses any."""
+        def column(values: list, dtype: torch.dtype, off: float) -> torch.Tensor | None:
+            if all(v == off for v in values):
+                return None
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        cut = cls(column([p.top_k for p in params], torch.int64, 0),
+                  column([p.top_p for p in params], torch.float32, 1.0),
+                  column([p.min_p for p in params], torch.float32, 0.0))
+        return None if all(f is None for f in cut) else cut
 
 
 def race_seeds(steps: int, batch: int, generators: Mapping[int, torch.Generator]

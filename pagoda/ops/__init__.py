@@ -6,10 +6,13 @@ with a plain PyTorch reference (reference.py) that runs on any device.
   silu_and_mul(x)                                 -> silu(gate) * up of x = [gate | up]
   argmax_rows(x)                                  -> int64 [rows]: each row's first maximum
                                                      (the sampler's greedy pick)
-  race_rows(logits, temperature, exps, seeds)     -> int64 [rows]: each row's token of the
-                                                     exponential race (the sampler's random
+  race_rows(logits, temperature, exps, seeds,     -> int64 [rows]: each row's token of the
+            top_k=None, top_p=None, min_p=None)      exponential race (the sampler's random
                                                      pick; temperature 0: greedy) with the
-                                                     draws exps, or a row's own from its seed
+                                                     draws exps, or a row's own from its seed,
+                                                     over what truncate_rows leaves
+  truncate_rows(x, top_k, top_p, min_p)           -> x with each row's min-p, top-k, top-p cut
+                                                     to -inf (in place where it can)
   rotary_and_cache(qkv, cos, sin, positions,      rotates q, k of qkv in place and writes
                    k_cache, v_cache, slot_mapping, k, v into their slots
                    num_heads, num_kv_heads)
@@ -48,6 +51,7 @@ fused_add_rms_norm = define_op("fused_add_rms_norm", reference.fused_add_rms_nor
 silu_and_mul = define_op("silu_and_mul", reference.silu_and_mul)
 argmax_rows = define_op("argmax_rows", reference.argmax_rows)
 race_rows = define_op("race_rows", reference.race_rows)
+truncate_rows = define_op("truncate_rows", reference.truncate_rows)
 rotary_and_cache = define_op("rotary_and_cache", reference.rotary_and_cache)
 write_kv = define_op("write_kv", reference.write_kv)
 paged_attention = define_op("paged_attention", reference.paged_attention)
@@ -96,6 +100,7 @@ __all__ = [
     "rms_norm",
     "rotary_and_cache",
     "silu_and_mul",
+    "truncate_rows",
     "wquant",
     "write_kv",
 ]

@@ -67,15 +67,22 @@ def _argmax_supports(x: torch.Tensor) -> bool:
     return _matrix_contiguous(x) and x.shape[1] > 0
 
 
-def _race_rows(ext: ModuleType, logits: torch.Tensor, temperature: torch.Tensor | None,
-               exps: torch.Tensor | None, seeds: torch.Tensor | None = None) -> torch.Tensor:
-    return ext.race_rows(logits, temperature, exps, seeds)
+def _race_rows(ext: ModuleType, *args: torch.Tensor | None) -> torch.Tensor:
+    return ext.race_rows(*args)
 
 
 def _race_supports(logits: torch.Tensor, temperature: torch.Tensor | None,
-                   exps: torch.Tensor | None, seeds: torch.Tensor | None = None) -> bool:
+                   exps: torch.Tensor | None, *_rest: torch.Tensor | None) -> bool:
     # NOTE: the kernel checks the shapes and dtypes itself (a clear error, not a fallback).
     return _argmax_supports(logits) and (exps is None or exps.device.type == "cpu")
+
+
+def _truncate_rows(ext: ModuleType, *args: torch.Tensor | None) -> torch.Tensor:
+    return ext.truncate_rows(*args)
+
+
+def _truncate_supports(x: torch.Tensor, *cut: torch.Tensor | None) -> bool:
+    return _argmax_supports(x) and all(c is None or c.device.type == "cpu" for c in cut)
 
 
 def _rotary_and_cache(ext: ModuleType, *args) -> None:
@@ -200,6 +207,9 @@ def register() -> None:
     )
     OPS["race_rows"].register(
         "cpu", Kernel("cpp", _race_rows, _ARGMAX_DTYPES, fused, _race_supports)
+    )
+    OPS["truncate_rows"].register(
+        "cpu", Kernel("cpp", _truncate_rows, frozenset({torch.float32}), fused, _truncate_supports)
     )
     OPS["rotary_and_cache"].register(
         "cpu", Kernel("cpp", _rotary_and_cache, LOW_PRECISION, fused, _rotary_supports)

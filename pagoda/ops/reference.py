@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pagoda.ops import truncation
 from pagoda.ops.kv_quant import dequantize, quantize
 
 
@@ -41,25 +42,38 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def race_rows(logits: torch.Tensor, temperature: torch.Tensor | None,
-              exps: torch.Tensor | None, seeds: torch.Tensor | None = None) -> torch.Tensor:
+              exps: torch.Tensor | None, seeds: torch.Tensor | None = None,
+              top_k: torch.Tensor | None = None, top_p: torch.Tensor | None = None,
+              min_p: torch.Tensor | None = None) -> torch.Tensor:
     """int64 [rows]: each row's token of the exponential race, the first maximum of
-    softmax(x) / E with x = logits / temperature (none: 1) and E [rows, n] Exp(1) draws:
-    token i with probability softmax(x)_i. E is `exps`, except for the rows whose `seeds`
-    entry is >= 0 (all rows where `exps` is None), which draw their own. A row of
-    temperature 0 takes its logits' first maximum. (The CPU kernel computes
-    exp(x - max x) / E, the unnormalised probabilities: the same distribution, other
-    roundings; its own draws come from a counter hash of the seed, these from torch's
-    generator.)"""
+    softmax(x) / E with x = logits / temperature (none: 1), cut by `truncate_rows` where
+    top_k, top_p or min_p is given, and E [rows, n] Exp(1) draws: token i with probability
+    softmax(x)_i. E is `exps`, except for the rows whose `seeds` entry is >= 0 (all rows
+    where `exps` is None), which draw their own. A row of temperature 0 takes its logits'
+    first maximum. (The CPU kernel computes exp(x - max x) / E, the unnormalised
+    probabilities: the same distribution, other roundings; its own draws come from a counter
+    hash of the seed, these from torch's generator.)"""
     x = logits.float()
     e = torch.empty_like(x).exponential_() if exps is None else exps
     if seeds is not None and exps is not None:
         own = (seeds >= 0).to(x.device)
         e = torch.where(own.unsqueeze(1), torch.empty_like(x).exponential_(), exps)
-    if temperature is None:
-        return argmax_rows(x.softmax(dim=-1) / e)
-    greedy = temperature == 0
-    x = x / torch.where(greedy, 1.0, temperature).unsqueeze(1)
-    return torch.where(greedy, argmax_rows(logits), argmax_rows(x.softmax(dim=-1) / e))
+    greedy = None
+    if temperature is not None:
+        greedy = temperature == 0
+        x = x / torch.where(greedy, 1.0, temperature).unsqueeze(1)
+    if top_k is not None or top_p is not None or min_p is not None:
+        x = truncate_rows(x.clone(), top_k, top_p, min_p)
+    raced = argmax_rows(x.softmax(dim=-1) / e)
+    return raced if greedy is None else torch.where(greedy, argmax_rows(logits), raced)
+
+
+def truncate_rows(x: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
+                  min_p: torch.Tensor | None) -> torch.Tensor:
+    """Each row of scaled logits x [rows, n] float32 with the tokens its min_p (0: off),
+    then top_k (<= 0 or >= n: off), then top_p (1: off) cut set to -inf, in place where it
+    can (a kernel writes x): the sampler's truncation (truncation.py)."""
+    return truncation.truncate_rows(x, top_k, top_p, min_p)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

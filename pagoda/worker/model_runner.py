@@ -32,6 +32,7 @@ from pagoda.layers.sampler import (
     Sampler,
     SamplerOutput,
     SamplingMetadata,
+    Truncation,
     compute_topk_logprobs,
     draw_exponentials,
     race_seeds,
@@ -220,7 +221,7 @@ class ModelRunner:
         if temps is None:
             return False
         max_steps = bursts[0][0]
-        temperature = exps = seeds = None
+        temperature = exps = seeds = cut = None
         gens: dict[int, torch.Generator] = {}
         gen_states: dict[int, list[torch.Tensor]] = {}
         if any(temps):
@@ -232,6 +233,7 @@ class ModelRunner:
                 if max_steps < 2:
                     return False
             temperature = torch.tensor(temps, dtype=torch.float32)
+            cut = Truncation.of([state.sampling_params for state in states])
             seeds = race_seeds(max_steps, n, gens)
             exps, gen_states = self._draw_burst(max_steps, n, gens)
         stop_ids = sorted({t for _, ids in bursts for t in ids})
@@ -243,7 +245,7 @@ class ModelRunner:
             tokens = self.model.decode_burst(
                 input_ids, positions, self.kv_caches, md, table, bs, max_steps,
                 torch.tensor(stop_ids, dtype=torch.int64), self.burst_interrupt.flag,
-                temperature, exps, seeds)
+                temperature, exps, seeds, *(cut or ()))
         except BaseException:
             self._rewind(gens, gen_states, 0)
             raise
@@ -416,7 +418,8 @@ class ModelRunner:
             if any(temps):
                 tokens = Sampler.plain(
                     logits, torch.tensor(temps, dtype=torch.float32, device=logits.device),
-                    self._plain_generators(states, temps))
+                    self._plain_generators(states, temps),
+                    Truncation.of([s.sampling_params for s in states], logits.device))
             else:
                 tokens = Sampler.greedy(logits)
             self._append_sampled(slots, states, tokens.numpy(), result)

@@ -244,8 +244,8 @@ def test_no_bursts_where_the_logits_are_touched(tiny_model) -> None:
 
 def test_decode_burst_checks_its_block_table(tiny_model) -> None:
     """The extension call refuses a block table that does not hold every step's position,
-    an interrupt flag that is not one byte, and a sampled burst's temperature without
-    draws or draws for fewer steps."""
+    an interrupt flag that is not one byte, a sampled burst's temperature without draws or
+    draws for fewer steps, and truncation without a temperature or of the wrong shape."""
     _needs_kernels(dense=True)
     engine = _engine(str(tiny_model("LlamaForCausalLM")), BURST)
     model = engine.executor.worker.model
@@ -266,17 +266,21 @@ def test_decode_burst_checks_its_block_table(tiny_model) -> None:
                            2, torch.zeros(1, dtype=torch.int32), None, None, None)
     vocab = engine.vocab_size
     two_steps = torch.zeros(2, 1, dtype=torch.int64)
-    for temps, exps, seeds, match in (
-            (torch.ones(1), None, None, "temperature comes with exps or seeds"),
-            (None, None, two_steps, "temperature comes with exps or seeds"),
-            (torch.ones(1), torch.ones(1, 1, vocab), None, "exps must be"),
-            (torch.ones(1), torch.ones(2, 2, vocab), None, "exps must be"),
-            (torch.ones(1), None, two_steps[:1], "seeds must be")):
+    top_k = torch.ones(1, dtype=torch.int64)
+    for temps, exps, seeds, cut, match in (
+            (torch.ones(1), None, None, None, "temperature comes with exps or seeds"),
+            (None, None, two_steps, None, "temperature comes with exps or seeds"),
+            (torch.ones(1), torch.ones(1, 1, vocab), None, None, "exps must be"),
+            (torch.ones(1), torch.ones(2, 2, vocab), None, None, "exps must be"),
+            (torch.ones(1), None, two_steps[:1], None, "seeds must be"),
+            (None, None, None, top_k, "top_k, top_p and min_p come with a temperature"),
+            (torch.ones(1), None, two_steps, top_k[:0], "top_k must be a contiguous int64")):
         with pytest.raises(RuntimeError, match=match):
             stack.decode_burst(stack.decode, x, model.rotary.cos, model.rotary.sin,
                                torch.tensor([0]), kv, torch.ones(1, 1, dtype=torch.int64), 16,
                                model.model.norm.weight, 1e-5, *model._token_weights(),
-                               torch.zeros(0, dtype=torch.int64), 2, None, temps, exps, seeds)
+                               torch.zeros(0, dtype=torch.int64), 2, None, temps, exps, seeds,
+                               top_k=cut)
 
 
 def test_decode_burst_must_be_positive() -> None:

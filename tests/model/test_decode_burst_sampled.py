@@ -1,11 +1,11 @@
-"""Sampled decode bursts: requests that sample with only a temperature
+"""Sampled decode bursts: requests that sample with a temperature and truncation only
 (`SamplingParams.plain`, the OpenAI API's default of temperature 1) burst as greedy ones do,
 each step's token the race of `Sampler.plain` with Exp(1) draws made before the call. A
 seeded request's tokens equal those of bursts off: alone and beside greedy and other seeded
 requests, through stop tokens (an interrupt that ends a burst early and a burst that fails,
 where the generator must stand as one step at a time leaves it: test_decode_burst.py's
 tests, seeded); the draws made ahead are capped
-(`BURST_DRAW_BYTES`); top-k, top-p and min-p keep one token a step."""
+(`BURST_DRAW_BYTES`); top-k, top-p and min-p requests burst with the cut in the kernel."""
 
 from __future__ import annotations
 
@@ -81,18 +81,29 @@ def test_sampled_draws_ahead_are_capped(tiny_model, monkeypatch) -> None:
     assert all(0 <= t < vocab for r in results for t in r[0])
 
 
-def test_no_bursts_where_sampling_cuts_the_distribution(tiny_model) -> None:
-    """top-k, top-p and min-p see every step's sorted or scaled distribution: one token a
-    step."""
+def test_truncated_requests_burst(tiny_model, monkeypatch) -> None:
+    """top-k, top-p and min-p requests burst: the kernel cuts each step's distribution as
+    the sampler does (ops.truncate_rows' kernel), so seeded ones give the tokens of bursts
+    off. top-k 1 at temperature 1.5 is greedy, which it would not be without the cut."""
     _needs_kernels(dense=True)
     model = str(tiny_model("LlamaForCausalLM"))
+    prompts = _prompts(5, seed=26)
+
+    def params(**kwargs) -> SamplingParams:
+        return SamplingParams(max_tokens=30, ignore_eos=True, **kwargs)
+
+    requests = [(prompts[0], params(temperature=0.8, top_p=0.9, seed=1)),
+                (prompts[1], params(temperature=0.8, top_k=20, seed=2)),
+                (prompts[2], params(temperature=1.0, min_p=0.1, seed=3)),
+                (prompts[3], params(temperature=1.2, top_k=40, top_p=0.8, min_p=0.05, seed=4)),
+                (prompts[4], params(temperature=1.5, top_k=1, seed=5))]
+    _check_equal_with_bursts(model, requests)
     engine = _engine(model, BURST)
-    prompt = _prompts(1, seed=26)[0]
-    for params in (SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, seed=1,
-                                  ignore_eos=True),
-                   SamplingParams(max_tokens=20, temperature=0.8, top_k=20, seed=1,
-                                  ignore_eos=True),
-                   SamplingParams(max_tokens=20, temperature=0.8, min_p=0.1, seed=1,
-                                  ignore_eos=True)):
-        _, steps, tokens = run(engine, [(prompt, params)])
-        assert steps == tokens == 20
+    calls = _burst_rows(monkeypatch)
+    greedy = run(engine, [(prompts[4], params(temperature=0))])[0]
+    assert run(engine, [requests[4]])[0][0][0] == greedy[0][0] and calls
+    # Greedy, plain and truncated rows in one burst, one ending on a stop token inside it.
+    mixed = [params(temperature=0), params(temperature=0.9, top_p=0.85, seed=7),
+             SamplingParams(max_tokens=12, temperature=1.1, top_k=15, seed=8, ignore_eos=True),
+             params(temperature=1.0, seed=9)]
+    check_concurrent_with_a_stop(model, prompts[:4], mixed, monkeypatch)

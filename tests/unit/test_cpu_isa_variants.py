@@ -4,7 +4,7 @@ On an AVX-512 CPU a subprocess builds (or loads from the cache) the `x86-64-v3` 
 both extensions (`PAGODA_CPU_MARCH`, ops/cpu_kernels.py) and runs the kernels on inputs that
 this process wrote with torch.save; its results must equal the native (AVX-512) build's bit
 for bit (quant kernels: q_linear over GGUF and group-quant layouts, i8_linear, dequant_rows;
-fp8_gemv, fp8_dequant; fused ops: add+RMSNorm, SiLU*mul, argmax, the sampler's race, rotary +
+fp8_gemv, fp8_dequant; fused ops: add+RMSNorm, SiLU*mul, argmax, the sampler's race and truncation, rotary +
 plain / int8 / fp8 cache writes) and pass the reference checks of the ops' own tests; so must its decode attention's
 vector path and its tiled prefill attention (the fp32 paths: float32 q on float32 / bf16 /
 int8 / fp8 caches, and bf16 q, which the native build takes through its dot products where it
@@ -164,6 +164,17 @@ def _fused_cases(cases: dict, checks: dict) -> None:
             seeds = torch.arange(rows, dtype=torch.int64) * 7919 + n
             cases[f"race_rows/own/{dtype}/{rows}x{n}"] = (
                 "race_rows", (x.to(dtype), t, None, seeds))
+            # Truncation: the weights' exp and their 16-lane sum, alike on every ISA.
+            top_k = torch.randint(0, 80, (rows,), generator=g)
+            top_p = 0.5 + 0.5 * torch.rand(rows, generator=g)
+            min_p = torch.where(torch.arange(rows) % 2 == 0, 0.01, 0.0)
+            cases[f"race_rows/cut/{dtype}/{rows}x{n}"] = (
+                "race_rows", (x.to(dtype), t, e, seeds, top_k, top_p, min_p))
+            if dtype == torch.float32:
+                for spread in (0.5, 4.0):  # flat rows take top-p's bucketed path
+                    cases[f"truncate_rows/{spread}/{rows}x{n}"] = (
+                        "truncate_rows", (x * spread / 4, None, top_p, min_p))
+                cases[f"truncate_rows/k/{rows}x{n}"] = ("truncate_rows", (x, top_k, top_p, None))
     for dtype in (torch.bfloat16, torch.float16):
         for head_dim in (64, 48, 20):  # half 32, 24 (a 16-lane tail of 8), 10
             qkv, cos, sin, pos, slots, k_cache, v_cache = fused_tests._rotary_case(
@@ -301,6 +312,8 @@ def _run(ext, qext, kernel: str, args: tuple) -> tuple[torch.Tensor, ...]:
         return (out,)
     if kernel in ("silu_and_mul", "argmax_rows", "race_rows"):
         return (getattr(ext, kernel)(*args),)
+    if kernel == "truncate_rows":
+        return (ext.truncate_rows(args[0].clone(), *args[1:]),)
     if kernel == "add_rms_norm":
         x, res = args[0].clone(), args[1].clone()
         ext.fused_add_rms_norm(x, res, *args[2:])
@@ -437,7 +450,7 @@ def test_quant_kernels_bit_identical(runs) -> None:
 
 def test_fused_ops_bit_identical(runs) -> None:
     _bit_identical(runs, ("add_rms_norm/", "silu_and_mul/", "rotary/", "argmax_rows/",
-                          "race_rows/"))
+                          "race_rows/", "truncate_rows/"))
 
 
 def test_decode_attention_bit_identical(runs) -> None:
@@ -554,8 +567,19 @@ def test_fused_ops_match_reference(runs) -> None:
             assert torch.equal(out[name][0], args[0].float().argmax(dim=-1)), name
         elif kernel == "race_rows" and args[2] is None:  # own draws: greedy row 0 only
             assert out[name][0][0] == args[0][0].float().argmax(), name
+        elif kernel == "race_rows" and len(args) > 4:  # cut: tokens it keeps only
+            x, t = args[0].float(), args[1]
+            kept = reference.truncate_rows(x / torch.where(t == 0, 1.0, t).unsqueeze(1),
+                                           *args[4:])
+            got = out[name][0]
+            assert got[0] == x[0].argmax(), name
+            assert (kept[1:].gather(1, got[1:].unsqueeze(1)) > -float("inf")).all(), name
         elif kernel == "race_rows":
             assert torch.equal(out[name][0], reference.race_rows(*args)), name
+        elif kernel == "truncate_rows":
+            got, x = out[name][0], args[0]
+            kept = got > -float("inf")
+            assert torch.equal(got[kept], x[kept]) and kept.any(dim=-1).all(), name
 
 
 def _check_rotary(name: str, args: tuple, got: tuple) -> None:

@@ -10,11 +10,10 @@ import torch
 from pagoda.layers.sampler import (
     Sampler,
     SamplingMetadata,
-    apply_min_p,
     apply_penalties,
-    apply_top_k_top_p,
     compute_topk_logprobs,
 )
+from pagoda.ops.truncation import apply_min_p, apply_top_k_top_p
 from pagoda.sampling_params import SamplingParams, SamplingType
 
 CPU = torch.device("cpu")
@@ -311,7 +310,8 @@ def test_max_top_k_ignores_greedy_rows() -> None:
 
 
 def test_plain_params() -> None:
-    """`plain`: only a temperature touches the logits (greedy: the raw argmax)."""
+    """`plain`: only a temperature and truncation touch the logits (greedy: the raw
+    argmax); nothing that reads the request's tokens or reports logprobs."""
     assert SamplingParams(temperature=0.0).plain
     # NOTE: greedy switches truncation off: top-k cannot change an argmax.
     assert SamplingParams(temperature=0.0, min_tokens=4, top_k=3).plain
@@ -322,8 +322,10 @@ def test_plain_params() -> None:
                     {"presence_penalty": -0.5}):
         assert not SamplingParams(**{"temperature": 0.0, **changed}).plain, changed
         assert not SamplingParams(**{"temperature": 0.7, **changed}).plain, changed
-    for changed in ({"top_p": 0.9}, {"top_k": 20}, {"min_p": 0.1}):
-        assert not SamplingParams(**{"temperature": 0.7, **changed}).plain, changed
+    for changed in ({"top_p": 0.9}, {"top_k": 20}, {"min_p": 0.1},
+                    {"top_p": 0.9, "top_k": 20, "min_p": 0.1}):
+        assert SamplingParams(**{"temperature": 0.7, **changed}).plain, changed
+        assert not SamplingParams(**{"temperature": 0.7, "logprobs": 2, **changed}).plain
     assert SamplingParams(temperature=0.0, logit_bias={}).plain
 
 
@@ -341,7 +343,7 @@ def test_top_p_among_candidates_equals_the_full_sort(monkeypatch) -> None:
     """top-p without top-k looks for a row's nucleus among its 64, then 1,024 most likely
     tokens before sorting the row: the same logits kept as the full sort's, for rows whose
     nucleus fits each of the three (peaked to flat) and rows of p == 1 beside them."""
-    from pagoda.layers import sampler
+    from pagoda.ops import truncation as sampler
 
     vocab = 49152
     gen = torch.Generator().manual_seed(3)

@@ -410,9 +410,11 @@ at::Tensor embed_rows(const Weight& table, const at::Tensor& ids, int64_t hidden
 // (its first maximum; with `temperature` [B] float32, the exponential race of race_rows with
 // step i's draws: exps[i] of `exps` [>= max_steps, B, V] float32, or for a row whose
 // seeds[i][row] of `seeds` [>= max_steps, B] int64 is >= 0 the kernel's own draws from it;
-// temperature 0 a greedy row), then the chosen tokens' embeddings are the next step's input. The same kernels on
-// the same tensors as a step through the engine (the model's forward, compute_logits,
-// Sampler.greedy or Sampler.plain, the embedding's lookup), so the same tokens; what a step
+// temperature 0 a greedy row; with top_k, top_p or min_p [B], the race over what their
+// cut leaves), then the chosen tokens' embeddings are the next step's input. The same
+// kernels on the same tensors as a step through the engine (the model's forward,
+// compute_logits, Sampler.greedy or Sampler.plain, the embedding's lookup), so the same
+// tokens; what a step
 // saves is the engine's and the runner's host work, which at a few tokens a step runs on
 // cold caches.
 // x: the first tokens' embeddings [B, hidden] bf16 (the caller's lookup); pos0 [B] int64:
@@ -434,7 +436,10 @@ torch::Tensor decoder_decode_burst(const DecoderStack& s, const torch::Tensor& x
                                    const std::optional<torch::Tensor>& interrupt,
                                    const std::optional<torch::Tensor>& temperature,
                                    const std::optional<torch::Tensor>& exps,
-                                   const std::optional<torch::Tensor>& seeds) {
+                                   const std::optional<torch::Tensor>& seeds,
+                                   const std::optional<torch::Tensor>& top_k,
+                                   const std::optional<torch::Tensor>& top_p,
+                                   const std::optional<torch::Tensor>& min_p) {
   const int64_t hidden = s.layers[0].input_norm.size(0);
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(0) >= 1 &&
                   x.size(1) == hidden,
@@ -466,6 +471,18 @@ torch::Tensor decoder_decode_burst(const DecoderStack& s, const torch::Tensor& x
               "decoder_decode_burst: interrupt must be a uint8 [1] CPU tensor");
   TORCH_CHECK(temperature.has_value() == (exps.has_value() || seeds.has_value()),
               "decoder_decode_burst: temperature comes with exps or seeds");
+  TORCH_CHECK(temperature.has_value() ||
+                  !(top_k.has_value() || top_p.has_value() || min_p.has_value()),
+              "decoder_decode_burst: top_k, top_p and min_p come with a temperature");
+  for (const auto* cut : {&top_k, &top_p, &min_p}) {
+    const bool k = cut == &top_k;
+    TORCH_CHECK(!cut->has_value() ||
+                    ((*cut)->scalar_type() == (k ? at::kLong : at::kFloat) &&
+                     (*cut)->dim() == 1 && (*cut)->size(0) == rows &&
+                     (*cut)->is_contiguous() && (*cut)->device().is_cpu()),
+                "decoder_decode_burst: ", k ? "top_k" : cut == &top_p ? "top_p" : "min_p",
+                " must be a contiguous ", k ? "int64" : "float32", " [", rows, "] CPU tensor");
+  }
   if (seeds.has_value()) {
     TORCH_CHECK(seeds->scalar_type() == at::kLong && seeds->dim() == 2 &&
                     seeds->size(0) >= max_steps && seeds->size(1) == rows &&
@@ -516,7 +533,8 @@ torch::Tensor decoder_decode_burst(const DecoderStack& s, const torch::Tensor& x
                   exps.has_value() ? std::optional<torch::Tensor>(exps->select(0, i))
                                    : std::nullopt,
                   seeds.has_value() ? std::optional<torch::Tensor>(seeds->select(0, i))
-                                    : std::nullopt)
+                                    : std::nullopt,
+                  top_k, top_p, min_p)
             : pagoda_fused::argmax_rows(logits);
     const int64_t* c = chosen.data_ptr<int64_t>();
     bool stop = false;
@@ -602,6 +620,14 @@ void register_decoder_layer(pybind11::module& m) {
         "layer's output (residual updated in place)");
   m.def("decoder_decode_burst", &pagoda_layer::decoder_decode_burst, release(),
         "up to max_steps decode steps of B requests (stack, final norm, head, argmax or "
-        "the race with the drawn exps, the next tokens' embeddings), none started once "
-        "`interrupt` is raised or after a stop token; returns the tokens chosen [steps, B]");
+        "the race with the drawn exps over what the truncation leaves, the next tokens' "
+        "embeddings), none started once `interrupt` is raised or after a stop token; "
+        "returns the tokens chosen [steps, B]",
+        py::arg("stack"), py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("pos0"),
+        py::arg("kv"), py::arg("block_table"), py::arg("block_size"), py::arg("norm_w"),
+        py::arg("norm_eps"), py::arg("head"), py::arg("embed"), py::arg("stop_ids"),
+        py::arg("max_steps"), py::arg("interrupt") = py::none(),
+        py::arg("temperature") = py::none(), py::arg("exps") = py::none(),
+        py::arg("seeds") = py::none(), py::arg("top_k") = py::none(),
+        py::arg("top_p") = py::none(), py::arg("min_p") = py::none());
 }

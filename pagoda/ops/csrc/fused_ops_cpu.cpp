@@ -605,6 +605,195 @@ inline float race_exp_scalar(RaceKey k, int64_t i) {
   return u > 0.0f ? -std::log(u) : 88.0f;
 }
 
+// Truncation (layers/sampler.py's order): min-p, then top-k, then top-p, of a row of
+// scaled logits x[0, n) in place, the tokens cut set to -inf. A token's weight is
+// w_i = exp(x_i - max x), its probability times the row's sum. min-p cuts w_i below
+// min_p * w_max; top-k keeps the k first in rank (x descending, then index ascending); top-p
+// keeps a token while the weight of the kept tokens ranked above it is below p times their
+// sum (the smallest set of first-ranked tokens whose probability reaches p). A row with a
+// NaN or an infinite maximum is left as it is (the race takes its argmax). The sum is taken
+// in 16 fixed lanes and each weight by the same vector code, so the AVX-512 and AVX2 builds
+// cut the same tokens; the torch reference (ops/reference.py) differs only where a rounding
+// decides. Per row the sort is of the few tokens that hold the cut: those within a depth
+// of the maximum (kCutDepths), and of many such, one value bucket (narrow_to_bucket).
+struct Truncation {
+  const int64_t* top_k = nullptr;  // [rows]; <= 0 or >= n: off
+  const float* top_p = nullptr;    // [rows]; 1: off
+  const float* min_p = nullptr;    // [rows]; 0: off
+
+  bool any() const { return top_k != nullptr || top_p != nullptr || min_p != nullptr; }
+  int64_t k(int64_t r, int64_t n) const {
+    return top_k != nullptr && top_k[r] > 0 && top_k[r] < n ? top_k[r] : 0;
+  }
+  float p(int64_t r) const { return top_p != nullptr ? top_p[r] : 1.0f; }
+  float min(int64_t r) const { return min_p != nullptr ? min_p[r] : 0.0f; }
+  bool cuts(int64_t r, int64_t n) const { return k(r, n) > 0 || p(r) < 1.0f || min(r) > 0.0f; }
+};
+
+struct RankedToken {
+  float x;
+  int64_t i;
+};
+
+// a ranks before b: a larger value, or the same value and a smaller index.
+inline bool ranks_before(const RankedToken& a, const RankedToken& b) {
+  return a.x > b.x || (a.x == b.x && a.i < b.i);
+}
+
+// How far below the row's maximum, in turn, the candidates a cut is looked for among reach:
+// a value floor, so that they are the first in rank (a weight floor would trust exp's
+// polynomial to be monotonic to the last bit).
+constexpr float kCutDepths[] = {5.0f, 10.0f, 17.0f, std::numeric_limits<float>::infinity()};
+
+struct CutScratch {
+  std::vector<float> w;
+  std::vector<RankedToken> ranked;
+  std::vector<double> bucket_w;
+};
+
+// The finite tokens of value >= floor, into s.ranked (unsorted).
+inline void gather_ranked(const float* x, int64_t n, float floor, CutScratch& s) {
+  s.ranked.clear();
+  for (int64_t i = 0; i < n; ++i) {
+    if (x[i] >= floor && x[i] > -std::numeric_limits<float>::infinity()) {
+      s.ranked.push_back({x[i], i});
+    }
+  }
+}
+
+// Above this many candidates top-p sorts one value bucket of them (narrow_to_bucket).
+constexpr int64_t kSortedCandidates = 1024;
+constexpr int64_t kBuckets = 2048;
+
+inline float lowest_ranked(const CutScratch& s) {
+  float lo = std::numeric_limits<float>::infinity();
+  for (const auto& t : s.ranked) lo = std::min(lo, t.x);
+  return lo;
+}
+
+// Many candidates (values from the maximum m down to a lower lowest): their weights summed
+// per value bucket, kBuckets of equal width from m down, in rank order of the buckets, to
+// the one where the sum reaches `target`; s.ranked keeps that bucket's tokens only. Returns
+// the weight of the buckets above it, or -1 where every bucket together stays below target.
+// Sorting one bucket, not thousands of tokens of a flat row, is what keeps top-p cheap there.
+inline double narrow_to_bucket(const float* w, float m, double target, CutScratch& s) {
+  const double scale = kBuckets / (static_cast<double>(m) - lowest_ranked(s));
+  auto bucket = [&](float x) {
+    return std::min<int64_t>(kBuckets - 1,
+                             static_cast<int64_t>((static_cast<double>(m) - x) * scale));
+  };
+  s.bucket_w.assign(kBuckets, 0.0);
+  for (const auto& t : s.ranked) s.bucket_w[bucket(t.x)] += w[t.i];
+  double above = 0.0;
+  int64_t b = 0;
+  for (; b < kBuckets && above + s.bucket_w[b] < target; ++b) above += s.bucket_w[b];
+  if (b == kBuckets) return -1.0;
+  s.ranked.erase(std::remove_if(s.ranked.begin(), s.ranked.end(),
+                                [&](const RankedToken& t) { return bucket(t.x) != b; }),
+                 s.ranked.end());
+  return above;
+}
+
+// Cuts every token that ranks after `last` (weight 0 too).
+inline void cut_after(float* x, float* w, int64_t n, RankedToken last) {
+  for (int64_t i = 0; i < n; ++i) {
+    if (x[i] < last.x || (x[i] == last.x && i > last.i)) {
+      x[i] = -std::numeric_limits<float>::infinity();
+      w[i] = 0.0f;
+    }
+  }
+}
+
+// The sum of w[0, n) in 16 lanes (each lane's order fixed), then the lanes in order.
+inline double lane_sum16(const float* w, int64_t n) {
+  float acc[16] = {};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    for (int j = 0; j < 16; ++j) acc[j] += w[i + j];
+  }
+  for (int j = 0; i + j < n; ++j) acc[j] += w[i + j];
+  double sum = 0.0;
+  for (float a : acc) sum += a;
+  return sum;
+}
+
+void truncate_row(float* x, int64_t n, int64_t k, float p, float min_p, CutScratch& s) {
+  if (k <= 0 && !(p < 1.0f) && !(min_p > 0.0f)) return;
+  bool nan = false;
+  const float m = row_max(x, n, nan);
+  if (nan || std::isinf(m)) return;
+  s.w.resize(n);
+  float* w = s.w.data();
+  constexpr float kFloor = -127.0f;  // see row_race
+  int64_t i = 0;
+#if defined(PAGODA_FUSED_VEC)
+  const VecF vm = vset1<VecF>(m), floor = vset1<VecF>(kFloor);
+  for (; i + kLanes <= n; i += kLanes) {
+    pagoda_vec::vstore(w + i, vexp(vmax(vsub(pagoda_vec::vload<VecF>(x + i), vm), floor)));
+  }
+  if (i < n) {
+    alignas(64) float xt[kLanes], wt[kLanes];
+    for (int64_t j = 0; j < kLanes; ++j) {
+      xt[j] = i + j < n ? x[i + j] : -std::numeric_limits<float>::infinity();
+    }
+    pagoda_vec::vstore(wt, vexp(vmax(vsub(pagoda_vec::vload<VecF>(xt), vm), floor)));
+    std::memcpy(w + i, wt, (n - i) * sizeof(float));
+  }
+#else
+  for (; i < n; ++i) w[i] = std::exp(std::max(x[i] - m, kFloor));
+#endif
+  if (min_p > 0.0f) {
+    float w_max = 0.0f;
+    for (int64_t j = 0; j < n; ++j) w_max = std::max(w_max, w[j]);
+    const float threshold = w_max * min_p;
+    for (int64_t j = 0; j < n; ++j) {
+      if (w[j] < threshold) {
+        x[j] = -std::numeric_limits<float>::infinity();
+        w[j] = 0.0f;
+      }
+    }
+  }
+  if (k > 0) {
+    for (float depth : kCutDepths) {
+      gather_ranked(x, n, m - depth, s);
+      if (static_cast<int64_t>(s.ranked.size()) >= k) break;
+    }
+    if (static_cast<int64_t>(s.ranked.size()) > k) {
+      std::nth_element(s.ranked.begin(), s.ranked.begin() + (k - 1), s.ranked.end(),
+                       ranks_before);
+      cut_after(x, w, n, s.ranked[k - 1]);
+    }
+  }
+  if (!(p < 1.0f)) return;
+  const double target = static_cast<double>(p) * lane_sum16(w, n);
+  for (float depth : kCutDepths) {
+    const bool whole = std::isinf(depth);
+    gather_ranked(x, n, m - depth, s);
+    double above = 0.0;
+    const bool bucketed = static_cast<int64_t>(s.ranked.size()) > kSortedCandidates &&
+                          lowest_ranked(s) < m;
+    if (bucketed) {
+      above = narrow_to_bucket(w, m, target, s);
+      if (above < 0.0) {
+        if (whole) return;  // rounding kept the sum below p's share: nothing is cut
+        continue;
+      }
+    }
+    std::sort(s.ranked.begin(), s.ranked.end(), ranks_before);
+    const int64_t count = static_cast<int64_t>(s.ranked.size());
+    for (int64_t r = 0; r <= count; ++r) {
+      // NOTE: a bucket whose sum reached the target cuts after its last token even where
+      // the running sum, in another order, falls short by a rounding.
+      if ((r > 0 && above >= target) || (bucketed && r == count)) {
+        cut_after(x, w, n, s.ranked[r - 1]);
+        return;
+      }
+      if (r < count) above += w[s.ranked[r].i];
+    }
+    if (whole) return;
+  }
+}
+
 // Row r's token of the exponential race (layers/sampler.py: race_sample): the first maximum
 // over i of exp(x_i - max x) / e_i, x = logits / t (a rounded division, as torch's div):
 // with e_i i.i.d. Exp(1) draws, token i wins with probability softmax(x)_i. The draws are
@@ -658,21 +847,81 @@ int64_t row_race(const T* l, const float* e, RaceKey key, int64_t n, float t,
 
 template <typename T>
 void race_rows_impl(const T* l, const float* t, const float* e, const int64_t* seeds,
-                    int64_t rows, int64_t n, int64_t* out) {
+                    const Truncation& cut, int64_t rows, int64_t n, int64_t* out) {
 #pragma omp parallel for if (rows * n >= 8 * kParallelGrain) schedule(static)
   for (int64_t r = 0; r < rows; ++r) {
     // NOTE: per thread, kept: a vocabulary's scores (~200 KB) would otherwise be mapped
     // and unmapped by the allocator at every call.
-    thread_local std::vector<float> score;
+    thread_local std::vector<float> score, scaled;
+    thread_local CutScratch scratch;
     const bool own = seeds != nullptr && seeds[r] >= 0;
-    out[r] = row_race(l + r * n, own ? nullptr : e + r * n,
-                      own ? race_key(seeds[r], r) : RaceKey{0, 0}, n,
-                      t == nullptr ? 1.0f : t[r], score);
+    const float* er = own ? nullptr : e + r * n;
+    const RaceKey key = own ? race_key(seeds[r], r) : RaceKey{0, 0};
+    const float tr = t == nullptr ? 1.0f : t[r];
+    const T* lr = l + r * n;
+    if (tr == 0.0f || !cut.cuts(r, n)) {
+      out[r] = row_race(lr, er, key, n, tr, score);
+      continue;
+    }
+    // NOTE: the logits divided as the sampler's torch div divides them, then cut and raced
+    // at temperature 1 (an exact division): what the sampler's stages pick, step by step.
+    scaled.resize(n);
+    for (int64_t i = 0; i < n; ++i) scaled[i] = to_f(lr[i]) / tr;
+    truncate_row(scaled.data(), n, cut.k(r, n), cut.p(r), cut.min(r), scratch);
+    out[r] = row_race(scaled.data(), er, key, n, 1.0f, score);
   }
 }
 
+// Checks the optional per-row truncation settings of an op named `op` over `rows` rows.
+Truncation truncation_args(const char* op, int64_t rows,
+                           const std::optional<torch::Tensor>& top_k,
+                           const std::optional<torch::Tensor>& top_p,
+                           const std::optional<torch::Tensor>& min_p) {
+  Truncation cut;
+  if (top_k.has_value()) {
+    TORCH_CHECK(top_k->scalar_type() == at::kLong && top_k->dim() == 1 &&
+                    top_k->size(0) == rows && top_k->is_contiguous() && top_k->device().is_cpu(),
+                op, ": top_k must be a contiguous int64 [", rows, "] CPU tensor");
+    cut.top_k = top_k->data_ptr<int64_t>();
+  }
+  for (const auto* arg : {&top_p, &min_p}) {
+    if (!arg->has_value()) continue;
+    const auto& v = **arg;
+    const char* name = arg == &top_p ? "top_p" : "min_p";
+    TORCH_CHECK(v.scalar_type() == at::kFloat && v.dim() == 1 && v.size(0) == rows &&
+                    v.is_contiguous() && v.device().is_cpu(),
+                op, ": ", name, " must be a contiguous float32 [", rows, "] CPU tensor");
+    const float* f = v.data_ptr<float>();
+    for (int64_t r = 0; r < rows; ++r) {
+      TORCH_CHECK(f[r] >= 0.0f && f[r] <= 1.0f, op, ": ", name, " must be in [0, 1], got ",
+                  f[r], " in row ", r);
+    }
+    (arg == &top_p ? cut.top_p : cut.min_p) = f;
+  }
+  return cut;
+}
+
+torch::Tensor truncate_rows(torch::Tensor x, std::optional<torch::Tensor> top_k,
+                            std::optional<torch::Tensor> top_p,
+                            std::optional<torch::Tensor> min_p) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat &&
+                  x.size(1) > 0,
+              "truncate_rows: x must be a contiguous float32 [rows, n] matrix with n > 0");
+  const int64_t rows = x.size(0), n = x.size(1);
+  const Truncation cut = truncation_args("truncate_rows", rows, top_k, top_p, min_p);
+  float* xp = x.data_ptr<float>();
+#pragma omp parallel for if (rows * n >= 8 * kParallelGrain) schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    thread_local CutScratch scratch;
+    truncate_row(xp + r * n, n, cut.k(r, n), cut.p(r), cut.min(r), scratch);
+  }
+  return x;
+}
+
 torch::Tensor race_rows(torch::Tensor logits, std::optional<torch::Tensor> temperature,
-                        std::optional<torch::Tensor> exps, std::optional<torch::Tensor> seeds) {
+                        std::optional<torch::Tensor> exps, std::optional<torch::Tensor> seeds,
+                        std::optional<torch::Tensor> top_k, std::optional<torch::Tensor> top_p,
+                        std::optional<torch::Tensor> min_p) {
   TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.size(1) > 0,
               "race_rows: logits must be a contiguous [rows, n] matrix with n > 0");
   const int64_t rows = logits.size(0);
@@ -708,15 +957,16 @@ torch::Tensor race_rows(torch::Tensor logits, std::optional<torch::Tensor> tempe
                   "race_rows: temperature must be finite and non-negative, got ", t[r]);
     }
   }
+  const Truncation cut = truncation_args("race_rows", rows, top_k, top_p, min_p);
   auto out = torch::empty({rows}, logits.options().dtype(at::kLong));
   int64_t* o = out.data_ptr<int64_t>();
   const int64_t n = logits.size(1);
   if (dtype == at::kFloat) {
-    race_rows_impl(logits.data_ptr<float>(), t, ep, sp, rows, n, o);
+    race_rows_impl(logits.data_ptr<float>(), t, ep, sp, cut, rows, n, o);
   } else if (dtype == at::kBFloat16) {
-    race_rows_impl(logits.data_ptr<at::BFloat16>(), t, ep, sp, rows, n, o);
+    race_rows_impl(logits.data_ptr<at::BFloat16>(), t, ep, sp, cut, rows, n, o);
   } else {
-    race_rows_impl(logits.data_ptr<at::Half>(), t, ep, sp, rows, n, o);
+    race_rows_impl(logits.data_ptr<at::Half>(), t, ep, sp, cut, rows, n, o);
   }
   return out;
 }
@@ -758,7 +1008,14 @@ void register_fused_ops(pybind11::module& m) {
   m.def("race_rows", &pagoda_fused::race_rows,
         "int64 [rows]: each row's token of the exponential race over softmax(logits / t) "
         "with the Exp(1) draws `exps`, or a row's own draws keyed by seeds[row] >= 0 "
-        "(t 0: the first maximum; no t: 1)",
+        "(t 0: the first maximum; no t: 1), after truncate_rows' cut where top_k, top_p or "
+        "min_p is given",
         pybind11::arg("logits"), pybind11::arg("temperature"), pybind11::arg("exps"),
-        pybind11::arg("seeds") = pybind11::none());
+        pybind11::arg("seeds") = pybind11::none(), pybind11::arg("top_k") = pybind11::none(),
+        pybind11::arg("top_p") = pybind11::none(), pybind11::arg("min_p") = pybind11::none());
+  m.def("truncate_rows", &pagoda_fused::truncate_rows,
+        "in place, each row of scaled logits x [rows, n] float32 cut (to -inf) by its "
+        "min_p, then top_k, then top_p (each an optional per-row tensor); returns x",
+        pybind11::arg("x"), pybind11::arg("top_k") = pybind11::none(),
+        pybind11::arg("top_p") = pybind11::none(), pybind11::arg("min_p") = pybind11::none());
 }

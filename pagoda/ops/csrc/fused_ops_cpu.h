@@ -26,8 +26,19 @@ torch::Tensor argmax_rows(torch::Tensor x);
 // Each row's token of the exponential race over softmax(logits / temperature) with the
 // Exp(1) draws `exps` [rows, n], or for a row whose seeds[row] (int64 [rows]) is >= 0 with
 // draws made in the kernel from that seed (temperature 0: the first maximum; none: 1).
+// With top_k (int64 [rows]), top_p or min_p (float32 [rows]): the race over what
+// truncate_rows leaves of logits / temperature.
 torch::Tensor race_rows(torch::Tensor logits, std::optional<torch::Tensor> temperature,
-                        std::optional<torch::Tensor> exps, std::optional<torch::Tensor> seeds);
+                        std::optional<torch::Tensor> exps, std::optional<torch::Tensor> seeds,
+                        std::optional<torch::Tensor> top_k = std::nullopt,
+                        std::optional<torch::Tensor> top_p = std::nullopt,
+                        std::optional<torch::Tensor> min_p = std::nullopt);
+
+// In place: each row of scaled logits x [rows, n] float32 with the tokens its min_p, then
+// top_k, then top_p cut set to -inf (layers/sampler.py's truncation). Returns x.
+torch::Tensor truncate_rows(torch::Tensor x, std::optional<torch::Tensor> top_k,
+                            std::optional<torch::Tensor> top_p,
+                            std::optional<torch::Tensor> min_p);
 
 // Where rotary_and_cache writes: plain caches of T, or codes (int8 / fp8 bits) and scales.
 struct CacheDst {
