@@ -410,10 +410,9 @@ class EngineArgs:
                        help="schedule step N+1, and commit and detokenize step N - 1, while "
                        "step N's forward runs (the forward on a worker thread)")
         p.add_argument("--decode-burst", type=int, default=d.decode_burst,
-                       help="while nothing waits, requests in decode that are greedy or "
-                       "sample with a temperature and top-p/k, min-p at most (no logprobs, "
-                       "penalties or logit_bias) take up to this many decode steps per "
-                       "engine step, "
+                       help="while nothing waits, requests in decode that ask for no "
+                       "logprobs (penalties, logit_bias, top-p/k and min-p run in the "
+                       "kernel) take up to this many decode steps per engine step, "
                        "in one call: "
                        "the same tokens with less host work per token, streamed in chunks "
                        "of up to this many; with `pagoda serve` a request arriving "

@@ -185,6 +185,13 @@ class SamplingParams:
                 and self.presence_penalty == 0.0)
 
     @property
+    def burstable(self) -> bool:
+        """Nothing reports the logits (no logprobs): once `min_tokens` is reached, each
+        token depends on the logits and the request's tokens so far only, which a decode
+        burst's kernel keeps (penalties, logit_bias, temperature, truncation)."""
+        return self.logprobs is None
+
+    @property
     def output_text_buffer_length(self) -> int:
         """Characters a stream must hold back so that it never shows part of a stop string
         that will be cut from the output."""

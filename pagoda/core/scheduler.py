@@ -36,9 +36,9 @@ rejected ones and blocks that only rejected tokens used are freed. Drafts are ne
 ever covers a rejected token.
 
 Decode bursts (`decode_burst` > 1): when nothing waits, no step is in flight,
-speculative decoding is off and every running request is in decode, `SamplingParams.plain`
-(greedy, or sampled with a temperature and truncation only) and past its min_tokens, they
-may run several decode steps in one:
+speculative decoding is off and every running request is in decode,
+`SamplingParams.burstable` (no logprobs) and past its min_tokens, they may run several
+decode steps in one:
 the step schedules each its one token as usual, allocates each slots for the same number
 of tokens, up to `decode_burst` (cut to every request's max_tokens and max_model_len), and
 names their stop tokens; the runner chooses the tokens one step after another in one call
@@ -292,7 +292,7 @@ class Scheduler(WaitingAdmission):
         for req in self.running:
             params = req.sampling_params
             if (req.num_output_placeholders or req.num_computed_tokens != req.num_tokens - 1
-                    or not params.plain or req.num_output_tokens < params.min_tokens):
+                    or not params.burstable or req.num_output_tokens < params.min_tokens):
                 return 1
             max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len
             steps = min(steps, max_tokens - req.num_output_tokens,

@@ -1,7 +1,7 @@
 """Next-token sampling for a batch of rows, with vLLM's semantics.
 
 Order of processing (each stage is skipped when no row in the batch needs it):
-    logit_bias -> min_tokens bans -> penalties -> [greedy rows: argmax]
+    min_tokens bans -> logit_bias -> penalties (`ops.penalize_rows`) -> [greedy rows: argmax]
     -> temperature -> min-p -> top-k -> top-p (`ops.truncate_rows`)
     -> sample (exponential race, `race_sample`).
 min-p comes before top-k/top-p, as in vLLM v1 (it is an argmax-invariant logits processor
@@ -310,8 +310,11 @@ class Sampler:
         greedy."""
         if md.needs_processing:
             logits = logits.to(torch.float32, copy=True)
-            apply_logit_bias_and_bans(logits, md)
-            apply_penalties(logits, md)
+            if md.banned_tokens is not None:
+                logits[md.banned_tokens] = -float("inf")
+            penalties = Penalties.of(md)
+            if penalties is not None:
+                ops.penalize_rows(logits, *penalties)
         # NOTE: torch's CPU argmax over [B, V] took ~15 ms at B = 64, V = 49,152; the
         # CPU kernel picks the same ids (ties and NaNs included) in a fraction of that.
         greedy_ids = None if md.all_random else ops.argmax_rows(logits)
@@ -324,28 +327,6 @@ class Sampler:
         if md.min_p is None and md.top_k is None and md.top_p is None:
             return greedy_ids, logits
         return greedy_ids, ops.truncate_rows(logits, md.top_k, md.top_p, md.min_p)
-
-
-def apply_logit_bias_and_bans(logits: torch.Tensor, md: SamplingMetadata) -> None:
-    """In place: add logit_bias, then set the min_tokens-banned stop tokens to -inf."""
-    if md.logit_bias is not None:
-        rows, ids, values = md.logit_bias
-        logits.index_put_((rows, ids), values, accumulate=True)
-    if md.banned_tokens is not None:
-        logits[md.banned_tokens] = -float("inf")
-
-
-def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> None:
-    """In place. Repetition (prompt + output tokens): positive logits are divided by the
-    penalty, negative ones multiplied. Frequency and presence (output tokens only, as
-    OpenAI): logit -= frequency * count + presence * (count > 0)."""
-    if md.repetition_penalty is not None:
-        penalty = md.repetition_penalty.expand_as(logits)
-        penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
-        logits.copy_(torch.where(md.seen_token_mask, penalised, logits))
-    if md.frequency_penalty is not None:
-        counts = md.output_token_counts
-        logits.sub_(md.frequency_penalty * counts + md.presence_penalty * (counts > 0))
 
 
 def draw_exponentials(batch: int, vocab: int, generators: Mapping[int, torch.Generator],
@@ -388,6 +369,34 @@ def race_sample(logits: torch.Tensor, temperature: torch.Tensor | None,
     return ops.race_rows(logits.contiguous(), temperature, exps,
                          race_seeds(1, batch, generators)[0],
                          *(truncation or Truncation()))
+
+
+class Penalties(NamedTuple):
+    """Per-row logit_bias, repetition, frequency and presence penalties as
+    `ops.penalize_rows` takes them (a decode burst's too): each group None where no row
+    uses it; `seen` and `counts` are the tables `SamplingMetadata` builds."""
+
+    repetition: torch.Tensor | None = None  # [B] float32
+    seen: torch.Tensor | None = None  # [B, V] bool
+    frequency: torch.Tensor | None = None  # [B] float32
+    presence: torch.Tensor | None = None  # [B] float32
+    counts: torch.Tensor | None = None  # [B, V] float32
+    bias_rows: torch.Tensor | None = None  # [E] int64
+    bias_ids: torch.Tensor | None = None  # [E] int64
+    bias_values: torch.Tensor | None = None  # [E] float32
+
+    @classmethod
+    def of(cls, md: SamplingMetadata) -> Penalties | None:
+        """`md`'s penalties and bias; None where it has none."""
+        if md.no_penalties and md.logit_bias is None:
+            return None
+
+        def flat(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.view(-1)
+
+        return cls(flat(md.repetition_penalty), md.seen_token_mask,
+                   flat(md.frequency_penalty), flat(md.presence_penalty),
+                   md.output_token_counts, *(md.logit_bias or (None, None, None)))
 
 
 class Truncation(NamedTuple):

@@ -187,8 +187,8 @@ class FusedDecoderStack:
         block_size: int, max_steps: int, stop_ids: torch.Tensor, norm: nn.Module,
         token_weights: tuple[Any, Any], interrupt: torch.Tensor | None = None,
         temperature: torch.Tensor | None = None, exps: torch.Tensor | None = None,
-        seeds: torch.Tensor | None = None, top_k: torch.Tensor | None = None,
-        top_p: torch.Tensor | None = None, min_p: torch.Tensor | None = None,
+        seeds: torch.Tensor | None = None, truncation: Sequence[Any] | None = None,
+        penalties: Sequence[Any] | None = None,
     ) -> list[list[int]] | None:
         """Up to `max_steps` tokens of each decode row in one call (`decoder_decode_burst`),
         from x, their tokens' embeddings, ending after a step in which a row chose a token
@@ -196,9 +196,10 @@ class FusedDecoderStack:
         row its tokens (as many for every row). Greedy, or with `temperature` [B] float32
         the race of `Sampler.plain` with step i's draws: exps[i] of `exps` [>= max_steps, B,
         V] float32, or the kernel's own from seeds[i][row] of `seeds` [>= max_steps, B]
-        int64 where that is >= 0, over what the rows' `top_k` / `top_p` / `min_p` [B] leave
-        (`ops.truncate_rows`) where given. None where this step would not run as
-        `decoder_decode_stack` (the caller then runs it as usual)."""
+        int64 where that is >= 0, over what the rows' `truncation` (`Truncation`: top_k,
+        top_p, min_p [B]) leaves, on the logits as the rows' `penalties` (`Penalties`, whose
+        seen and counts tables the call updates) leave them, where given. None where this
+        step would not run as `decoder_decode_stack` (the caller then runs it as usual)."""
         if not self._decodes_in_one_call(x, kv_caches, mds):
             return None
         head_w, embed_w = token_weights
@@ -206,7 +207,7 @@ class FusedDecoderStack:
         tokens = self.decode_burst(self.decode, x, cos, sin, pos0, kv_caches, block_table,
                                    block_size, norm.weight, norm.eps, head_w, embed_w,
                                    stop_ids, max_steps, interrupt, temperature, exps, seeds,
-                                   top_k, top_p, min_p)
+                                   *(truncation or (None,) * 3), *(penalties or (None,) * 8))
         self.decode_steps += tokens.shape[0]
         return tokens.t().tolist()
 

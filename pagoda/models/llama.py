@@ -8,9 +8,9 @@ Module names follow transformers' (`model.layers.3.self_attn.qkv_proj`, each mod
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -350,14 +350,14 @@ class LlamaForCausalLM(nn.Module):
         block_size: int, max_steps: int, stop_ids: torch.Tensor,
         interrupt: torch.Tensor | None = None, temperature: torch.Tensor | None = None,
         exps: torch.Tensor | None = None, seeds: torch.Tensor | None = None,
-        top_k: torch.Tensor | None = None, top_p: torch.Tensor | None = None,
-        min_p: torch.Tensor | None = None,
+        truncation: Sequence[Any] | None = None, penalties: Sequence[Any] | None = None,
     ) -> list[list[int]] | None:
         """Up to `max_steps` decode steps of B requests (one token each) in one extension
         call: the tokens `forward`, `compute_logits` and `Sampler.greedy` (or, given
-        `temperature` [B], step i's draws, exps[i] or the kernel's own from seeds[i], and
-        the rows' truncation, `FusedDecoderStack.burst`: `Sampler.plain`) would choose step
-        after step (the same kernels), ending after a step in which a row chose a
+        `temperature` [B], step i's draws, exps[i] or the kernel's own from seeds[i], the
+        rows' `truncation` and `penalties`, `FusedDecoderStack.burst`: `Sampler.plain` or
+        the full sampler) would choose step after step (the same kernels), ending after a
+        step in which a row chose a
         token of `stop_ids`, or once another thread raises the uint8 [1] flag `interrupt`
         (the step under way finishes). `input_ids` / `positions` / `md`: the first step's;
         `block_table` [B, M]: the requests' blocks for every step. Per row its tokens, as
@@ -378,7 +378,7 @@ class LlamaForCausalLM(nn.Module):
         layer_mds = md if isinstance(md, list) else [md] * len(kv_caches)
         return stack.burst(x, cos, sin, positions, kv_caches, layer_mds, block_table,
                            block_size, max_steps, stop_ids, self.model.norm, token_weights,
-                           interrupt, temperature, exps, seeds, top_k, top_p, min_p)
+                           interrupt, temperature, exps, seeds, truncation, penalties)
 
     def supports_decode_burst(self) -> bool:
         """Whether `decode_burst` can run here: the fused decode stack is built and the head

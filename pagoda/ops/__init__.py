@@ -13,6 +13,9 @@ with a plain PyTorch reference (reference.py) that runs on any device.
                                                      over what truncate_rows leaves
   truncate_rows(x, top_k, top_p, min_p)           -> x with each row's min-p, top-k, top-p cut
                                                      to -inf (in place where it can)
+  penalize_rows(x, repetition, seen, frequency,   -> x (in place) with each row's logit_bias
+                presence, counts, bias_rows,         added, then its repetition, frequency
+                bias_ids, bias_values)               and presence penalties
   rotary_and_cache(qkv, cos, sin, positions,      rotates q, k of qkv in place and writes
                    k_cache, v_cache, slot_mapping, k, v into their slots
                    num_heads, num_kv_heads)
@@ -52,6 +55,7 @@ silu_and_mul = define_op("silu_and_mul", reference.silu_and_mul)
 argmax_rows = define_op("argmax_rows", reference.argmax_rows)
 race_rows = define_op("race_rows", reference.race_rows)
 truncate_rows = define_op("truncate_rows", reference.truncate_rows)
+penalize_rows = define_op("penalize_rows", reference.penalize_rows)
 rotary_and_cache = define_op("rotary_and_cache", reference.rotary_and_cache)
 write_kv = define_op("write_kv", reference.write_kv)
 paged_attention = define_op("paged_attention", reference.paged_attention)
@@ -95,6 +99,7 @@ __all__ = [
     "gather_kv",
     "paged_attention",
     "paged_prefill_attention",
+    "penalize_rows",
     "prefill_attention_on_amx",
     "race_rows",
     "rms_norm",

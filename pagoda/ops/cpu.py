@@ -85,6 +85,15 @@ def _truncate_supports(x: torch.Tensor, *cut: torch.Tensor | None) -> bool:
     return _argmax_supports(x) and all(c is None or c.device.type == "cpu" for c in cut)
 
 
+def _penalize_rows(ext: ModuleType, *args: torch.Tensor | None) -> torch.Tensor:
+    return ext.penalize_rows(*args)
+
+
+def _penalize_supports(x: torch.Tensor, *tables: torch.Tensor | None) -> bool:
+    # NOTE: the kernel checks shapes and dtypes itself (a clear error, not a fallback).
+    return _matrix_contiguous(x) and all(t is None or t.device.type == "cpu" for t in tables)
+
+
 def _rotary_and_cache(ext: ModuleType, *args) -> None:
     ext.rotary_and_cache(*args)
 
@@ -210,6 +219,9 @@ def register() -> None:
     )
     OPS["truncate_rows"].register(
         "cpu", Kernel("cpp", _truncate_rows, frozenset({torch.float32}), fused, _truncate_supports)
+    )
+    OPS["penalize_rows"].register(
+        "cpu", Kernel("cpp", _penalize_rows, frozenset({torch.float32}), fused, _penalize_supports)
     )
     OPS["rotary_and_cache"].register(
         "cpu", Kernel("cpp", _rotary_and_cache, LOW_PRECISION, fused, _rotary_supports)

@@ -68,6 +68,28 @@ def race_rows(logits: torch.Tensor, temperature: torch.Tensor | None,
     return raced if greedy is None else torch.where(greedy, argmax_rows(logits), raced)
 
 
+def penalize_rows(x: torch.Tensor, repetition: torch.Tensor | None = None,
+                  seen: torch.Tensor | None = None, frequency: torch.Tensor | None = None,
+                  presence: torch.Tensor | None = None, counts: torch.Tensor | None = None,
+                  bias_rows: torch.Tensor | None = None, bias_ids: torch.Tensor | None = None,
+                  bias_values: torch.Tensor | None = None) -> torch.Tensor:
+    """In place, float32 rows x [rows, n]: each row's logit_bias entries (bias_rows,
+    bias_ids [E], bias_values [E]) added; then, on the tokens `seen` [rows, n] bool (its
+    prompt and output), positive logits divided by the row's `repetition` penalty [rows],
+    the others multiplied; then frequency * count + presence * (count > 0) taken off
+    (`frequency`, `presence` [rows], `counts` [rows, n]: occurrences in the output).
+    Returns x."""
+    if bias_rows is not None:
+        x.index_put_((bias_rows, bias_ids), bias_values, accumulate=True)
+    if repetition is not None:
+        penalty = repetition.unsqueeze(1).expand_as(x)
+        penalised = torch.where(x > 0, x / penalty, x * penalty)
+        x.copy_(torch.where(seen, penalised, x))
+    if frequency is not None:
+        x.sub_(frequency.unsqueeze(1) * counts + presence.unsqueeze(1) * (counts > 0))
+    return x
+
+
 def truncate_rows(x: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
                   min_p: torch.Tensor | None) -> torch.Tensor:
     """Each row of scaled logits x [rows, n] float32 with the tokens its min_p (0: off),

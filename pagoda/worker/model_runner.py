@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -29,6 +30,7 @@ from pagoda.core.kv_cache_spec import KVRetention
 from pagoda.core.scheduler_output import SchedulerOutput
 from pagoda.layers.rejection_sampler import RejectionSampler
 from pagoda.layers.sampler import (
+    Penalties,
     Sampler,
     SamplerOutput,
     SamplingMetadata,
@@ -217,11 +219,15 @@ class ModelRunner:
                 or not self.supports_decode_burst()):
             return False
         states = [batch.slots[int(slot)] for slot in step.slots]
-        temps = self._plain_temperatures(step.slots, states)
+        temps = self._plain_temperatures(step.slots, states, burst=True)
         if temps is None:
             return False
         max_steps = bursts[0][0]
         temperature = exps = seeds = cut = None
+        penalties = None
+        if not all(state.sampling_params.plain for state in states):
+            # NOTE: the kernel updates these tables with each step's tokens.
+            penalties = Penalties.of(self._sampling_metadata(step.slots, states, {}))
         gens: dict[int, torch.Generator] = {}
         gen_states: dict[int, list[torch.Tensor]] = {}
         if any(temps):
@@ -245,7 +251,7 @@ class ModelRunner:
             tokens = self.model.decode_burst(
                 input_ids, positions, self.kv_caches, md, table, bs, max_steps,
                 torch.tensor(stop_ids, dtype=torch.int64), self.burst_interrupt.flag,
-                temperature, exps, seeds, *(cut or ()))
+                temperature, exps, seeds, cut, penalties)
         except BaseException:
             self._rewind(gens, gen_states, 0)
             raise
@@ -424,29 +430,38 @@ class ModelRunner:
                 tokens = Sampler.greedy(logits)
             self._append_sampled(slots, states, tokens.numpy(), result)
             return
-        # NOTE: views into the persistent token array: only rows that use a penalty are
-        # ever read in full (by the sampler), no history is copied here.
-        md = SamplingMetadata.build(
-            params=[s.sampling_params for s in states],
-            prompt_token_ids=[batch.prompt_view(s) for s in slots],
-            output_token_ids=[batch.output_view(s) for s in slots],
-            generators=[self.generators.get(s.req_id) for s in states],
-            eos_token_ids=self.eos_token_ids,
-            vocab_size=self.vocab_size,
-            device=logits.device,
-        )
+        md = self._sampling_metadata(slots, states, self.generators, logits.device)
         sampled = self.sampler(logits, md)
         self._append_sampled(slots, states, sampled.sampled_token_ids.numpy(), result, sampled)
 
-    def _plain_temperatures(self, slots: np.ndarray, states: list) -> list[float] | None:
-        """Each row's temperature (0: greedy) where every row is `SamplingParams.plain` past
-        its `min_tokens` (no stop token banned): `Sampler.plain`'s rows; else None."""
+    def _sampling_metadata(self, slots: np.ndarray, states: list, generators: Any,
+                           device: torch.device | str = "cpu") -> SamplingMetadata:
+        """The rows' `SamplingMetadata` (generators: anything with `get(req_id)`)."""
+        batch = self.input_batch
+        # NOTE: views into the persistent token array: only rows that use a penalty are
+        # ever read in full (by the sampler), no history is copied here.
+        return SamplingMetadata.build(
+            params=[s.sampling_params for s in states],
+            prompt_token_ids=[batch.prompt_view(s) for s in slots],
+            output_token_ids=[batch.output_view(s) for s in slots],
+            generators=[generators.get(s.req_id) for s in states],
+            eos_token_ids=self.eos_token_ids,
+            vocab_size=self.vocab_size,
+            device=device,
+        )
+
+    def _plain_temperatures(self, slots: np.ndarray, states: list,
+                            burst: bool = False) -> list[float] | None:
+        """Each row's temperature (0: greedy) where every row is `SamplingParams.plain`
+        (`burstable` for a burst) past its `min_tokens` (no stop token banned):
+        `Sampler.plain`'s rows, or a burst's; else None."""
         batch = self.input_batch
         temps = []
         for s, state in zip(slots.tolist(), states):
             p = state.sampling_params
+            eligible = p.burstable if burst else p.plain
             # NOTE: min_tokens as the sampler's ban reads it (its output so far, a view).
-            if not p.plain or (p.min_tokens and len(batch.output_view(s)) < p.min_tokens):
+            if not eligible or (p.min_tokens and len(batch.output_view(s)) < p.min_tokens):
                 return None
             temps.append(0.0 if p.sampling_type == SamplingType.GREEDY else p.temperature)
         return temps

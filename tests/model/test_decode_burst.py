@@ -100,7 +100,7 @@ def _one_at_a_time(engine, requests):
     return got
 
 
-def _check_equal_with_bursts(model: str | None, requests, **kwargs) -> None:
+def _check_equal_with_bursts(model: str | None, requests, **kwargs) -> list[list[int]]:
     on = _engine(model, BURST, **kwargs)
     assert on.scheduler.decode_burst == BURST, "the model should run decode bursts here"
     burst = _one_at_a_time(on, requests)
@@ -113,6 +113,7 @@ def _check_equal_with_bursts(model: str | None, requests, **kwargs) -> None:
     assert all(steps == tokens for _, steps, tokens in plain)
     long_runs = [(steps, tokens) for _, steps, tokens in burst if tokens > 2 * BURST]
     assert long_runs and all(steps < tokens for steps, tokens in long_runs)
+    return [r[0] for r, _, _ in burst]  # each request's tokens
 
 
 def test_smollm2_gguf_bursts_equal_step_by_step() -> None:
@@ -225,9 +226,9 @@ def test_declined_burst_gives_its_slots_back(tiny_model, monkeypatch) -> None:
     assert list(final.outputs[0].token_ids) == want[0][0]
 
 
-def test_no_bursts_where_the_logits_are_touched(tiny_model) -> None:
-    """Logprobs, penalties and min_tokens' bans see every step's logits: one token a step
-    (sampled requests: test_decode_burst_sampled.py)."""
+def test_no_bursts_where_the_logits_are_reported_or_banned(tiny_model) -> None:
+    """Logprobs and min_tokens' bans see every step's logits: one token a step (requests
+    that burst with penalties and truncation: test_decode_burst_sampled.py)."""
     _needs_kernels(dense=True)
     model = str(tiny_model("LlamaForCausalLM"))
     engine = _engine(model, BURST)
@@ -236,7 +237,7 @@ def test_no_bursts_where_the_logits_are_touched(tiny_model) -> None:
                                   ignore_eos=True),
                    SamplingParams(max_tokens=20, temperature=0, logprobs=1, ignore_eos=True),
                    SamplingParams(max_tokens=20, temperature=0, repetition_penalty=1.3,
-                                  ignore_eos=True),
+                                  logprobs=0, ignore_eos=True),
                    SamplingParams(max_tokens=20, temperature=0, min_tokens=20)):
         _, steps, tokens = run(engine, [(prompt, params)])
         assert steps == tokens == 20

@@ -5,7 +5,8 @@ seeded request's tokens equal those of bursts off: alone and beside greedy and o
 requests, through stop tokens (an interrupt that ends a burst early and a burst that fails,
 where the generator must stand as one step at a time leaves it: test_decode_burst.py's
 tests, seeded); the draws made ahead are capped
-(`BURST_DRAW_BYTES`); top-k, top-p and min-p requests burst with the cut in the kernel."""
+(`BURST_DRAW_BYTES`); top-k, top-p and min-p requests burst with the cut in the kernel,
+penalised and biased ones with the processing in it."""
 
 from __future__ import annotations
 
@@ -107,3 +108,42 @@ def test_truncated_requests_burst(tiny_model, monkeypatch) -> None:
              SamplingParams(max_tokens=12, temperature=1.1, top_k=15, seed=8, ignore_eos=True),
              params(temperature=1.0, seed=9)]
     check_concurrent_with_a_stop(model, prompts[:4], mixed, monkeypatch)
+
+
+def test_penalised_requests_burst(tiny_model, monkeypatch) -> None:
+    """Repetition, frequency and presence penalties and logit_bias burst: the kernel
+    processes each step's logits as the sampler does (ops.penalize_rows' kernel) and counts
+    each step's token for the next, so greedy and seeded requests give the tokens of bursts
+    off. Greedy requests whose bias puts two tokens ahead of the rest, and whose penalty
+    then steers between them, depend on the counting inside a burst (these equalities fail
+    where the burst leaves its tables as they were); a bias of 100 wins every step."""
+    _needs_kernels(dense=True)
+    model = str(tiny_model("LlamaForCausalLM"))
+    prompts = [[t for t in p if t not in (5, 17)] for p in _prompts(7, seed=27)]
+
+    def params(**kwargs) -> SamplingParams:
+        return SamplingParams(max_tokens=30, ignore_eos=True, **kwargs)
+
+    requests = [
+        (prompts[0], params(temperature=0, frequency_penalty=1.0,
+                            logit_bias={5: 20.0, 17: 19.5})),
+        (prompts[1], params(temperature=0, repetition_penalty=1.5,
+                            logit_bias={5: 20.0, 17: 15.0})),
+        (prompts[2], params(temperature=0, presence_penalty=2.0,
+                            logit_bias={5: 20.0, 17: 19.0})),
+        (prompts[3], params(temperature=0, logit_bias={42: 100.0})),
+        (prompts[4], params(temperature=0.9, frequency_penalty=0.7, seed=1)),
+        (prompts[5], params(temperature=1.1, top_p=0.9, repetition_penalty=1.2,
+                            frequency_penalty=-0.3, presence_penalty=0.4,
+                            logit_bias={5: 3.0, 17: -2.0}, seed=2)),
+        (prompts[6], params(temperature=0.8, repetition_penalty=0.8, min_tokens=12, seed=3))]
+    outputs = _check_equal_with_bursts(model, requests)
+    assert all(5 in out and 17 in out for out in outputs[:3])
+    assert outputs[3] == [42] * 30
+    # Penalised, plain and greedy rows in one burst, one ending on a stop token inside it.
+    mixed = [params(temperature=0, frequency_penalty=1.0, logit_bias={5: 20.0, 17: 19.5}),
+             params(temperature=0.9, repetition_penalty=1.1, seed=7),
+             SamplingParams(max_tokens=12, temperature=1.1, top_k=15, seed=8, ignore_eos=True),
+             params(temperature=1.0, logit_bias={3: 1.5}, seed=9)]
+    check_concurrent_with_a_stop(model, prompts[:4], mixed, monkeypatch)
+

@@ -4,7 +4,7 @@ On an AVX-512 CPU a subprocess builds (or loads from the cache) the `x86-64-v3` 
 both extensions (`PAGODA_CPU_MARCH`, ops/cpu_kernels.py) and runs the kernels on inputs that
 this process wrote with torch.save; its results must equal the native (AVX-512) build's bit
 for bit (quant kernels: q_linear over GGUF and group-quant layouts, i8_linear, dequant_rows;
-fp8_gemv, fp8_dequant; fused ops: add+RMSNorm, SiLU*mul, argmax, the sampler's race and truncation, rotary +
+fp8_gemv, fp8_dequant; fused ops: add+RMSNorm, SiLU*mul, argmax, the sampler's race, truncation and penalties, rotary +
 plain / int8 / fp8 cache writes) and pass the reference checks of the ops' own tests; so must its decode attention's
 vector path and its tiled prefill attention (the fp32 paths: float32 q on float32 / bf16 /
 int8 / fp8 caches, and bf16 q, which the native build takes through its dot products where it
@@ -175,6 +175,13 @@ def _fused_cases(cases: dict, checks: dict) -> None:
                     cases[f"truncate_rows/{spread}/{rows}x{n}"] = (
                         "truncate_rows", (x * spread / 4, None, top_p, min_p))
                 cases[f"truncate_rows/k/{rows}x{n}"] = ("truncate_rows", (x, top_k, top_p, None))
+                # Penalties: the frequency term's product and sum, as each build compiles it.
+                counts = torch.randint(0, 3, (rows, n), generator=g).float()
+                cases[f"penalize_rows/{rows}x{n}"] = ("penalize_rows", (
+                    x, 1 + torch.rand(rows, generator=g), counts > 0,
+                    torch.rand(rows, generator=g) - 0.5, torch.rand(rows, generator=g) - 0.5,
+                    counts, torch.tensor([0, rows - 1]), torch.tensor([1, n - 1]),
+                    torch.tensor([2.0, -3.0])))
     for dtype in (torch.bfloat16, torch.float16):
         for head_dim in (64, 48, 20):  # half 32, 24 (a 16-lane tail of 8), 10
             qkv, cos, sin, pos, slots, k_cache, v_cache = fused_tests._rotary_case(
@@ -312,8 +319,8 @@ def _run(ext, qext, kernel: str, args: tuple) -> tuple[torch.Tensor, ...]:
         return (out,)
     if kernel in ("silu_and_mul", "argmax_rows", "race_rows"):
         return (getattr(ext, kernel)(*args),)
-    if kernel == "truncate_rows":
-        return (ext.truncate_rows(args[0].clone(), *args[1:]),)
+    if kernel in ("truncate_rows", "penalize_rows"):
+        return (getattr(ext, kernel)(args[0].clone(), *args[1:]),)
     if kernel == "add_rms_norm":
         x, res = args[0].clone(), args[1].clone()
         ext.fused_add_rms_norm(x, res, *args[2:])
@@ -450,7 +457,7 @@ def test_quant_kernels_bit_identical(runs) -> None:
 
 def test_fused_ops_bit_identical(runs) -> None:
     _bit_identical(runs, ("add_rms_norm/", "silu_and_mul/", "rotary/", "argmax_rows/",
-                          "race_rows/", "truncate_rows/"))
+                          "race_rows/", "truncate_rows/", "penalize_rows/"))
 
 
 def test_decode_attention_bit_identical(runs) -> None:
@@ -576,6 +583,9 @@ def test_fused_ops_match_reference(runs) -> None:
             assert (kept[1:].gather(1, got[1:].unsqueeze(1)) > -float("inf")).all(), name
         elif kernel == "race_rows":
             assert torch.equal(out[name][0], reference.race_rows(*args)), name
+        elif kernel == "penalize_rows":
+            want = reference.penalize_rows(args[0].clone(), *args[1:])
+            assert torch.allclose(out[name][0], want, rtol=1e-6, atol=1e-6), name
         elif kernel == "truncate_rows":
             got, x = out[name][0], args[0]
             kept = got > -float("inf")

@@ -44,7 +44,7 @@ def test_first_accepting_kernel_runs_else_the_reference() -> None:
 def test_every_op_has_a_reference_and_no_cuda_kernel_but_fp8s() -> None:
     assert set(ops.OPS) == {
         "rms_norm", "fused_add_rms_norm", "silu_and_mul", "argmax_rows", "race_rows",
-        "truncate_rows",
+        "truncate_rows", "penalize_rows",
         "rotary_and_cache", "write_kv", "paged_attention", "paged_prefill_attention", "wq_linear", "int8_linear",
         "fp8_linear", "gguf_linear",
     }

@@ -7,12 +7,14 @@ import math
 import pytest
 import torch
 
+from pagoda import ops
 from pagoda.layers.sampler import (
+    Penalties,
     Sampler,
     SamplingMetadata,
-    apply_penalties,
     compute_topk_logprobs,
 )
+from pagoda.ops import reference
 from pagoda.ops.truncation import apply_min_p, apply_top_k_top_p
 from pagoda.sampling_params import SamplingParams, SamplingType
 
@@ -212,9 +214,10 @@ def test_penalties_against_reference() -> None:
         expected[t] = expected[t] / 1.5 if expected[t] > 0 else expected[t] * 1.5
     for t in set(output):
         expected[t] -= 0.5 * output.count(t) + 0.25
-    apply_penalties(logits, md)
-    assert torch.allclose(logits[0], torch.tensor(expected))
-    assert logits[1].tolist() == [2.0, -1.0, 0.5, -0.5, 1.5, 3.0]
+    for penalize in (ops.penalize_rows, reference.penalize_rows):  # the kernel, the reference
+        got = penalize(logits.clone(), *Penalties.of(md))
+        assert torch.allclose(got[0], torch.tensor(expected))
+        assert got[1].tolist() == [2.0, -1.0, 0.5, -0.5, 1.5, 3.0]
 
 
 def test_penalties_steer_greedy_choice() -> None:

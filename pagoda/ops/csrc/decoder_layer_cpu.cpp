@@ -411,7 +411,9 @@ at::Tensor embed_rows(const Weight& table, const at::Tensor& ids, int64_t hidden
 // step i's draws: exps[i] of `exps` [>= max_steps, B, V] float32, or for a row whose
 // seeds[i][row] of `seeds` [>= max_steps, B] int64 is >= 0 the kernel's own draws from it;
 // temperature 0 a greedy row; with top_k, top_p or min_p [B], the race over what their
-// cut leaves), then the chosen tokens' embeddings are the next step's input. The same
+// cut leaves; first, with penalties or a logit_bias, the logits as penalize_rows leaves
+// them, its `seen` and `counts` [B, V] updated with each step's tokens in place), then
+// the chosen tokens' embeddings are the next step's input. The same
 // kernels on the same tensors as a step through the engine (the model's forward,
 // compute_logits, Sampler.greedy or Sampler.plain, the embedding's lookup), so the same
 // tokens; what a step
@@ -439,7 +441,15 @@ torch::Tensor decoder_decode_burst(const DecoderStack& s, const torch::Tensor& x
                                    const std::optional<torch::Tensor>& seeds,
                                    const std::optional<torch::Tensor>& top_k,
                                    const std::optional<torch::Tensor>& top_p,
-                                   const std::optional<torch::Tensor>& min_p) {
+                                   const std::optional<torch::Tensor>& min_p,
+                                   const std::optional<torch::Tensor>& repetition,
+                                   const std::optional<torch::Tensor>& seen,
+                                   const std::optional<torch::Tensor>& frequency,
+                                   const std::optional<torch::Tensor>& presence,
+                                   const std::optional<torch::Tensor>& counts,
+                                   const std::optional<torch::Tensor>& bias_rows,
+                                   const std::optional<torch::Tensor>& bias_ids,
+                                   const std::optional<torch::Tensor>& bias_values) {
   const int64_t hidden = s.layers[0].input_norm.size(0);
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(0) >= 1 &&
                   x.size(1) == hidden,
@@ -513,6 +523,14 @@ torch::Tensor decoder_decode_burst(const DecoderStack& s, const torch::Tensor& x
   const int64_t* table = block_table.data_ptr<int64_t>();
   const int64_t* stops = stop_ids.data_ptr<int64_t>();
   const int64_t num_stops = stop_ids.size(0);
+  const bool penalized = repetition.has_value() || frequency.has_value() ||
+                         bias_rows.has_value();
+  TORCH_CHECK(!(seen.has_value() && !seen->is_contiguous()) &&
+                  !(counts.has_value() && !counts->is_contiguous()),
+              "decoder_decode_burst: seen and counts must be contiguous");
+  bool* seen_p = repetition.has_value() && seen.has_value() ? seen->data_ptr<bool>() : nullptr;
+  float* counts_p =
+      frequency.has_value() && counts.has_value() ? counts->data_ptr<float>() : nullptr;
   std::vector<int64_t> tokens;
   auto residual = x.clone();  // NOTE: the stack's input, which it updates as the residual
   int64_t steps = 0;
@@ -525,7 +543,12 @@ torch::Tensor decoder_decode_burst(const DecoderStack& s, const torch::Tensor& x
     auto out = decoder_decode_stack(s, residual, residual, cos, sin, positions, kv, slots,
                                     block_table, seq_lens);
     pagoda_fused::fused_add_rms_norm(out, residual, norm_w, norm_eps);
-    const auto logits = project(out, head, std::nullopt);
+    auto logits = project(out, head, std::nullopt);
+    if (penalized) {
+      logits = logits.to(at::kFloat).contiguous();
+      pagoda_fused::penalize_rows(logits, repetition, seen, frequency, presence, counts,
+                                  bias_rows, bias_ids, bias_values);
+    }
     const auto chosen =
         temperature.has_value()
             ? pagoda_fused::race_rows(
@@ -540,6 +563,9 @@ torch::Tensor decoder_decode_burst(const DecoderStack& s, const torch::Tensor& x
     bool stop = false;
     for (int64_t b = 0; b < rows; ++b) {
       tokens.push_back(c[b]);
+      // NOTE: the next step's penalties see this token (penalize_rows checked the shapes).
+      if (seen_p != nullptr) seen_p[b * logits.size(1) + c[b]] = true;
+      if (counts_p != nullptr) counts_p[b * logits.size(1) + c[b]] += 1.0f;
       stop = stop || std::find(stops, stops + num_stops, c[b]) != stops + num_stops;
     }
     ++steps;
@@ -629,5 +655,9 @@ void register_decoder_layer(pybind11::module& m) {
         py::arg("max_steps"), py::arg("interrupt") = py::none(),
         py::arg("temperature") = py::none(), py::arg("exps") = py::none(),
         py::arg("seeds") = py::none(), py::arg("top_k") = py::none(),
-        py::arg("top_p") = py::none(), py::arg("min_p") = py::none());
+        py::arg("top_p") = py::none(), py::arg("min_p") = py::none(),
+        py::arg("repetition") = py::none(), py::arg("seen") = py::none(),
+        py::arg("frequency") = py::none(), py::arg("presence") = py::none(),
+        py::arg("counts") = py::none(), py::arg("bias_rows") = py::none(),
+        py::arg("bias_ids") = py::none(), py::arg("bias_values") = py::none());
 }

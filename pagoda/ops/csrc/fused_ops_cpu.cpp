@@ -794,6 +794,117 @@ void truncate_row(float* x, int64_t n, int64_t k, float p, float min_p, CutScrat
   }
 }
 
+// The sampler's processing before the temperature (layers/sampler.py: logit_bias, then the
+// penalties), of float32 rows x [rows, n] in place: a row's bias entries added; a token in
+// the row's prompt or output (`seen`) divided by the repetition penalty where positive,
+// multiplied where not; then frequency * count + presence * (count > 0) taken off, count
+// the token's occurrences in the output. The sampler's CPU path and a decode burst run
+// this code, so their tokens agree; the torch reference (ops/reference.py) rounds alike but
+// where the compiler fuses the frequency's product with the sum.
+struct Penalties {
+  const float* repetition = nullptr;  // [rows]; with seen
+  const bool* seen = nullptr;         // [rows, n]
+  const float* frequency = nullptr;   // [rows]; with presence and counts
+  const float* presence = nullptr;    // [rows]
+  const float* counts = nullptr;      // [rows, n]
+  const int64_t* bias_rows = nullptr;  // [entries]; with bias_ids and bias_values
+  const int64_t* bias_ids = nullptr;
+  const float* bias_values = nullptr;
+  int64_t num_bias = 0;
+};
+
+void penalize_row(float* x, int64_t r, int64_t n, const Penalties& p) {
+  for (int64_t j = 0; j < p.num_bias; ++j) {
+    if (p.bias_rows[j] == r) x[p.bias_ids[j]] += p.bias_values[j];
+  }
+  if (p.repetition != nullptr) {
+    const float pen = p.repetition[r];
+    const bool* seen = p.seen + r * n;
+    for (int64_t i = 0; i < n; ++i) {
+      if (seen[i]) x[i] = x[i] > 0.0f ? x[i] / pen : x[i] * pen;
+    }
+  }
+  if (p.frequency != nullptr) {
+    const float f = p.frequency[r], pres = p.presence[r];
+    const float* c = p.counts + r * n;
+    for (int64_t i = 0; i < n; ++i) {
+      x[i] -= f * c[i] + pres * static_cast<float>(c[i] > 0.0f);
+    }
+  }
+}
+
+torch::Tensor penalize_rows(torch::Tensor x, std::optional<torch::Tensor> repetition,
+                            std::optional<torch::Tensor> seen,
+                            std::optional<torch::Tensor> frequency,
+                            std::optional<torch::Tensor> presence,
+                            std::optional<torch::Tensor> counts,
+                            std::optional<torch::Tensor> bias_rows,
+                            std::optional<torch::Tensor> bias_ids,
+                            std::optional<torch::Tensor> bias_values) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat &&
+                  x.size(1) > 0,
+              "penalize_rows: x must be a contiguous float32 [rows, n] matrix with n > 0");
+  const int64_t rows = x.size(0), n = x.size(1);
+  auto check = [&](const std::optional<torch::Tensor>& t, const char* name, at::ScalarType dt,
+                   bool matrix) {
+    if (!t.has_value()) return;
+    TORCH_CHECK(t->scalar_type() == dt && t->is_contiguous() && t->device().is_cpu() &&
+                    (matrix ? t->dim() == 2 && t->size(0) == rows && t->size(1) == n
+                            : t->dim() == 1 && t->size(0) == rows),
+                "penalize_rows: ", name, " must be a contiguous ", c10::toString(dt), " [",
+                rows, matrix ? ", n" : "", "] CPU tensor");
+  };
+  check(repetition, "repetition", at::kFloat, false);
+  check(seen, "seen", at::kBool, true);
+  check(frequency, "frequency", at::kFloat, false);
+  check(presence, "presence", at::kFloat, false);
+  check(counts, "counts", at::kFloat, true);
+  TORCH_CHECK(repetition.has_value() == seen.has_value(),
+              "penalize_rows: repetition comes with seen");
+  TORCH_CHECK(frequency.has_value() == presence.has_value() &&
+                  frequency.has_value() == counts.has_value(),
+              "penalize_rows: frequency, presence and counts come together");
+  TORCH_CHECK(bias_rows.has_value() == bias_ids.has_value() &&
+                  bias_rows.has_value() == bias_values.has_value(),
+              "penalize_rows: bias_rows, bias_ids and bias_values come together");
+  Penalties p;
+  if (repetition.has_value()) {
+    p.repetition = repetition->data_ptr<float>();
+    p.seen = seen->data_ptr<bool>();
+  }
+  if (frequency.has_value()) {
+    p.frequency = frequency->data_ptr<float>();
+    p.presence = presence->data_ptr<float>();
+    p.counts = counts->data_ptr<float>();
+  }
+  if (bias_rows.has_value()) {
+    const int64_t entries = bias_rows->numel();
+    TORCH_CHECK(bias_rows->scalar_type() == at::kLong && bias_ids->scalar_type() == at::kLong &&
+                    bias_values->scalar_type() == at::kFloat && bias_rows->dim() == 1 &&
+                    bias_ids->sizes() == bias_rows->sizes() &&
+                    bias_values->sizes() == bias_rows->sizes() && bias_rows->is_contiguous() &&
+                    bias_ids->is_contiguous() && bias_values->is_contiguous() &&
+                    bias_rows->device().is_cpu() && bias_ids->device().is_cpu() &&
+                    bias_values->device().is_cpu(),
+                "penalize_rows: the bias must be contiguous CPU [E] int64 rows, int64 ids and "
+                "float32 values");
+    p.bias_rows = bias_rows->data_ptr<int64_t>();
+    p.bias_ids = bias_ids->data_ptr<int64_t>();
+    p.bias_values = bias_values->data_ptr<float>();
+    p.num_bias = entries;
+    for (int64_t j = 0; j < entries; ++j) {
+      TORCH_CHECK(p.bias_rows[j] >= 0 && p.bias_rows[j] < rows && p.bias_ids[j] >= 0 &&
+                      p.bias_ids[j] < n,
+                  "penalize_rows: bias entry ", j, " (row ", p.bias_rows[j], ", token ",
+                  p.bias_ids[j], ") is outside [", rows, ", ", n, "]");
+    }
+  }
+  float* xp = x.data_ptr<float>();
+#pragma omp parallel for if (rows * n >= 8 * kParallelGrain) schedule(static)
+  for (int64_t r = 0; r < rows; ++r) penalize_row(xp + r * n, r, n, p);
+  return x;
+}
+
 // Row r's token of the exponential race (layers/sampler.py: race_sample): the first maximum
 // over i of exp(x_i - max x) / e_i, x = logits / t (a rounded division, as torch's div):
 // with e_i i.i.d. Exp(1) draws, token i wins with probability softmax(x)_i. The draws are
@@ -1013,6 +1124,16 @@ void register_fused_ops(pybind11::module& m) {
         pybind11::arg("logits"), pybind11::arg("temperature"), pybind11::arg("exps"),
         pybind11::arg("seeds") = pybind11::none(), pybind11::arg("top_k") = pybind11::none(),
         pybind11::arg("top_p") = pybind11::none(), pybind11::arg("min_p") = pybind11::none());
+  m.def("penalize_rows", &pagoda_fused::penalize_rows,
+        "in place, float32 rows x [rows, n]: each row's logit_bias entries added, then its "
+        "repetition penalty on the `seen` tokens, then frequency * count + presence * "
+        "(count > 0) taken off (each group optional); returns x",
+        pybind11::arg("x"), pybind11::arg("repetition") = pybind11::none(),
+        pybind11::arg("seen") = pybind11::none(), pybind11::arg("frequency") = pybind11::none(),
+        pybind11::arg("presence") = pybind11::none(), pybind11::arg("counts") = pybind11::none(),
+        pybind11::arg("bias_rows") = pybind11::none(),
+        pybind11::arg("bias_ids") = pybind11::none(),
+        pybind11::arg("bias_values") = pybind11::none());
   m.def("truncate_rows", &pagoda_fused::truncate_rows,
         "in place, each row of scaled logits x [rows, n] float32 cut (to -inf) by its "
         "min_p, then top_k, then top_p (each an optional per-row tensor); returns x",

@@ -34,6 +34,20 @@ torch::Tensor race_rows(torch::Tensor logits, std::optional<torch::Tensor> tempe
                         std::optional<torch::Tensor> top_p = std::nullopt,
                         std::optional<torch::Tensor> min_p = std::nullopt);
 
+// In place: float32 rows x [rows, n] with each row's logit_bias entries (bias_rows, bias_ids
+// int64 [E], bias_values float32 [E]) added, then its repetition penalty (float32 [rows])
+// on the tokens `seen` (bool [rows, n]), then frequency * count + presence * (count > 0)
+// (float32 [rows] each; counts float32 [rows, n]) taken off (layers/sampler.py's
+// processing before the temperature). Returns x.
+torch::Tensor penalize_rows(torch::Tensor x, std::optional<torch::Tensor> repetition,
+                            std::optional<torch::Tensor> seen,
+                            std::optional<torch::Tensor> frequency,
+                            std::optional<torch::Tensor> presence,
+                            std::optional<torch::Tensor> counts,
+                            std::optional<torch::Tensor> bias_rows,
+                            std::optional<torch::Tensor> bias_ids,
+                            std::optional<torch::Tensor> bias_values);
+
 // In place: each row of scaled logits x [rows, n] float32 with the tokens its min_p, then
 // top_k, then top_p cut set to -inf (layers/sampler.py's truncation). Returns x.
 torch::Tensor truncate_rows(torch::Tensor x, std::optional<torch::Tensor> top_k,
