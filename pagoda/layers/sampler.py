@@ -11,7 +11,8 @@ Logprobs are taken from the raw logits, before any of these stages (vLLM's defau
 
 A seeded row is sampled with its own `torch.Generator`, drawing exactly one vector of
 vocabulary size per step, so its tokens do not depend on what else is in the batch.
-This module is the plain PyTorch reference; it is also the CPU execution path.
+The stages that touch every logit (penalties, truncation, the race) are ops: C++ kernels on
+the CPU, their PyTorch references elsewhere; a decode burst runs the same kernels in C++.
 """
 
 from __future__ import annotations
