@@ -413,12 +413,10 @@ at::Tensor embed_rows(const Weight& table, const at::Tensor& ids, int64_t hidden
 // temperature 0 a greedy row; with top_k, top_p or min_p [B], the race over what their
 // cut leaves; first, with penalties or a logit_bias, the logits as penalize_rows leaves
 // them, its `seen` and `counts` [B, V] updated with each step's tokens in place), then
-// the chosen tokens' embeddings are the next step's input. The same
-// kernels on the same tensors as a step through the engine (the model's forward,
-// compute_logits, Sampler.greedy or Sampler.plain, the embedding's lookup), so the same
-// tokens; what a step
-// saves is the engine's and the runner's host work, which at a few tokens a step runs on
-// cold caches.
+// the chosen tokens' embeddings are the next step's input. The same kernels on the same
+// tensors as a step through the engine (the model's forward, compute_logits, the sampler,
+// the embedding's lookup), so the same tokens; what a step saves is the engine's and the
+// runner's host work, which at a few tokens a step runs on cold caches.
 // x: the first tokens' embeddings [B, hidden] bf16 (the caller's lookup); pos0 [B] int64:
 // their positions; block_table [B, M] int64: the requests' blocks, row b covering
 // pos0[b] + max_steps - 1; stop_ids: tokens that end a request (after a step in which any
@@ -484,15 +482,7 @@ torch::Tensor decoder_decode_burst(const DecoderStack& s, const torch::Tensor& x
   TORCH_CHECK(temperature.has_value() ||
                   !(top_k.has_value() || top_p.has_value() || min_p.has_value()),
               "decoder_decode_burst: top_k, top_p and min_p come with a temperature");
-  for (const auto* cut : {&top_k, &top_p, &min_p}) {
-    const bool k = cut == &top_k;
-    TORCH_CHECK(!cut->has_value() ||
-                    ((*cut)->scalar_type() == (k ? at::kLong : at::kFloat) &&
-                     (*cut)->dim() == 1 && (*cut)->size(0) == rows &&
-                     (*cut)->is_contiguous() && (*cut)->device().is_cpu()),
-                "decoder_decode_burst: ", k ? "top_k" : cut == &top_p ? "top_p" : "min_p",
-                " must be a contiguous ", k ? "int64" : "float32", " [", rows, "] CPU tensor");
-  }
+  pagoda_fused::check_truncation("decoder_decode_burst", rows, top_k, top_p, min_p);
   if (seeds.has_value()) {
     TORCH_CHECK(seeds->scalar_type() == at::kLong && seeds->dim() == 2 &&
                     seeds->size(0) >= max_steps && seeds->size(1) == rows &&

@@ -833,6 +833,13 @@ void penalize_row(float* x, int64_t r, int64_t n, const Penalties& p) {
   }
 }
 
+// Refuses x unless it is a contiguous float32 [rows, n] matrix with n > 0 (op: the caller).
+void check_float_rows(const torch::Tensor& x, const char* op) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat &&
+                  x.size(1) > 0,
+              op, ": x must be a contiguous float32 [rows, n] matrix with n > 0");
+}
+
 torch::Tensor penalize_rows(torch::Tensor x, std::optional<torch::Tensor> repetition,
                             std::optional<torch::Tensor> seen,
                             std::optional<torch::Tensor> frequency,
@@ -841,9 +848,7 @@ torch::Tensor penalize_rows(torch::Tensor x, std::optional<torch::Tensor> repeti
                             std::optional<torch::Tensor> bias_rows,
                             std::optional<torch::Tensor> bias_ids,
                             std::optional<torch::Tensor> bias_values) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat &&
-                  x.size(1) > 0,
-              "penalize_rows: x must be a contiguous float32 [rows, n] matrix with n > 0");
+  check_float_rows(x, "penalize_rows");
   const int64_t rows = x.size(0), n = x.size(1);
   auto check = [&](const std::optional<torch::Tensor>& t, const char* name, at::ScalarType dt,
                    bool matrix) {
@@ -1012,12 +1017,16 @@ Truncation truncation_args(const char* op, int64_t rows,
   return cut;
 }
 
+void check_truncation(const char* op, int64_t rows, const std::optional<torch::Tensor>& top_k,
+                      const std::optional<torch::Tensor>& top_p,
+                      const std::optional<torch::Tensor>& min_p) {
+  truncation_args(op, rows, top_k, top_p, min_p);
+}
+
 torch::Tensor truncate_rows(torch::Tensor x, std::optional<torch::Tensor> top_k,
                             std::optional<torch::Tensor> top_p,
                             std::optional<torch::Tensor> min_p) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat &&
-                  x.size(1) > 0,
-              "truncate_rows: x must be a contiguous float32 [rows, n] matrix with n > 0");
+  check_float_rows(x, "truncate_rows");
   const int64_t rows = x.size(0), n = x.size(1);
   const Truncation cut = truncation_args("truncate_rows", rows, top_k, top_p, min_p);
   float* xp = x.data_ptr<float>();

@@ -48,6 +48,12 @@ torch::Tensor penalize_rows(torch::Tensor x, std::optional<torch::Tensor> repeti
                             std::optional<torch::Tensor> bias_ids,
                             std::optional<torch::Tensor> bias_values);
 
+// Refuses top_k (int64 [rows]), top_p or min_p (float32 [rows], in [0, 1]) as truncate_rows
+// and race_rows would, with errors named after `op`.
+void check_truncation(const char* op, int64_t rows, const std::optional<torch::Tensor>& top_k,
+                      const std::optional<torch::Tensor>& top_p,
+                      const std::optional<torch::Tensor>& min_p);
+
 // In place: each row of scaled logits x [rows, n] float32 with the tokens its min_p, then
 // top_k, then top_p cut set to -inf (layers/sampler.py's truncation). Returns x.
 torch::Tensor truncate_rows(torch::Tensor x, std::optional<torch::Tensor> top_k,
